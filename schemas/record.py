@@ -1,0 +1,231 @@
+"""The on-disk record: one packed batch = one single-row Arrow record batch.
+
+Why a single row of list columns: a packed batch is a bag of arrays of unrelated lengths (text
+tokens, ViT tokens, images, samples). A record batch needs equal-length columns, so every field is
+a ``list<...>`` column holding one list; the reader takes each column's child buffer zero-copy.
+
+What is stored (``PackedBatch``) is the compact, exact content of a reference batch:
+
+- integer token-level arrays as int32 (the loader widens them to the reference's int64);
+- images as the uint8 HWC pixels the resize produced, each stored once (an edit frame used as
+  both a VAE condition and a VAE target is one image referenced twice), plus per-image
+  normalisation (mean, std) so the loader rebuilds the float tensors bit-identically;
+- ``split_lens`` / ``attn_modes`` per sample (dense masks and flex padding are derived);
+- the reference's ``batch_data_indexes`` and, for lineage, where each sample came from.
+
+``packed_vit_tokens``, ``padded_images`` and ``nested_attention_masks`` are never stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+import pyarrow as pa
+
+RECORD_SCHEMA_VERSION = 1
+
+ATTN_MODES = ("causal", "full", "noise")
+ATTN_MODE_CODES = {name: code for code, name in enumerate(ATTN_MODES)}
+
+
+def _i32() -> np.ndarray:
+    return np.zeros(0, dtype=np.int32)
+
+
+@dataclass
+class SampleOrigin:
+    """Where one packed sample came from: the reference's index plus the physical source row.
+
+    ``data_indexes`` is exactly the reference's ``data_indexes`` value (an int for JSONL rows, a
+    list for parquet rows); ``scalar`` says which.  ``source_file``/``source_row_group``/
+    ``source_row`` locate the row on disk (JSONL: line number; row group -1).
+    """
+
+    group: str
+    dataset: str
+    worker_id: int
+    data_indexes: list[int]
+    scalar: bool
+    source_file: str
+    source_row_group: int
+    source_row: int
+
+    def reference_dict(self) -> dict:
+        """The reference's ``batch_data_indexes`` entry for this sample."""
+        value = int(self.data_indexes[0]) if self.scalar else [int(v) for v in self.data_indexes]
+        return {"data_indexes": value, "worker_id": int(self.worker_id), "dataset_name": self.group}
+
+
+@dataclass
+class PackedBatch:
+    """One packed batch in compact form. Arrays are numpy; see module doc for dtypes."""
+
+    use_flex: bool
+    max_num_tokens: int
+    vit_patch_size: int
+    sequence_length: int
+    sample_lens: np.ndarray = field(default_factory=_i32)  # int32 [n_samples]
+    sample_num_splits: np.ndarray = field(default_factory=_i32)  # int32 [n_samples]
+    split_lens: np.ndarray = field(default_factory=_i32)  # int32 [n_splits]
+    attn_modes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))  # codes
+    packed_text_ids: np.ndarray = field(default_factory=_i32)
+    packed_text_indexes: np.ndarray = field(default_factory=_i32)
+    packed_position_ids: np.ndarray = field(default_factory=_i32)
+    packed_label_ids: np.ndarray = field(default_factory=_i32)
+    ce_loss_indexes: np.ndarray = field(default_factory=_i32)
+    ce_loss_weights: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    # image table: pixels of image i are image_pixels[image_offsets[i]:image_offsets[i+1]],
+    # shaped (image_heights[i], image_widths[i], 3)
+    image_heights: np.ndarray = field(default_factory=_i32)
+    image_widths: np.ndarray = field(default_factory=_i32)
+    image_offsets: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
+    image_pixels: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))
+    image_norm: np.ndarray = field(default_factory=lambda: np.zeros((0, 6), np.float64))
+    vit_image_ids: np.ndarray = field(default_factory=_i32)
+    vit_token_seqlens: np.ndarray = field(default_factory=_i32)
+    packed_vit_position_ids: np.ndarray = field(default_factory=_i32)
+    packed_vit_token_indexes: np.ndarray = field(default_factory=_i32)
+    vae_image_ids: np.ndarray = field(default_factory=_i32)
+    vae_latent_shapes: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))
+    packed_latent_position_ids: np.ndarray = field(default_factory=_i32)
+    packed_vae_token_indexes: np.ndarray = field(default_factory=_i32)
+    packed_timesteps: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
+    mse_loss_indexes: np.ndarray = field(default_factory=_i32)
+    origins: list[SampleOrigin] = field(default_factory=list)
+
+    @property
+    def num_samples(self) -> int:
+        return int(len(self.sample_lens))
+
+    def image(self, i: int) -> np.ndarray:
+        """Image i as an (h, w, 3) uint8 view."""
+        a, b = int(self.image_offsets[i]), int(self.image_offsets[i + 1])
+        return self.image_pixels[a:b].reshape(int(self.image_heights[i]), int(self.image_widths[i]), 3)
+
+    def sample_splits(self) -> list[tuple[list[int], list[str]]]:
+        """Per sample: its split lengths and attention-mode names."""
+        out, pos = [], 0
+        for n in self.sample_num_splits.tolist():
+            out.append(
+                (self.split_lens[pos : pos + n].tolist(), [ATTN_MODES[c] for c in self.attn_modes[pos : pos + n]])
+            )
+            pos += n
+        return out
+
+
+# Column order is part of the contract: digests are computed over columns in this order.
+_ARRAY_COLUMNS: list[tuple[str, pa.DataType]] = [
+    ("sample_lens", pa.int32()),
+    ("sample_num_splits", pa.int32()),
+    ("split_lens", pa.int32()),
+    ("attn_modes", pa.uint8()),
+    ("packed_text_ids", pa.int32()),
+    ("packed_text_indexes", pa.int32()),
+    ("packed_position_ids", pa.int32()),
+    ("packed_label_ids", pa.int32()),
+    ("ce_loss_indexes", pa.int32()),
+    ("ce_loss_weights", pa.float32()),
+    ("image_heights", pa.int32()),
+    ("image_widths", pa.int32()),
+    ("image_offsets", pa.int64()),
+    ("image_pixels", pa.uint8()),
+    ("image_norm", pa.float64()),  # flattened [n_images * 6]: mean rgb, std rgb
+    ("vit_image_ids", pa.int32()),
+    ("vit_token_seqlens", pa.int32()),
+    ("packed_vit_position_ids", pa.int32()),
+    ("packed_vit_token_indexes", pa.int32()),
+    ("vae_image_ids", pa.int32()),
+    ("vae_latent_shapes", pa.int32()),  # flattened [n_vae * 2]: h, w
+    ("packed_latent_position_ids", pa.int32()),
+    ("packed_vae_token_indexes", pa.int32()),
+    ("packed_timesteps", pa.float32()),
+    ("mse_loss_indexes", pa.int32()),
+]
+_SCALAR_COLUMNS: list[tuple[str, pa.DataType]] = [
+    ("use_flex", pa.bool_()),
+    ("max_num_tokens", pa.int64()),
+    ("vit_patch_size", pa.int32()),
+    ("sequence_length", pa.int64()),
+]
+_ORIGIN_COLUMNS: list[tuple[str, pa.DataType]] = [
+    ("origin_group", pa.string()),
+    ("origin_dataset", pa.string()),
+    ("origin_worker_id", pa.int32()),
+    ("origin_data_indexes", pa.list_(pa.int64())),
+    ("origin_scalar", pa.bool_()),
+    ("origin_source_file", pa.string()),
+    ("origin_source_row_group", pa.int64()),
+    ("origin_source_row", pa.int64()),
+]
+_ORIGIN_ATTRS = [name[len("origin_") :] for name, _ in _ORIGIN_COLUMNS]
+
+RECORD_SCHEMA = pa.schema(
+    [pa.field(n, t, nullable=False) for n, t in _SCALAR_COLUMNS]
+    + [pa.field(n, pa.list_(t), nullable=False) for n, t in _ARRAY_COLUMNS]
+    + [pa.field(n, pa.list_(t), nullable=False) for n, t in _ORIGIN_COLUMNS]
+)
+ARRAY_DTYPES = {name: np.dtype(t.to_pandas_dtype()) for name, t in _ARRAY_COLUMNS}
+
+
+def batch_to_record(batch: PackedBatch, metadata: dict[str, str] | None = None) -> pa.RecordBatch:
+    """Encode a PackedBatch as one single-row record batch (schema ``RECORD_SCHEMA``)."""
+    cols = [pa.array([getattr(batch, n)], type=t) for n, t in _SCALAR_COLUMNS]
+    for name, typ in _ARRAY_COLUMNS:
+        values = np.ascontiguousarray(getattr(batch, name), dtype=ARRAY_DTYPES[name]).reshape(-1)
+        offsets = pa.array([0, len(values)], type=pa.int32())
+        cols.append(pa.ListArray.from_arrays(offsets, pa.array(values, type=typ)))
+    for (name, typ), attr in zip(_ORIGIN_COLUMNS, _ORIGIN_ATTRS):
+        cols.append(pa.array([[getattr(o, attr) for o in batch.origins]], type=pa.list_(typ)))
+    schema = RECORD_SCHEMA.with_metadata(metadata) if metadata else RECORD_SCHEMA
+    return pa.RecordBatch.from_arrays(cols, schema=schema)
+
+
+def record_arrays(record: pa.RecordBatch) -> dict[str, np.ndarray]:
+    """Zero-copy numpy views of a record's array columns (read-only)."""
+    out = {}
+    for name, _ in _ARRAY_COLUMNS:
+        out[name] = record.column(name).flatten().to_numpy(zero_copy_only=True)
+    return out
+
+
+def record_to_batch(record: pa.RecordBatch) -> PackedBatch:
+    """Decode a record written by ``batch_to_record``; arrays are zero-copy read-only views."""
+    if record.num_rows != 1:
+        raise ValueError(f"a packed-batch record has exactly one row, got {record.num_rows}")
+    kwargs = {n: record.column(n)[0].as_py() for n, _ in _SCALAR_COLUMNS}
+    arrays = record_arrays(record)
+    arrays["image_norm"] = arrays["image_norm"].reshape(-1, 6)
+    arrays["vae_latent_shapes"] = arrays["vae_latent_shapes"].reshape(-1, 2)
+    kwargs.update(arrays)
+    origin_lists = [record.column(n)[0].as_py() for n, _ in _ORIGIN_COLUMNS]
+    kwargs["origins"] = [SampleOrigin(**dict(zip(_ORIGIN_ATTRS, vals))) for vals in zip(*origin_lists)]
+    return PackedBatch(**kwargs)
+
+
+def record_digest(record: pa.RecordBatch) -> str:
+    """Content digest of a record: independent of compression, file layout and metadata.
+
+    Hashes every column's logical values in schema order, so the same packed batch has the same
+    digest whether it was written with zstd level 3, 19 or no compression.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    for name, _ in _SCALAR_COLUMNS:
+        h.update(name.encode())
+        h.update(repr(record.column(name)[0].as_py()).encode())
+    arrays = record_arrays(record)
+    for name, _ in _ARRAY_COLUMNS:
+        a = arrays[name]
+        h.update(name.encode())
+        h.update(len(a).to_bytes(8, "little"))
+        h.update(np.ascontiguousarray(a).view(np.uint8).data)
+    for name, _ in _ORIGIN_COLUMNS:
+        h.update(name.encode())
+        h.update(repr(record.column(name)[0].as_py()).encode())
+    return h.hexdigest()
+
+
+def batch_fields() -> list[str]:
+    """Names of PackedBatch fields, in declaration order (for comparisons and reports)."""
+    return [f.name for f in fields(PackedBatch)]
