@@ -1,0 +1,454 @@
+"""The config model: a NeMo AutoModel BAGEL recipe YAML plus a ``prepack:`` section.
+
+Accepted unchanged from NeMo: ``seed``, ``tokenizer``, ``dataset`` (``grouped_datasets[_path]``,
+``dataset_info[_path]`` and every packing knob of the reference ``BagelDatasetConfig`` with its
+default), ``dataloader.num_workers``.  Other recipe sections (model, optimizer, ...) are ignored.
+Relative paths resolve against the config file's folder.  Every mistake raises ``ConfigError``
+with one line that names the key and, for a typo, the closest valid name.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+import yaml
+
+GROUP_KINDS = ("t2i_pretrain", "vlm_sft", "unified_edit")
+DEFAULT_MAX_IMAGE_PIXELS = 400_000_000  # the reference's effective limit: 2 x PIL.MAX_IMAGE_PIXELS(2e8)
+
+
+class ConfigError(ValueError):
+    """A config mistake; the message is one line meant for the user."""
+
+
+def _closest(key: str, valid: list[str]) -> str:
+    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    return f"; did you mean '{match[0]}'?" if match else f"; valid keys: {', '.join(sorted(valid))}"
+
+
+def _check_keys(where: str, given: Mapping[str, Any], valid: list[str]) -> None:
+    for key in given:
+        if key not in valid:
+            raise ConfigError(f"unknown key '{key}' in {where}{_closest(str(key), valid)}")
+
+
+def _typed(where: str, value: Any, typ: type | tuple, name: str) -> Any:
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, bool) and typ in (int, float):
+        raise ConfigError(f"{where}.{name} must be a number, got {value!r}")
+    if not isinstance(value, typ):
+        tname = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
+        raise ConfigError(f"{where}.{name} must be {tname}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class TransformArgs:
+    """``ImageTransform`` arguments (NaViT resize + normalisation), reference defaults."""
+
+    max_image_size: int
+    min_image_size: int
+    image_stride: int
+    max_pixels: int = 14 * 14 * 9 * 1024
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+
+    @classmethod
+    def parse(cls, where: str, d: Any) -> "TransformArgs":
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"{where} must be a mapping")
+        valid = ["max_image_size", "min_image_size", "image_stride", "max_pixels", "image_mean", "image_std"]
+        _check_keys(where, d, valid)
+        for req in valid[:3]:
+            if req not in d:
+                raise ConfigError(f"{where} is missing '{req}'")
+        kw: dict[str, Any] = {}
+        for k in valid[:4]:
+            if k in d:
+                kw[k] = _typed(where, d[k], (int, float), k)
+                if kw[k] <= 0:
+                    raise ConfigError(f"{where}.{k} must be positive, got {d[k]!r}")
+        kw["image_stride"] = int(kw["image_stride"])
+        for k in ("image_mean", "image_std"):
+            if k in d:
+                v = d[k]
+                if not isinstance(v, (list, tuple)) or len(v) != 3:
+                    raise ConfigError(f"{where}.{k} must be a list of 3 numbers, got {v!r}")
+                kw[k] = tuple(float(x) for x in v)
+        return cls(**kw)
+
+
+@dataclass(frozen=True)
+class FrameSamplerArgs:
+    max_num_frames: int = -1
+    min_num_frames: int = 8
+    sample: str = "rand"
+
+    @classmethod
+    def parse(cls, where: str, d: Any) -> "FrameSamplerArgs":
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"{where} must be a mapping")
+        _check_keys(where, d, ["max_num_frames", "min_num_frames", "sample"])
+        out = cls(**d)
+        if out.sample == "rand" or out.sample == "middle":
+            if out.max_num_frames < out.min_num_frames:
+                raise ConfigError(
+                    f"{where}: max_num_frames ({out.max_num_frames}) must be >= min_num_frames ({out.min_num_frames})"
+                )
+        elif not str(out.sample).startswith("fps"):
+            raise ConfigError(f"{where}.sample must be 'rand', 'middle' or 'fpsN', got {out.sample!r}")
+        return out
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """One ``dataset_info[group][name]`` entry; paths are absolute after loading."""
+
+    name: str
+    data_dir: str
+    jsonl_path: str | None = None
+    parquet_info_path: str | None = None
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    name: str  # also the dataset kind: t2i_pretrain | vlm_sft | unified_edit
+    datasets: tuple[DatasetInfo, ...]
+    num_used_data: tuple[int, ...]
+    weight: float = 0.0
+    is_mandatory: bool = False
+    image_transform: TransformArgs | None = None
+    vit_image_transform: TransformArgs | None = None
+    frame_sampler: FrameSamplerArgs | None = None
+    shuffle_lines: bool = False
+    shuffle_seed: int = 0
+
+
+@dataclass(frozen=True)
+class PackingKnobs:
+    """The reference ``BagelDatasetConfig`` knobs, same names and defaults."""
+
+    expected_num_tokens: int = 32768
+    max_num_tokens_per_sample: int = 16384
+    max_num_tokens: int = 36864
+    prefer_buffer_before: int = 16384
+    max_buffer_size: int = 50
+    interpolate_pos: bool = False
+    use_flex: bool = False
+    data_seed: int = 42
+    text_cond_dropout_prob: float = 0.1
+    vit_cond_dropout_prob: float = 0.4
+    vae_cond_dropout_prob: float = 0.1
+    vae_image_downsample: int = 16
+    max_latent_size: int = 32
+    vit_patch_size: int = 14
+    max_num_patch_per_side: int = 70
+
+
+@dataclass(frozen=True)
+class PrepackSection:
+    world_size: int = 1
+    batches_per_stream: int | None = None
+    tokens_per_stream: int | None = None
+    passes: int | None = None
+    shard_bytes: int = 256 * 2**20
+    compression: str = "zstd:3"
+    strict: bool = False
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_consecutive_failures: int = 10000
+
+
+@dataclass(frozen=True)
+class PrepackConfig:
+    seed: int
+    tokenizer: str | dict
+    num_workers: int
+    groups: tuple[GroupConfig, ...]
+    knobs: PackingKnobs
+    prepack: PrepackSection
+    config_path: str = ""
+
+    @property
+    def world_size(self) -> int:
+        return self.prepack.world_size
+
+    @property
+    def num_streams(self) -> int:
+        return self.prepack.world_size * max(1, self.num_workers)
+
+    def stream_rank_worker(self, stream: int) -> tuple[int, int]:
+        k = max(1, self.num_workers)
+        if not 0 <= stream < self.num_streams:
+            raise ConfigError(f"stream {stream} out of range: this config has {self.num_streams} streams (W*K)")
+        return divmod(stream, k)
+
+    def stream_seed(self, stream: int) -> int:
+        """The reference's per-iterator reseed value for stream s = r*K + w."""
+        rank, worker = self.stream_rank_worker(stream)
+        base = int(self.seed or self.knobs.data_seed or 0)  # reference: global_seed or data_seed
+        seed = base * max(1, self.world_size) + rank
+        seed = seed * max(1, self.num_workers) + worker
+        return seed & 0xFFFFFFFF
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("config_path")
+        return d
+
+    def content_hash(self) -> str:
+        """Hash of everything that shapes the output (paths included), for refusing mismatched resumes."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, default=list)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+
+_KNOB_NAMES = list(PackingKnobs.__dataclass_fields__)
+_DATASET_KEYS = ["grouped_datasets", "grouped_datasets_path", "dataset_info", "dataset_info_path"] + _KNOB_NAMES
+_GROUP_KEYS = [
+    "dataset_names",
+    "weight",
+    "is_mandatory",
+    "num_used_data",
+    "image_transform_args",
+    "vit_image_transform_args",
+    "frame_sampler_args",
+    "shuffle_lines",
+    "shuffle_seed",
+    "resume_data_status",
+]
+_INFO_KEYS = ["data_dir", "jsonl_path", "parquet_info_path", "json_dir", "num_files", "num_total_samples"]
+_PREPACK_KEYS = list(PrepackSection.__dataclass_fields__)
+_OUR_TOP_KEYS = ["seed", "tokenizer", "dataset", "dataloader", "prepack"]
+
+
+def _resolve(base: str, p: Any, where: str) -> str:
+    if not isinstance(p, str) or not p:
+        raise ConfigError(f"{where} must be a non-empty path string, got {p!r}")
+    if "://" in p:
+        return p
+    return os.path.normpath(os.path.join(base, os.path.expanduser(p)))
+
+
+def _load_mapping(base: str, d: Mapping, key: str) -> dict:
+    inline, path = d.get(key), d.get(f"{key}_path")
+    if path is not None:
+        full = _resolve(base, path, f"dataset.{key}_path")
+        if not os.path.isfile(full):
+            raise ConfigError(f"dataset.{key}_path: file not found: {full}")
+        with open(full) as f:
+            value = yaml.safe_load(f) if full.endswith((".yaml", ".yml")) else json.load(f)
+    elif inline is not None:
+        value = inline
+    else:
+        raise ConfigError(f"dataset needs '{key}' or '{key}_path'")
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"dataset.{key} must be a mapping, got {type(value).__name__}")
+    return dict(value)
+
+
+def _parse_group(name: str, g: Any, infos: Mapping, base: str, check_files: bool) -> GroupConfig:
+    where = f"dataset.grouped_datasets.{name}"
+    if name not in GROUP_KINDS:
+        raise ConfigError(f"unknown group name '{name}' in dataset.grouped_datasets{_closest(name, list(GROUP_KINDS))}")
+    if not isinstance(g, Mapping):
+        raise ConfigError(f"{where} must be a mapping")
+    _check_keys(where, g, _GROUP_KEYS)
+    names = g.get("dataset_names")
+    if not isinstance(names, list) or not names:
+        raise ConfigError(f"{where}.dataset_names must be a non-empty list")
+    used = g.get("num_used_data")
+    if not isinstance(used, list) or len(used) != len(names):
+        raise ConfigError(f"{where}.num_used_data must be a list with one count per dataset name ({len(names)})")
+    for u in used:
+        if isinstance(u, bool) or not isinstance(u, int) or u <= 0:
+            raise ConfigError(f"{where}.num_used_data entries must be positive integers, got {u!r}")
+    group_infos = infos.get(name)
+    if not isinstance(group_infos, Mapping):
+        raise ConfigError(f"dataset.dataset_info has no entry for group '{name}'")
+    datasets = []
+    for ds in names:
+        if ds not in group_infos:
+            raise ConfigError(
+                f"dataset.dataset_info.{name} has no dataset '{ds}'{_closest(str(ds), list(group_infos))}"
+            )
+        info = group_infos[ds]
+        iw = f"dataset.dataset_info.{name}.{ds}"
+        if not isinstance(info, Mapping) or "data_dir" not in info:
+            raise ConfigError(f"{iw} must be a mapping with 'data_dir'")
+        _check_keys(iw, info, _INFO_KEYS)
+        di = DatasetInfo(
+            name=str(ds),
+            data_dir=_resolve(base, info["data_dir"], f"{iw}.data_dir"),
+            jsonl_path=_resolve(base, info["jsonl_path"], f"{iw}.jsonl_path") if "jsonl_path" in info else None,
+            parquet_info_path=(
+                _resolve(base, info["parquet_info_path"], f"{iw}.parquet_info_path")
+                if "parquet_info_path" in info
+                else None
+            ),
+        )
+        if name == "vlm_sft" and di.jsonl_path is None:
+            raise ConfigError(f"{iw} needs 'jsonl_path' (vlm_sft reads conversations from JSONL)")
+        if name == "unified_edit" and di.parquet_info_path is None:
+            raise ConfigError(f"{iw} needs 'parquet_info_path' (unified_edit reads row groups from it)")
+        if check_files:
+            if not os.path.isdir(di.data_dir):
+                raise ConfigError(f"{iw}.data_dir: directory not found: {di.data_dir}")
+            for label, p in (("jsonl_path", di.jsonl_path), ("parquet_info_path", di.parquet_info_path)):
+                if p is not None and not os.path.isfile(p):
+                    raise ConfigError(f"{iw}.{label}: file not found: {p}")
+        datasets.append(di)
+    weight = _typed(where, g.get("weight", 0.0), (int, float), "weight")
+    if weight < 0:
+        raise ConfigError(f"{where}.weight must be >= 0, got {weight!r}")
+    img = TransformArgs.parse(f"{where}.image_transform_args", g["image_transform_args"]) if "image_transform_args" in g else None
+    vit = (
+        TransformArgs.parse(f"{where}.vit_image_transform_args", g["vit_image_transform_args"])
+        if "vit_image_transform_args" in g
+        else None
+    )
+    frames = (
+        FrameSamplerArgs.parse(f"{where}.frame_sampler_args", g["frame_sampler_args"])
+        if "frame_sampler_args" in g
+        else None
+    )
+    if img is None:
+        raise ConfigError(f"{where} needs 'image_transform_args'")
+    if name == "unified_edit" and vit is None:
+        raise ConfigError(f"{where} needs 'vit_image_transform_args' (edit rows feed the ViT too)")
+    if name == "vlm_sft" and frames is None:
+        raise ConfigError(f"{where} needs 'frame_sampler_args' (the reference requires a frame sampler)")
+    return GroupConfig(
+        name=name,
+        datasets=tuple(datasets),
+        num_used_data=tuple(int(u) for u in used),
+        weight=weight,
+        is_mandatory=bool(_typed(where, g.get("is_mandatory", False), bool, "is_mandatory")),
+        image_transform=img,
+        vit_image_transform=vit,
+        frame_sampler=frames,
+        shuffle_lines=bool(_typed(where, g.get("shuffle_lines", False), bool, "shuffle_lines")),
+        shuffle_seed=int(_typed(where, g.get("shuffle_seed", 0), int, "shuffle_seed")),
+    )
+
+
+def parse_config(raw: Mapping[str, Any], base_dir: str, *, config_path: str = "", check_files: bool = True) -> PrepackConfig:
+    """Validate a config mapping (as loaded from YAML) into a ``PrepackConfig``."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError("the config must be a YAML mapping")
+    for key in raw:
+        if key not in _OUR_TOP_KEYS:
+            close = difflib.get_close_matches(str(key), _OUR_TOP_KEYS, n=1, cutoff=0.75)
+            if close:  # other recipe sections are fine; a near-miss of ours is a typo
+                raise ConfigError(f"unknown key '{key}' at top level; did you mean '{close[0]}'?")
+    seed = raw.get("seed", 42)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"seed must be an integer, got {seed!r}")
+    tok = raw.get("tokenizer", "qwen2-offline")
+    if isinstance(tok, Mapping):
+        if "pretrained_model_name_or_path" not in tok:
+            raise ConfigError("tokenizer mapping needs 'pretrained_model_name_or_path'")
+        tok = dict(tok)
+        p = tok["pretrained_model_name_or_path"]
+        if isinstance(p, str) and (p.startswith((".", "/", "~")) or os.path.exists(os.path.join(base_dir, p))):
+            tok["pretrained_model_name_or_path"] = _resolve(base_dir, p, "tokenizer.pretrained_model_name_or_path")
+    elif isinstance(tok, str):
+        if tok != "qwen2-offline" and (tok.startswith((".", "/", "~")) or os.path.exists(os.path.join(base_dir, tok))):
+            tok = _resolve(base_dir, tok, "tokenizer")
+    else:
+        raise ConfigError(f"tokenizer must be a path, a mapping or 'qwen2-offline', got {tok!r}")
+
+    dl = raw.get("dataloader") or {}
+    if not isinstance(dl, Mapping):
+        raise ConfigError("dataloader must be a mapping")
+    num_workers = dl.get("num_workers", 1)
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ConfigError(f"dataloader.num_workers must be an integer >= 0, got {num_workers!r}")
+
+    ds = raw.get("dataset")
+    if not isinstance(ds, Mapping):
+        raise ConfigError("the config needs a 'dataset' mapping (the NeMo dataset block)")
+    _check_keys("dataset", ds, _DATASET_KEYS)
+    grouped = _load_mapping(base_dir, ds, "grouped_datasets")
+    infos = _load_mapping(base_dir, ds, "dataset_info")
+    if not grouped:
+        raise ConfigError("dataset.grouped_datasets is empty")
+    groups = tuple(_parse_group(str(n), g, infos, base_dir, check_files) for n, g in grouped.items())
+    knob_kw = {}
+    for k in _KNOB_NAMES:
+        if k in ds:
+            default = PackingKnobs.__dataclass_fields__[k].default
+            knob_kw[k] = _typed("dataset", ds[k], bool if isinstance(default, bool) else type(default), k)
+    knobs = PackingKnobs(**knob_kw)
+    for k in ("text_cond_dropout_prob", "vit_cond_dropout_prob", "vae_cond_dropout_prob"):
+        if not 0.0 <= getattr(knobs, k) <= 1.0:
+            raise ConfigError(f"dataset.{k} must be in [0, 1], got {getattr(knobs, k)!r}")
+    for k in ("expected_num_tokens", "max_num_tokens", "max_num_tokens_per_sample", "vit_patch_size",
+              "vae_image_downsample", "max_latent_size", "max_num_patch_per_side"):
+        if getattr(knobs, k) <= 0:
+            raise ConfigError(f"dataset.{k} must be positive, got {getattr(knobs, k)!r}")
+    if sum(g.weight for g in groups) <= 0:
+        raise ConfigError("all group weights are zero: set a positive 'weight' on at least one group")
+
+    pp = raw.get("prepack") or {}
+    if not isinstance(pp, Mapping):
+        raise ConfigError("prepack must be a mapping")
+    _check_keys("prepack", pp, _PREPACK_KEYS)
+    pkw = dict(pp)
+    for k, v in pkw.items():
+        if k in ("compression",):
+            _typed("prepack", v, str, k)
+        elif k == "strict":
+            _typed("prepack", v, bool, k)
+        elif v is not None:
+            _typed("prepack", v, int, k)
+            if v <= 0:
+                raise ConfigError(f"prepack.{k} must be positive, got {v!r}")
+    section = PrepackSection(**pkw)
+    comp = section.compression
+    if comp != "none" and not (comp.startswith("zstd:") and comp[5:].lstrip("-").isdigit()) and comp != "zstd":
+        raise ConfigError(f"prepack.compression must be 'zstd:LEVEL' or 'none', got {comp!r}")
+    if section.batches_per_stream is None and section.tokens_per_stream is None and section.passes is None:
+        raise ConfigError("prepack needs a budget: batches_per_stream, tokens_per_stream or passes")
+
+    streams_per_rank = max(1, num_workers)
+    need = section.world_size * streams_per_rank
+    for g in groups:
+        if sum(g.num_used_data) < need:
+            raise ConfigError(
+                f"dataset.grouped_datasets.{g.name}.num_used_data sums to {sum(g.num_used_data)}, smaller than "
+                f"world_size*num_workers = {need}: some stream would get no data"
+            )
+    return PrepackConfig(
+        seed=seed,
+        tokenizer=tok,
+        num_workers=num_workers,
+        groups=groups,
+        knobs=knobs,
+        prepack=section,
+        config_path=config_path,
+    )
+
+
+def load_config(path: str, *, overrides: Mapping[str, Any] | None = None, check_files: bool = True) -> PrepackConfig:
+    """Load and validate a YAML config file; ``overrides`` patches top-level sections (tests, CLI)."""
+    path = os.path.abspath(path)
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file not found: {path}")
+    with open(path) as f:
+        try:
+            raw = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+    if overrides:
+        raw = dict(raw or {})
+        for k, v in overrides.items():
+            if isinstance(v, Mapping) and isinstance(raw.get(k), Mapping):
+                raw[k] = {**raw[k], **v}
+            else:
+                raw[k] = v
+    return parse_config(raw, os.path.dirname(path), config_path=path, check_files=check_files)
