@@ -1,0 +1,183 @@
+"""The ``prepack`` command: pack, check and explain offline BAGEL batches.
+
+Exit codes: 0 success, 1 the work failed (a stream error, a verification or audit mismatch),
+2 bad usage or config (one line on stderr says what to fix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import textwrap
+
+EPILOG = textwrap.dedent(
+    """\
+    examples:
+      prepack demo-data demo-data                       # a small demo dataset from real photos
+      prepack run configs/demo.yaml --out out/demo      # pack every stream on a local Ray
+      RAY_ADDRESS=http://head:8265 ray job submit --working-dir . -- prepack run cfg.yaml --out s3://b/p
+      prepack verify out/demo                           # digests of every file and record
+      prepack audit out/demo --stream 1 --shard 0       # re-pack a shard, compare record by record
+      prepack inspect out/demo --stream 0 --record 3 --png rec.png
+      prepack stats out/demo --html stats.html
+
+    A config is a NeMo AutoModel BAGEL recipe YAML (seed, tokenizer, dataset, dataloader.num_workers)
+    plus a 'prepack:' section (world_size, batches_per_stream | tokens_per_stream | passes,
+    shard_bytes, compression). Stream s = r*K + w holds exactly the batches the online packer yields
+    in DataLoader worker w of rank r.
+    """
+)
+
+
+class UsageError(Exception):
+    """Bad arguments: exit code 2."""
+
+
+def _streams(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--streams takes comma-separated integers, got {text!r}") from None
+
+
+def cmd_run(args) -> int:
+    from prepack.driver import run_pack
+    from schemas.config import load_config
+
+    cfg = load_config(args.config)
+    summary = run_pack(cfg, args.out, streams=_streams(args.streams), address=args.address,
+                       progress=not args.no_progress and sys.stderr.isatty() or args.progress,
+                       num_cpus=args.num_cpus)
+    for line in summary.lines():
+        print(line)
+    return 0
+
+
+def cmd_demo_data(args) -> int:
+    from prepack.demo_data import write_demo_data
+
+    data = write_demo_data(args.dir, seed=args.seed)
+    print(f"demo dataset written to {os.path.abspath(args.dir)}")
+    del data
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from prepack.verify import verify_pack
+
+    report = verify_pack(args.dir)
+    for line in report.lines():
+        print(line)
+    return 0 if report.ok else 1
+
+
+def cmd_audit(args) -> int:
+    from prepack.audit import audit_pack
+
+    report = audit_pack(args.dir, stream=args.stream, shard=args.shard, all_streams=args.all)
+    for line in report.lines():
+        print(line)
+    return 0 if report.ok else 1
+
+
+def cmd_inspect(args) -> int:
+    from prepack.inspect import inspect_record
+
+    text = inspect_record(args.dir, stream=args.stream, record=args.record, png=args.png)
+    print(text)
+    return 0
+
+
+def cmd_stats(args) -> int:
+    from prepack.stats import pack_stats
+
+    report = pack_stats(args.dir, html=args.html)
+    print(report)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="prepack",
+        description="Offline pre-packing for BAGEL-style multimodal training: Ray packs streams of "
+        "packed batches into zstd Arrow shards; the 'loader' package streams them back in training.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-v info, -vv debug)")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    r = sub.add_parser("run", help="pack streams (all, or --streams) into an output directory",
+                       description="Pack every stream of CONFIG into --out. Reruns resume after the last "
+                       "committed shard; a finished output is left as is.")
+    r.add_argument("config", help="config YAML (NeMo recipe form + prepack: section)")
+    r.add_argument("--out", required=True, help="output directory or URI (local path, file://, s3://, gs://, hdfs://)")
+    r.add_argument("--streams", help="comma-separated stream ids to pack (default: all W*K)")
+    r.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a local Ray)")
+    r.add_argument("--num-cpus", type=int, help="CPUs for the local Ray (default: all)")
+    r.add_argument("--progress", action="store_true", help="force the progress bar (default: when stderr is a terminal)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.set_defaults(func=cmd_run)
+
+    d = sub.add_parser("demo-data", help="write the small demo dataset configs/demo.yaml points at")
+    d.add_argument("dir", help="where to write it (configs/demo.yaml expects ./demo-data)")
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(func=cmd_demo_data)
+
+    v = sub.add_parser("verify", help="check every file and record digest against the manifest")
+    v.add_argument("dir")
+    v.set_defaults(func=cmd_verify)
+
+    a = sub.add_parser("audit", help="re-pack shards from their checkpoints and compare record by record")
+    a.add_argument("dir")
+    a.add_argument("--stream", type=int, help="stream to audit (default: all)")
+    a.add_argument("--shard", type=int, help="shard of that stream (default: all of its shards)")
+    a.add_argument("--all", action="store_true", help="re-pack whole streams from their seeds (also proves checkpoints)")
+    a.set_defaults(func=cmd_audit)
+
+    i = sub.add_parser("inspect", help="explain one packed batch (text, samples, layout picture)")
+    i.add_argument("dir")
+    i.add_argument("--stream", type=int, required=True)
+    i.add_argument("--record", type=int, required=True, help="record index within the stream")
+    i.add_argument("--png", help="write a picture of the token layout and a sample's attention mask")
+    i.set_defaults(func=cmd_inspect)
+
+    s = sub.add_parser("stats", help="fill ratio, group mix, drops, row reuse (polars over manifest + lineage)")
+    s.add_argument("dir")
+    s.add_argument("--html", help="also write a self-contained HTML page with plots")
+    s.set_defaults(func=cmd_stats)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    from schemas.config import ConfigError
+
+    try:
+        return args.func(args)
+    except (UsageError, ConfigError) as e:
+        print(f"prepack: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("prepack: interrupted (committed shards are kept; rerun to resume)", file=sys.stderr)
+        return 130
+    except Exception as e:  # one clear line; -v shows the traceback
+        if args.verbose:
+            logging.exception("failed")
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"prepack: error: {msg}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
