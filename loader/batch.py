@@ -1,0 +1,256 @@
+"""``SimpleCustomBatch``: one packed batch as the BAGEL model expects it, built lazily.
+
+Attribute names, presence rules, values and dtypes are those of the reference's batch, so a
+training loop written for the online pipeline runs unchanged.  What differs is where the work
+happens: the batch keeps only the compact record (uint8 pixels, int32 token arrays, per-position
+mask bounds) and builds the reference tensors on demand, on the device the batch is on:
+
+- ``cuda(device)`` copies the compact tensors (a few bytes per token, one byte per pixel channel)
+  and builds every reference tensor there: int64 widening, normalised ``padded_images``,
+  patchified ``packed_vit_tokens``, dense ``nested_attention_masks``;
+- on the CPU, attribute access and ``to_dict()`` build them on first use.
+
+Reference dtype rules kept on purpose: fields the reference makes with ``torch.tensor(list)`` are
+int64 (integers), float32 (floats) -- and float32 when the list is empty (e.g. ``mse_loss_indexes``
+when every VAE image of the batch is a condition); fields it makes with ``torch.cat`` of position
+ids are int64.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+from loader.masks import dense_mask, row_bounds
+from loader.normalize import CHANNELS, LEVELS, TABLE_SIZE, norm_key, stacked_tables
+from schemas.record import ATTN_MODES, PackedBatch
+
+# Reference construction of each light tensor field: "list" = torch.tensor(python list),
+# "cat" = torch.cat of int64 position-id tensors.
+_LIGHT = {
+    "packed_text_ids": "list",
+    "packed_text_indexes": "list",
+    "packed_position_ids": "list",
+    "packed_latent_position_ids": "cat",
+    "packed_vae_token_indexes": "list",
+    "packed_vit_position_ids": "cat",
+    "packed_vit_token_indexes": "list",
+    "vit_token_seqlens": "list",
+    "packed_timesteps": "list",
+    "mse_loss_indexes": "list",
+    "packed_label_ids": "list",
+    "ce_loss_indexes": "list",
+    "ce_loss_weights": "list",
+}
+_HEAVY = ("padded_images", "packed_vit_tokens", "nested_attention_masks")
+
+# Optional groups in the reference's to_dict order; a group is present or absent as a whole.
+_BASE = (
+    "sequence_length",
+    "sample_lens",
+    "packed_text_ids",
+    "packed_text_indexes",
+    "packed_position_ids",
+    "batch_data_indexes",
+)
+_GROUPS = {
+    "vae": ("padded_images", "patchified_vae_latent_shapes", "packed_latent_position_ids", "packed_vae_token_indexes"),
+    "vit": ("packed_vit_tokens", "packed_vit_position_ids", "packed_vit_token_indexes", "vit_token_seqlens"),
+    "timesteps": ("packed_timesteps", "mse_loss_indexes"),
+    "labels": ("packed_label_ids", "ce_loss_indexes", "ce_loss_weights"),
+}
+
+
+def _view(array: np.ndarray) -> torch.Tensor:
+    """Zero-copy tensor over an Arrow-backed (read-only) numpy array.
+
+    torch warns that it cannot mark such a tensor read-only.  These compact tensors are never
+    written in place: every tensor handed to the user is freshly built from them (widened,
+    gathered, copied), so that is where the one necessary copy happens, not here.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
+
+
+class SimpleCustomBatch:
+    """A packed batch with the reference ``SimpleCustomBatch`` attributes, built from a ``PackedBatch``.
+
+    Plain attributes (always): ``batch_data_indexes``, ``sequence_length``, ``sample_lens``,
+    ``use_flex``, and ``split_lens``/``attn_modes`` (flex) or ``patchified_vae_latent_shapes``
+    (VAE images).  Tensor attributes are built on first access on the batch's device.
+    """
+
+    def __init__(self, packed: PackedBatch):
+        self._device = torch.device("cpu")
+        self.use_flex = bool(packed.use_flex)
+        self.sequence_length = int(packed.sequence_length)
+        self.batch_data_indexes = [o.reference_dict() for o in packed.origins]
+        self.sample_lens = [int(n) for n in packed.sample_lens.tolist()]
+        self._patch = int(packed.vit_patch_size)
+
+        compact: dict[str, torch.Tensor] = {name: _view(getattr(packed, name)) for name in _LIGHT}
+        present = {"packed_text_ids", "packed_text_indexes", "packed_position_ids"}
+        if self.use_flex:
+            pad = int(packed.max_num_tokens) - self.sequence_length
+            self.sample_lens.append(pad)
+            self.split_lens = [int(n) for n in packed.split_lens.tolist()] + [pad]
+            self.attn_modes = [ATTN_MODES[c] for c in packed.attn_modes.tolist()] + ["causal"]
+        else:
+            start, limit, keep = row_bounds(
+                packed.sample_lens, packed.sample_num_splits, packed.split_lens, packed.attn_modes
+            )
+            compact.update(
+                mask_start=torch.from_numpy(start), mask_limit=torch.from_numpy(limit), mask_keep=torch.from_numpy(keep)
+            )
+            present.add("nested_attention_masks")
+
+        self._vit_ids = [int(i) for i in packed.vit_image_ids.tolist()]
+        self._vae_ids = [int(i) for i in packed.vae_image_ids.tolist()]
+        if self._vae_ids:
+            present.update(_GROUPS["vae"])
+            present.discard("patchified_vae_latent_shapes")
+            self.patchified_vae_latent_shapes = [(int(h), int(w)) for h, w in packed.vae_latent_shapes.tolist()]
+        if self._vit_ids:
+            present.update(_GROUPS["vit"])
+        if len(packed.packed_timesteps):
+            present.update(_GROUPS["timesteps"])
+        if len(packed.packed_label_ids):
+            present.update(_GROUPS["labels"])
+
+        # Image table (host side: shapes never require a device round trip).
+        self._heights = [int(v) for v in packed.image_heights.tolist()]
+        self._widths = [int(v) for v in packed.image_widths.tolist()]
+        self._offsets = [int(v) for v in packed.image_offsets.tolist()]
+        keys = [norm_key(row) for row in packed.image_norm]
+        uniq = sorted(set(keys))
+        self._table_base = [uniq.index(k) * TABLE_SIZE for k in keys]
+        if self._vit_ids or self._vae_ids:
+            compact["pixels"] = _view(packed.image_pixels)
+            compact["norm_tables"] = stacked_tables(uniq)
+        self._compact = compact
+        self._present = frozenset(present)
+
+    # --- reference API -------------------------------------------------------------------
+
+    def pin_memory(self) -> "SimpleCustomBatch":
+        """Pin the compact tensors (what ``cuda`` copies); derived tensors are rebuilt from them."""
+        self._compact = {k: v.pin_memory() for k, v in self._compact.items()}
+        self._drop_built()
+        return self
+
+    def cuda(self, device=None) -> "SimpleCustomBatch":
+        """Copy the compact tensors to ``device`` and build every reference tensor there."""
+        device = torch.device("cuda" if device is None else device)
+        self._compact = {k: v.to(device, non_blocking=True) for k, v in self._compact.items()}
+        self._device = device
+        self._drop_built()
+        for name in self._present:
+            getattr(self, name)
+        return self
+
+    def to_dict(self) -> dict:
+        """The reference ``to_dict()``: same keys, values and dtypes (built on this batch's device)."""
+        names = list(_BASE)
+        names += ["split_lens", "attn_modes"] if self.use_flex else ["nested_attention_masks"]
+        for group in ("vae", "vit", "timesteps", "labels"):
+            if _GROUPS[group][-1] in self._present:
+                names += _GROUPS[group]
+        return {name: getattr(self, name) for name in names}
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def __repr__(self) -> str:
+        return (
+            f"SimpleCustomBatch(sequence_length={self.sequence_length}, samples={len(self.batch_data_indexes)}, "
+            f"vit_images={len(self._vit_ids)}, vae_images={len(self._vae_ids)}, use_flex={self.use_flex}, "
+            f"device={self._device})"
+        )
+
+    # --- lazy construction ---------------------------------------------------------------
+
+    def __getattr__(self, name: str):
+        # Only reached when normal lookup fails: i.e. a tensor not built yet (or absent).
+        if name.startswith("_") or name not in self.__dict__.get("_present", ()):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        value = self._build(name)
+        self.__dict__[name] = value
+        return value
+
+    def _drop_built(self) -> None:
+        for name in self._present:
+            self.__dict__.pop(name, None)
+
+    def _build(self, name: str):
+        if name == "packed_vit_tokens":
+            return self._build_vit_tokens()
+        if name == "padded_images":
+            return self._build_padded_images()
+        if name == "nested_attention_masks":
+            return self._build_masks()
+        return self._widen(self._compact[name], _LIGHT[name])
+
+    def _widen(self, src: torch.Tensor, how: str) -> torch.Tensor:
+        if how == "list" and src.numel() == 0:
+            dtype = torch.float32  # torch.tensor([]) is float32
+        else:
+            dtype = torch.float32 if src.is_floating_point() else torch.int64
+        # Always a fresh tensor: the compact source may alias read-only Arrow memory.
+        return torch.empty(src.shape, dtype=dtype, device=src.device).copy_(src)
+
+    def _pixel_index(self, image: int) -> tuple[torch.Tensor, int, int]:
+        """Image ``image`` as a uint8 (h, w, 3) view of the compact pixel buffer."""
+        h, w, off = self._heights[image], self._widths[image], self._offsets[image]
+        return self._compact["pixels"][off : off + h * w * CHANNELS].view(h, w, CHANNELS), h, w
+
+    def _channel_offsets(self, length: int) -> torch.Tensor:
+        """int32 [length]: table offset of the channel of each HWC-interleaved element."""
+        return (torch.arange(length, dtype=torch.int32, device=self._device) % CHANNELS) * LEVELS
+
+    def _build_vit_tokens(self) -> torch.Tensor:
+        """float32 [N, p*p*3]: the reference's patchify of each normalised CHW ViT image."""
+        p = self._patch
+        counts = [(self._heights[i] // p) * (self._widths[i] // p) for i in self._vit_ids]
+        width = p * p * CHANNELS
+        index = torch.empty((sum(counts), width), dtype=torch.int32, device=self._device)
+        row = 0
+        for image, n in zip(self._vit_ids, counts):
+            hwc, h, w = self._pixel_index(image)
+            # patch (y, x), then pixel (py, px) inside it, channel last: the reference's
+            # "chpwq->hwpqc" order, taken straight from HWC.
+            patches = hwc.view(h // p, p, w // p, p, CHANNELS).permute(0, 2, 1, 3, 4)
+            index[row : row + n].view(h // p, w // p, p, p, CHANNELS).copy_(patches)
+            if self._table_base[image]:
+                index[row : row + n] += self._table_base[image]
+            row += n
+        index += self._channel_offsets(width)
+        return self._compact["norm_tables"].index_select(0, index.view(-1)).view(-1, width)
+
+    def _build_padded_images(self) -> torch.Tensor:
+        """float32 [n_vae, 3, Hmax, Wmax]: normalised CHW images, zero padded bottom/right."""
+        hmax = max(self._heights[i] for i in self._vae_ids)
+        wmax = max(self._widths[i] for i in self._vae_ids)
+        out = torch.zeros((len(self._vae_ids), CHANNELS, hmax, wmax), dtype=torch.float32, device=self._device)
+        channels = self._channel_offsets(CHANNELS)
+        for k, image in enumerate(self._vae_ids):
+            hwc, h, w = self._pixel_index(image)
+            index = hwc.to(torch.int32) + (channels + self._table_base[image])
+            values = self._compact["norm_tables"].index_select(0, index.view(-1)).view(h, w, CHANNELS)
+            out[k, :, :h, :w].copy_(values.permute(2, 0, 1))
+        return out
+
+    def _build_masks(self) -> list[torch.Tensor]:
+        c = self._compact
+        masks, pos = [], 0
+        for n in self.sample_lens:
+            masks.append(
+                dense_mask(
+                    c["mask_start"][pos : pos + n], c["mask_limit"][pos : pos + n], c["mask_keep"][pos : pos + n]
+                )
+            )
+            pos += n
+        return masks

@@ -1,0 +1,173 @@
+"""``PackedShardDataset``: this rank's share of a pack, resumable, for a training DataLoader.
+
+Which streams a rank reads (pack made for W ranks x K workers, stream ``s = r*K + w``; K = 0 in the
+pack identity means one stream per rank):
+
+- same world size as the pack: rank r reads streams ``r*K .. r*K+K-1`` interleaved round-robin,
+  exactly the order the online reference's K-worker DataLoader yields them;
+- another world size W': stream s goes to rank ``s % W'``; each rank interleaves its streams
+  round-robin in stream order (streams that run out are skipped).  Every batch is read exactly
+  once over all ranks.  More ranks than streams is an error.
+
+Inside a DataLoader with J > 1 workers, worker j takes every J-th stream of the rank's list
+(``streams[j::J]``) and interleaves those, so nothing is read twice; with J = K on the pack's own
+world size the DataLoader's round-robin over workers reproduces the rank order above.  Use
+``batch_size=None`` (each item is already a whole packed batch).
+
+``state_dict()`` is the position after the last batch handed out (one integer in the
+deterministic order, plus what is needed to refuse a state from another pack or split);
+``load_state_dict()`` makes the next ``iter()`` continue right after it.  It works under
+torchdata's ``StatefulDataLoader`` (each worker's copy keeps its own state).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow.fs as pafs
+import torch
+
+from loader.batch import SimpleCustomBatch
+from loader.prefetch import Prefetcher
+from loader.reader import Pack
+from loader.stream import interleaved_batches
+
+STATE_VERSION = 1
+
+
+def streams_for_rank(
+    num_streams: int, pack_world_size: int, pack_num_workers: int, rank: int, world_size: int
+) -> list[int]:
+    """The streams rank ``rank`` of ``world_size`` reads, in interleaving order (see module doc)."""
+    per_rank = max(pack_num_workers, 1)
+    if num_streams != pack_world_size * per_rank:
+        raise ValueError(
+            f"pack has {num_streams} streams but its identity says {pack_world_size} ranks x {per_rank} streams"
+        )
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, {world_size})")
+    if world_size > num_streams:
+        raise ValueError(
+            f"{world_size} ranks but the pack has only {num_streams} streams: some ranks would get no data"
+        )
+    if world_size == pack_world_size:
+        return list(range(rank * per_rank, (rank + 1) * per_rank))
+    return list(range(rank, num_streams, world_size))
+
+
+def pack_fingerprint(pack: Pack) -> str:
+    """Identity of a pack's content (identity + every record digest), independent of timings."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(json.dumps(pack.manifest.identity, sort_keys=True, default=str).encode())
+    for stream in pack.manifest.streams:
+        for shard in stream.shards:
+            for rec in shard.records:
+                h.update(rec.digest.encode())
+    return h.hexdigest()
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+class PackedShardDataset(torch.utils.data.IterableDataset):
+    """This rank's packed batches as ``SimpleCustomBatch`` objects (see module doc)."""
+
+    def __init__(
+        self,
+        path: "str | os.PathLike",
+        rank: int | None = None,
+        world_size: int | None = None,
+        *,
+        verify: "bool | str" = True,
+        prefetch: int = 2,
+        filesystem: pafs.FileSystem | None = None,
+    ):
+        super().__init__()
+        self.pack = Pack.open(path, filesystem)
+        self.rank = _env_int("RANK", 0) if rank is None else int(rank)
+        self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else int(world_size)
+        m = self.pack.manifest
+        self.streams = streams_for_rank(m.num_streams, m.world_size, m.num_workers, self.rank, self.world_size)
+        self.verify = verify
+        self.prefetch = prefetch
+        self.fingerprint = pack_fingerprint(self.pack)
+        self._split = (0, 1)
+        self._cursor = 0
+        self._positions = [0] * len(self.streams)
+        self._pending: dict[str, Any] | None = None
+
+    def num_batches(self) -> int:
+        """Batches this rank reads in one pass (all DataLoader workers together)."""
+        return sum(self.pack.num_records(s) for s in self.streams)
+
+    def _worker_streams(self) -> list[int]:
+        worker, workers = self._split
+        return self.streams[worker::workers]
+
+    def __iter__(self) -> Iterator[SimpleCustomBatch]:
+        # Set up eagerly (not in the generator body): StatefulDataLoader asks for state_dict()
+        # right after iter(), before the first batch.
+        info = torch.utils.data.get_worker_info()
+        self._split = (info.id, info.num_workers) if info is not None else (0, 1)
+        streams = self._worker_streams()
+        self._positions = [0] * len(streams)
+        self._cursor = 0
+        if self._pending is not None:
+            state, self._pending = self._pending, None
+            if (state["worker"], state["num_workers"]) != self._split or state["streams"] != streams:
+                raise ValueError(
+                    f"state is for DataLoader worker {state['worker']} of {state['num_workers']} "
+                    f"(streams {state['streams']}); this is worker {self._split[0]} of {self._split[1]} "
+                    f"(streams {streams})"
+                )
+            self._cursor, self._positions = int(state["cursor"]), [int(p) for p in state["positions"]]
+        source = interleaved_batches(self.pack, streams, self._cursor, verify=self.verify)
+        prefetcher = Prefetcher(source, self.prefetch, f"prefetch-rank{self.rank}-worker{self._split[0]}")
+        return self._hand_out(prefetcher, streams)
+
+    def _hand_out(self, prefetcher: Prefetcher, streams: list[int]) -> Iterator[SimpleCustomBatch]:
+        slot_of = {s: k for k, s in enumerate(streams)}
+        try:
+            for stream, record, batch in prefetcher:
+                self._cursor += 1
+                self._positions[slot_of[stream]] = record + 1
+                yield batch
+        finally:
+            prefetcher.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position after the last batch handed out by this (worker's) iterator."""
+        worker, workers = self._split
+        return {
+            "version": STATE_VERSION,
+            "pack": self.fingerprint,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "worker": worker,
+            "num_workers": workers,
+            "streams": self._worker_streams(),
+            "cursor": self._cursor,
+            "positions": list(self._positions),  # next record per stream (informational)
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next ``iter()`` continue right after the batch ``state`` was taken at."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"unsupported loader state version {state.get('version')!r}")
+        if state["pack"] != self.fingerprint:
+            raise ValueError("loader state belongs to a different pack (content fingerprint differs)")
+        if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
+            raise ValueError(
+                f"loader state is for rank {state['rank']} of {state['world_size']}, "
+                f"this is rank {self.rank} of {self.world_size}"
+            )
+        self._pending = dict(state)
+        self._split = (int(state["worker"]), int(state["num_workers"]))
+        self._cursor = int(state["cursor"])
+        self._positions = [int(p) for p in state["positions"]]
