@@ -203,9 +203,14 @@ class SimpleCustomBatch:
         return torch.empty(src.shape, dtype=dtype, device=src.device).copy_(src)
 
     def _pixel_index(self, image: int) -> tuple[torch.Tensor, int, int]:
-        """Image ``image`` as a uint8 (h, w, 3) view of the compact pixel buffer."""
+        """Image ``image`` as decoded uint8 (h, w, 3) pixels, on the batch's device.
+
+        The record stores rows delta coded (``schemas.record.encode_rows``); a running sum along
+        each row, mod 256, restores them exactly (int32 accumulation, then the low byte).
+        """
         h, w, off = self._heights[image], self._widths[image], self._offsets[image]
-        return self._compact["pixels"][off : off + h * w * CHANNELS].view(h, w, CHANNELS), h, w
+        coded = self._compact["pixels"][off : off + h * w * CHANNELS].view(h, w, CHANNELS)
+        return torch.cumsum(coded, dim=1, dtype=torch.int32).bitwise_and_(255).to(torch.uint8), h, w
 
     def _channel_offsets(self, length: int) -> torch.Tensor:
         """int32 [length]: table offset of the channel of each HWC-interleaved element."""

@@ -19,7 +19,7 @@ import torch
 
 from prepack.sample import Sample, SampleImage
 from schemas.config import PackingKnobs
-from schemas.record import ATTN_MODE_CODES, PackedBatch, SampleOrigin
+from schemas.record import ATTN_MODE_CODES, PackedBatch, SampleOrigin, image_table
 
 
 class PackingError(RuntimeError):
@@ -221,10 +221,7 @@ class SequenceBuilder:
     def build(self) -> PackedBatch:
         """The compact batch; pixels are resized here (once per distinct picture)."""
         k = self.k
-        pixels = [img.pixels() for img in self.images]
-        offsets = np.zeros(len(pixels) + 1, np.int64)
-        if pixels:
-            np.cumsum([p.size for p in pixels], out=offsets[1:])
+        table = image_table([img.pixels() for img in self.images])
         cat = lambda parts: np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)  # noqa: E731
         return PackedBatch(
             use_flex=k.use_flex,
@@ -241,10 +238,7 @@ class SequenceBuilder:
             packed_label_ids=np.asarray(self.label_ids, np.int32),
             ce_loss_indexes=np.asarray(self.ce_indexes, np.int32),
             ce_loss_weights=np.asarray(self.ce_weights, np.float64).astype(np.float32),
-            image_heights=np.asarray([p.shape[0] for p in pixels], np.int32),
-            image_widths=np.asarray([p.shape[1] for p in pixels], np.int32),
-            image_offsets=offsets,
-            image_pixels=np.concatenate([p.reshape(-1) for p in pixels]) if pixels else np.zeros(0, np.uint8),
+            **table,
             image_norm=np.asarray([img.norm for img in self.images], np.float64).reshape(-1, 6),
             vit_image_ids=np.asarray(self.vit_ids, np.int32),
             vit_token_seqlens=np.asarray(self.vit_seqlens, np.int32),

@@ -158,7 +158,7 @@ class PrepackSection:
     tokens_per_stream: int | None = None
     passes: int | None = None
     shard_bytes: int = 256 * 2**20
-    compression: str = "zstd:3"
+    compression: str = "zstd:1"
     strict: bool = False
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     max_consecutive_failures: int = 10000
@@ -410,7 +410,7 @@ def parse_config(raw: Mapping[str, Any], base_dir: str, *, config_path: str = ""
                 raise ConfigError(f"prepack.{k} must be positive, got {v!r}")
     section = PrepackSection(**pkw)
     comp = section.compression
-    if comp != "none" and not (comp.startswith("zstd:") and comp[5:].lstrip("-").isdigit()) and comp != "zstd":
+    if comp != "none" and not (comp.startswith("zstd:") and comp[5:].lstrip("-").isdigit()):
         raise ConfigError(f"prepack.compression must be 'zstd:LEVEL' or 'none', got {comp!r}")
     if section.batches_per_stream is None and section.tokens_per_stream is None and section.passes is None:
         raise ConfigError("prepack needs a budget: batches_per_stream, tokens_per_stream or passes")

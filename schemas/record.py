@@ -9,7 +9,10 @@ What is stored (``PackedBatch``) is the compact, exact content of a reference ba
 - integer token-level arrays as int32 (the loader widens them to the reference's int64);
 - images as the uint8 HWC pixels the resize produced, each stored once (an edit frame used as
   both a VAE condition and a VAE target is one image referenced twice), plus per-image
-  normalisation (mean, std) so the loader rebuilds the float tensors bit-identically;
+  normalisation (mean, std) so the loader rebuilds the float tensors bit-identically.  Pixels
+  are stored row-delta coded (PNG's "Sub" filter: each byte minus the same channel of the pixel
+  to its left, mod 256): exact, and zstd then compresses photos to ~2/3 of the plain size at
+  twice the speed.  ``decode_rows`` undoes it (the loader does the same on the device);
 - ``split_lens`` / ``attn_modes`` per sample (dense masks and flex padding are derived);
 - the reference's ``batch_data_indexes`` and, for lineage, where each sample came from.
 
@@ -18,11 +21,11 @@ What is stored (``PackedBatch``) is the compact, exact content of a reference ba
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field, fields
 
 import numpy as np
 import pyarrow as pa
+import xxhash
 
 RECORD_SCHEMA_VERSION = 1
 
@@ -100,9 +103,9 @@ class PackedBatch:
         return int(len(self.sample_lens))
 
     def image(self, i: int) -> np.ndarray:
-        """Image i as an (h, w, 3) uint8 view."""
+        """Image i as decoded (h, w, 3) uint8 pixels."""
         a, b = int(self.image_offsets[i]), int(self.image_offsets[i + 1])
-        return self.image_pixels[a:b].reshape(int(self.image_heights[i]), int(self.image_widths[i]), 3)
+        return decode_rows(self.image_pixels[a:b].reshape(int(self.image_heights[i]), int(self.image_widths[i]), 3))
 
     def sample_splits(self) -> list[tuple[list[int], list[str]]]:
         """Per sample: its split lengths and attention-mode names."""
@@ -113,6 +116,32 @@ class PackedBatch:
             )
             pos += n
         return out
+
+
+def encode_rows(hwc: np.ndarray) -> np.ndarray:
+    """Row-delta code an (h, w, 3) uint8 image: byte minus its left neighbour's, mod 256."""
+    out = np.array(hwc, dtype=np.uint8, copy=True)
+    np.subtract(hwc[:, 1:], hwc[:, :-1], out=out[:, 1:], dtype=np.uint8, casting="unsafe")
+    return out
+
+
+def decode_rows(coded: np.ndarray) -> np.ndarray:
+    """Inverse of ``encode_rows`` (a running sum along each row, mod 256)."""
+    return np.cumsum(coded, axis=1, dtype=np.uint8)
+
+
+def image_table(images: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """The PackedBatch image-table fields for decoded (h, w, 3) uint8 images."""
+    offsets = np.zeros(len(images) + 1, np.int64)
+    if images:
+        np.cumsum([im.size for im in images], out=offsets[1:])
+    return {
+        "image_heights": np.asarray([im.shape[0] for im in images], np.int32),
+        "image_widths": np.asarray([im.shape[1] for im in images], np.int32),
+        "image_offsets": offsets,
+        "image_pixels": (np.concatenate([encode_rows(im).reshape(-1) for im in images]) if images
+                         else np.zeros(0, np.uint8)),
+    }
 
 
 # Column order is part of the contract: digests are computed over columns in this order.
@@ -208,9 +237,11 @@ def record_digest(record: pa.RecordBatch) -> str:
     """Content digest of a record: independent of compression, file layout and metadata.
 
     Hashes every column's logical values in schema order, so the same packed batch has the same
-    digest whether it was written with zstd level 3, 19 or no compression.
+    digest whether it was written with zstd level 3, 19 or no compression.  XXH3-128: an
+    integrity and reproducibility check (~30 GB/s, so the loader can afford it on every record);
+    shard files also carry a SHA-256 in the manifest.
     """
-    h = hashlib.blake2b(digest_size=16)
+    h = xxhash.xxh3_128()
     for name, _ in _SCALAR_COLUMNS:
         h.update(name.encode())
         h.update(repr(record.column(name)[0].as_py()).encode())

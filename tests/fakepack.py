@@ -18,7 +18,7 @@ import numpy as np
 
 from prepack.writer import StreamWriter, write_json_atomic
 from schemas.manifest import MANIFEST_NAME, MANIFEST_VERSION, Manifest, StreamEntry, shard_index_file
-from schemas.record import ATTN_MODE_CODES, RECORD_SCHEMA_VERSION, PackedBatch, SampleOrigin
+from schemas.record import ATTN_MODE_CODES, RECORD_SCHEMA_VERSION, PackedBatch, SampleOrigin, image_table
 
 NORMS = [
     ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
@@ -182,9 +182,6 @@ def make_batch(seed: int, spec: BatchSpec | None = None, **overrides) -> PackedB
             )
         )
     seq = sum(sample_lens)
-    heights = [im.shape[0] for im in b.images]
-    widths = [im.shape[1] for im in b.images]
-    sizes = [im.size for im in b.images]
     a = b.a
     i32 = lambda k: np.asarray(a[k], dtype=np.int32)  # noqa: E731
     return PackedBatch(
@@ -202,10 +199,7 @@ def make_batch(seed: int, spec: BatchSpec | None = None, **overrides) -> PackedB
         packed_label_ids=i32("packed_label_ids"),
         ce_loss_indexes=i32("ce_loss_indexes"),
         ce_loss_weights=np.asarray(a["ce_loss_weights"], np.float32),
-        image_heights=np.asarray(heights, np.int32),
-        image_widths=np.asarray(widths, np.int32),
-        image_offsets=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
-        image_pixels=np.concatenate([im.reshape(-1) for im in b.images]) if b.images else np.zeros(0, np.uint8),
+        **image_table(list(b.images)),
         image_norm=np.asarray(b.norms, np.float64).reshape(-1, 6),
         vit_image_ids=i32("vit_image_ids"),
         vit_token_seqlens=i32("vit_token_seqlens"),
