@@ -195,7 +195,9 @@ RECORD_SCHEMA = pa.schema(
     + [pa.field(n, pa.list_(t), nullable=False) for n, t in _ARRAY_COLUMNS]
     + [pa.field(n, pa.list_(t), nullable=False) for n, t in _ORIGIN_COLUMNS]
 )
-ARRAY_DTYPES = {name: np.dtype(t.to_pandas_dtype()) for name, t in _ARRAY_COLUMNS}
+_NUMPY = {pa.int32(): np.int32, pa.int64(): np.int64, pa.uint8(): np.uint8, pa.float32(): np.float32,
+          pa.float64(): np.float64}
+ARRAY_DTYPES = {name: np.dtype(_NUMPY[t]) for name, t in _ARRAY_COLUMNS}
 
 
 def batch_to_record(batch: PackedBatch, metadata: dict[str, str] | None = None) -> pa.RecordBatch:
