@@ -66,9 +66,23 @@ def cmd_demo_data(args) -> int:
     return 0
 
 
+class NotAPack(Exception):
+    """DIR holds no finished pack: exit code 1."""
+
+
+def _require_pack(path: str) -> None:
+    from schemas.location import resolve_location
+    from schemas.manifest import MANIFEST_NAME
+
+    loc = resolve_location(path)
+    if loc.fs.get_file_info(loc.path(MANIFEST_NAME)).type.name != "File":
+        raise NotAPack(f"{path} is not a finished pack (no {MANIFEST_NAME}); run 'prepack run' to completion first")
+
+
 def cmd_verify(args) -> int:
     from prepack.verify import verify_pack
 
+    _require_pack(args.dir)
     report = verify_pack(args.dir)
     for line in report.lines():
         print(line)
@@ -78,6 +92,7 @@ def cmd_verify(args) -> int:
 def cmd_audit(args) -> int:
     from prepack.audit import audit_pack
 
+    _require_pack(args.dir)
     report = audit_pack(args.dir, stream=args.stream, shard=args.shard, all_streams=args.all)
     for line in report.lines():
         print(line)
@@ -87,6 +102,7 @@ def cmd_audit(args) -> int:
 def cmd_inspect(args) -> int:
     from prepack.inspect import inspect_record
 
+    _require_pack(args.dir)
     text = inspect_record(args.dir, stream=args.stream, record=args.record, png=args.png)
     print(text)
     return 0
@@ -95,6 +111,7 @@ def cmd_inspect(args) -> int:
 def cmd_stats(args) -> int:
     from prepack.stats import pack_stats
 
+    _require_pack(args.dir)
     report = pack_stats(args.dir, html=args.html)
     print(report)
     return 0

@@ -1,0 +1,52 @@
+"""The prepack command line: --help teaches, errors are one line with a non-zero exit code."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def prepack(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "prepack.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=120)
+
+
+def test_help_lists_every_subcommand_with_examples():
+    r = prepack("--help")
+    assert r.returncode == 0
+    for word in ("run", "verify", "audit", "inspect", "stats", "demo-data", "examples:", "ray job submit"):
+        assert word in r.stdout
+    r = prepack("run", "--help")
+    assert r.returncode == 0 and "--streams" in r.stdout and "--address" in r.stdout
+
+
+def test_no_subcommand_prints_help_and_fails():
+    r = prepack()
+    assert r.returncode == 2 and "usage:" in r.stdout
+
+
+@pytest.mark.parametrize("args, code, text", [
+    (["run", "missing.yaml", "--out", "x"], 2, "config file not found"),
+    (["run", "configs/demo.yaml", "--out", "x", "--streams", "a,b"], 2, None),
+    (["verify", "/nonexistent/pack"], 1, "not a finished pack"),
+    (["stats", "/nonexistent/pack"], 1, "not a finished pack"),
+])
+def test_errors_are_one_line_on_stderr(args, code, text, tmp_path):
+    import os
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = prepack(*[a if a != "x" else str(tmp_path / "out") for a in args], cwd=repo)
+    assert r.returncode == code, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("prepack: error: "), r.stderr
+    if text:
+        assert text in lines[0]
+
+
+def test_bad_yaml_is_one_line(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("dataset: [unclosed\n")
+    r = prepack("run", str(p), "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "not valid YAML" in r.stderr and len(r.stderr.strip().splitlines()) == 1
