@@ -194,7 +194,7 @@ def test_demo_config_matches_layout(demo):
     assert config["seed"] == 42 and config["tokenizer"] == "qwen2-offline"
     assert config["dataloader"] == {"num_workers": 2}
     assert config["prepack"] == {"world_size": 1, "batches_per_stream": 6, "shard_bytes": 16777216,
-                                 "compression": "zstd:3"}
+                                 "compression": "zstd:1"}
     dataset = config["dataset"]
     expected_root = (REPO / "demo-data").resolve()
 
