@@ -9,7 +9,7 @@
 
 where a buffered ``sample`` is ``{"plan": [...], "texts": [[ids]], "images": [{"pixels": i,
 "norm": [6 floats]}], "num_tokens": n, "origin": {...}}`` and ``pixels: i`` indexes row i of
-``ckpt-NNNNN.arrow`` (columns ``height``, ``width``, ``pixels: list<uint8>``).  Plain data only: both
+``ckpt-NNNNN.arrow`` (columns ``height``, ``width``, ``pixels: list<uint8>``).  Nothing executable: both
 files are plain data, safe to read from an untrusted source.
 """
 
