@@ -91,6 +91,11 @@ class SequenceBuilder:
             self.images.append(image)
         return self._image_slot[key]
 
+    def _marker(self, token: int, pos: int) -> None:
+        """A single text-stream token (BOS/EOS or an image start/end marker) at ``pos``."""
+        self.text_ids.append(token)
+        self.text_indexes.append(pos)
+
     def _special_loss(self, item, pos: int) -> None:
         if item.special_token_loss == 1:
             self.ce_indexes.append(pos)
@@ -127,8 +132,7 @@ class SequenceBuilder:
                     self.label_ids.append(sp.eos_token_id)
                 curr += n
                 split_len += n
-                self.text_ids.append(sp.eos_token_id)
-                self.text_indexes.append(curr)
+                self._marker(sp.eos_token_id, curr)
                 self._special_loss(item, curr)
                 curr += 1
                 split_len += 1
@@ -140,8 +144,7 @@ class SequenceBuilder:
                 if item.enable_cfg == 1 and self.py.random() < k.vit_cond_dropout_prob:
                     rope += 1
                     continue
-                self.text_ids.append(sp.start_of_image)
-                self.text_indexes.append(curr)
+                self._marker(sp.start_of_image, curr)
                 curr += 1
                 split_len += 1
                 p = k.vit_patch_size
@@ -157,8 +160,7 @@ class SequenceBuilder:
                 self.vit_ids.append(self._slot(image))
                 self.vit_seqlens.append(n_tok)
                 self.vit_pos.append(position_ids(image.height, image.width, p, k.max_num_patch_per_side, k.interpolate_pos))
-                self.text_ids.append(sp.end_of_image)
-                self.text_indexes.append(curr)
+                self._marker(sp.end_of_image, curr)
                 self._special_loss(item, curr)
                 curr += 1
                 split_len += 1
@@ -170,8 +172,7 @@ class SequenceBuilder:
                 if item.enable_cfg == 1 and self.py.random() < k.vae_cond_dropout_prob:
                     rope += 1
                     continue
-                self.text_ids.append(sp.start_of_image)
-                self.text_indexes.append(curr)
+                self._marker(sp.start_of_image, curr)
                 curr += 1
                 split_len += 1
                 d = k.vae_image_downsample
@@ -192,8 +193,7 @@ class SequenceBuilder:
                 self.timesteps.extend([timestep] * n_tok)
                 curr += n_tok
                 split_len += n_tok
-                self.text_ids.append(sp.end_of_image)
-                self.text_indexes.append(curr)
+                self._marker(sp.end_of_image, curr)
                 self._special_loss(item, curr)
                 curr += 1
                 split_len += 1
