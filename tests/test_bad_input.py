@@ -43,6 +43,9 @@ def tolerated_dataset(root: str) -> dg.Dataset:
         {"image": dg.jpeg(dg.photo(2, rs)), "captions": json.dumps({"c": ""})},
     ]
     files = [dg.good_t2i_rows(rs, 4, 10 * i) + bad_t2i[3 * i : 3 * i + 3] for i in range(4)]
+    # a fifth file lacks the captions column: every row is dropped (the reference: KeyError, caught)
+    files.append([{"image": r["image"]} for r in dg.good_t2i_rows(rs, 3, 50)])
+    files.append(dg.good_t2i_rows(rs, 4, 60))
     dg.add_t2i(ds, files)
     good_edit = dg.good_edit_rows(rs, 8)
     bad_edit = [
@@ -88,6 +91,7 @@ def test_tolerated_bad_rows_match_reference_and_are_counted(tmp_path, tokenizer_
                  "animated_image_first_frame_only", "t2i_no_caption_packed_as_space", "t2i_empty_caption",
                  "image_without_placeholder_counted_not_packed"):
         assert warns.get(kind, 0) >= 1, (kind, warns)
+    assert drops.get("t2i_pretrain:t2i_caption_parse", 0) >= 3  # the file without a captions column
     for reason in ("t2i_pretrain:t2i_image_parse", "t2i_pretrain:t2i_caption_parse", "unified_edit:parquet_row_parse",
                    "vlm_sft:jsonl_parse", "vlm_sft:no_loss_labels", "overlength_sample"):
         assert drops.get(reason, 0) >= 1, (reason, drops)
@@ -118,6 +122,9 @@ def test_inputs_that_crash_the_reference_are_counted_drops(tmp_path, tokenizer_a
         json.dumps({"video": "nothing.mp4", "conversations": [{"from": "human", "value": "<video> what?"},
                                                               {"from": "gpt", "value": "x"}]}),
     ]
+    lines.append(json.dumps({"video": "broken.mp4", "conversations": [{"from": "human", "value": "<video> what?"},
+                                                                       {"from": "gpt", "value": "x"}]}))
+    files["broken.mp4"] = dg.mp4([np.zeros((32, 32, 3), np.uint8)] * 4)[:200]  # truncated container
     files["a.jpg"] = dg.jpeg(dg.photo(1, rs))
     files["b.jpg"] = dg.jpeg(dg.photo(2, rs))
     dg.add_sft(ds, lines, files)
