@@ -18,6 +18,11 @@ world size the DataLoader's round-robin over workers reproduces the rank order a
 deterministic order, plus what is needed to refuse a state from another pack or split);
 ``load_state_dict()`` makes the next ``iter()`` continue right after it.  It works under
 torchdata's ``StatefulDataLoader`` (each worker's copy keeps its own state).
+
+Changing the world size mid-training: merge the dataset states of every old rank (and DataLoader
+worker) with ``PackedShardDataset.merge_states(states)`` and load the merged state on every new
+rank; each stream then continues at its next unread record under the new assignment, so every
+batch is read exactly once overall.
 """
 
 from __future__ import annotations
@@ -100,6 +105,7 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         self._split = (0, 1)
         self._cursor = 0
         self._positions = [0] * len(self.streams)
+        self._firsts = [0] * len(self.streams)
         self._pending: dict[str, Any] | None = None
 
     def num_batches(self) -> int:
@@ -117,17 +123,23 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         self._split = (info.id, info.num_workers) if info is not None else (0, 1)
         streams = self._worker_streams()
         self._positions = [0] * len(streams)
+        self._firsts = [0] * len(streams)
         self._cursor = 0
         if self._pending is not None:
             state, self._pending = self._pending, None
-            if (state["worker"], state["num_workers"]) != self._split or state["streams"] != streams:
-                raise ValueError(
-                    f"state is for DataLoader worker {state['worker']} of {state['num_workers']} "
-                    f"(streams {state['streams']}); this is worker {self._split[0]} of {self._split[1]} "
-                    f"(streams {streams})"
-                )
-            self._cursor, self._positions = int(state["cursor"]), [int(p) for p in state["positions"]]
-        source = interleaved_batches(self.pack, streams, self._cursor, verify=self.verify)
+            if state.get("kind") == "merged":
+                self._firsts = [int(state["positions"][str(s)]) for s in streams]
+                self._positions = list(self._firsts)
+            else:
+                if (state["worker"], state["num_workers"]) != self._split or state["streams"] != streams:
+                    raise ValueError(
+                        f"state is for DataLoader worker {state['worker']} of {state['num_workers']} "
+                        f"(streams {state['streams']}); this is worker {self._split[0]} of {self._split[1]} "
+                        f"(streams {streams})"
+                    )
+                self._cursor, self._positions = int(state["cursor"]), [int(p) for p in state["positions"]]
+                self._firsts = [int(p) for p in state.get("firsts", self._firsts)]
+        source = interleaved_batches(self.pack, streams, self._cursor, verify=self.verify, firsts=self._firsts)
         prefetcher = Prefetcher(source, self.prefetch, f"prefetch-rank{self.rank}-worker{self._split[0]}")
         return self._hand_out(prefetcher, streams)
 
@@ -153,8 +165,30 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
             "num_workers": workers,
             "streams": self._worker_streams(),
             "cursor": self._cursor,
-            "positions": list(self._positions),  # next record per stream (informational)
+            "firsts": list(self._firsts),  # where this iteration started per stream (after a merge)
+            "positions": list(self._positions),  # next record per stream
         }
+
+    @staticmethod
+    def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
+        """One state from the states of every rank (and DataLoader worker) of a run, loadable on
+        any rank of any world size: each stream's next unread record."""
+        if not states:
+            raise ValueError("merge_states needs at least one state")
+        packs = {st["pack"] for st in states}
+        if len(packs) != 1:
+            raise ValueError("loader states belong to different packs")
+        positions: dict[str, int] = {}
+        for st in states:
+            if st.get("kind") == "merged":
+                items = [(int(k), v) for k, v in st["positions"].items()]
+            else:
+                items = list(zip(st["streams"], st["positions"]))
+            for stream, pos in items:
+                if str(stream) in positions:
+                    raise ValueError(f"stream {stream} appears in two loader states")
+                positions[str(stream)] = int(pos)
+        return {"version": STATE_VERSION, "kind": "merged", "pack": packs.pop(), "positions": positions}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next ``iter()`` continue right after the batch ``state`` was taken at."""
@@ -162,12 +196,20 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
             raise ValueError(f"unsupported loader state version {state.get('version')!r}")
         if state["pack"] != self.fingerprint:
             raise ValueError("loader state belongs to a different pack (content fingerprint differs)")
+        if state.get("kind") == "merged":
+            missing = [s for s in self.streams if str(s) not in state["positions"]]
+            if missing:
+                raise ValueError(f"merged loader state lacks streams {missing}: merge the states of every rank")
+            self._pending = dict(state)
+            return
         if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
             raise ValueError(
                 f"loader state is for rank {state['rank']} of {state['world_size']}, "
-                f"this is rank {self.rank} of {self.world_size}"
+                f"this is rank {self.rank} of {self.world_size}; to change the world size, load "
+                "PackedShardDataset.merge_states(<every rank's state>)"
             )
         self._pending = dict(state)
         self._split = (int(state["worker"]), int(state["num_workers"]))
         self._cursor = int(state["cursor"])
         self._positions = [int(p) for p in state["positions"]]
+        self._firsts = [int(p) for p in state.get("firsts", [0] * len(self._positions))]

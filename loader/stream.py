@@ -19,11 +19,16 @@ from loader.reader import Pack, iter_records
 from schemas.record import record_to_batch
 
 
-def round_robin(lengths: list[int], start: int = 0) -> Iterator[tuple[int, int]]:
-    """``(slot, record)`` pairs of the interleaved order, from position ``start`` on."""
+def round_robin(lengths: list[int], start: int = 0, firsts: list[int] | None = None) -> Iterator[tuple[int, int]]:
+    """``(slot, record)`` pairs of the interleaved order, from position ``start`` on.
+
+    ``firsts[k]`` is the first record of slot k to schedule (records before it were read in an
+    earlier run, e.g. by another rank before a world-size change); default all zeros.
+    """
+    firsts = firsts or [0] * len(lengths)
     rounds = max(lengths, default=0)
     for r in range(rounds):
-        active = [k for k, n in enumerate(lengths) if n > r]
+        active = [k for k, n in enumerate(lengths) if firsts[k] <= r < n]
         if start >= len(active):
             start -= len(active)
             continue
@@ -33,13 +38,13 @@ def round_robin(lengths: list[int], start: int = 0) -> Iterator[tuple[int, int]]
 
 
 def interleaved_batches(
-    pack: Pack, streams: list[int], start: int = 0, *, verify: "bool | str" = True
+    pack: Pack, streams: list[int], start: int = 0, *, verify: "bool | str" = True, firsts: list[int] | None = None
 ) -> Iterator[tuple[int, int, SimpleCustomBatch]]:
     """``(stream, record, batch)`` for ``streams`` interleaved round-robin, from position ``start``."""
     readers: dict[int, Iterator] = {}
     lengths = [pack.num_records(s) for s in streams]
     try:
-        for slot, record in round_robin(lengths, start):
+        for slot, record in round_robin(lengths, start, firsts):
             reader = readers.get(slot)
             if reader is None:
                 reader = readers[slot] = iter_records(pack, streams[slot], record, verify=verify)

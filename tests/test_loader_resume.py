@@ -110,6 +110,39 @@ def test_dataset_state_resume_in_process(pack, seed):
     assert ids(resumed) == full  # the loaded state is used once; the next pass starts over
 
 
+@pytest.mark.parametrize("old_ws, new_ws, seed", [(3, 2, 0), (3, 6, 1), (2, 1, 2), (1, 3, 3)])
+def test_world_size_change_reads_every_batch_exactly_once(pack, stream_ids, old_ws, new_ws, seed):
+    """Train on old_ws ranks, stop each at a random batch, merge their states, continue on new_ws
+    ranks (resuming twice on the new world, through JSON): every batch read exactly once overall."""
+    rng = random.Random(seed)
+    seen, states = [], []
+    for rank in range(old_ws):
+        ds = PackedShardDataset(pack, rank=rank, world_size=old_ws)
+        it = iter(ds)
+        total = ds.num_batches()
+        seen += [batch_id(next(it)) for _ in range(rng.randrange(total + 1))]
+        states.append(json.loads(json.dumps(ds.state_dict())))
+    merged = json.loads(json.dumps(PackedShardDataset.merge_states(states)))
+    for rank in range(new_ws):
+        ds = PackedShardDataset(pack, rank=rank, world_size=new_ws)
+        ds.load_state_dict(merged)
+        it = iter(ds)
+        first = [batch_id(b) for _, b in zip(range(2), it)]
+        mid = json.loads(json.dumps(ds.state_dict()))
+        again = PackedShardDataset(pack, rank=rank, world_size=new_ws)
+        again.load_state_dict(mid)
+        seen += first + ids(again)
+    assert sorted(seen) == sorted(b for s in stream_ids.values() for b in s) and len(seen) == len(set(seen))
+
+
+def test_merge_refuses_overlap_and_gaps(pack):
+    a = PackedShardDataset(pack, rank=0, world_size=3).state_dict()
+    with pytest.raises(ValueError, match="appears in two"):
+        PackedShardDataset.merge_states([a, a])
+    with pytest.raises(ValueError, match="merge the states of every rank"):
+        PackedShardDataset(pack, rank=1, world_size=2).load_state_dict(PackedShardDataset.merge_states([a]))
+
+
 def test_state_is_refused_elsewhere(pack):
     ds = PackedShardDataset(pack, rank=0, world_size=3)
     state = ds.state_dict()
