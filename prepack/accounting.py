@@ -39,7 +39,7 @@ class Counters:
         c = self.warnings.get(kind, 0) + 1
         self.warnings[kind] = c
         if c <= 3 or c % 1000 == 0:
-            log.warning("damaged input packed as the reference does [%s]=%d %s", kind, c, detail)
+            log.warning("warning[%s]=%d %s", kind, c, detail)
 
     def to_json(self) -> dict:
         return {

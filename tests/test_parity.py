@@ -8,6 +8,7 @@ every tensor with ``torch.equal`` and its dtype, every list exactly.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -168,3 +169,35 @@ def test_parity_through_shard_files_and_open_stream(flex, mixed, tokenizer_and_s
         for i, (a, b) in enumerate(zip(ours, ref)):
             diffs = diff_batches(a, b)
             assert not diffs, f"stream {s} batch {i}: " + "; ".join(diffs[:5])
+
+
+def test_parity_several_datasets_per_group_repeats_and_middle_frames(tokenizer_and_special, tmp_path):
+    """Two datasets in every group (two parquet_info files, two JSONL files), file lists repeated
+    to num_used_data, and videos sampled with the 'middle' rule (mp4 and frame folders)."""
+    rs = np.random.RandomState(21)
+    a, b = dg.Dataset(str(tmp_path / "a")), dg.Dataset(str(tmp_path / "b"))
+    for ds, start in ((a, 0), (b, 40)):
+        os.makedirs(ds.root)
+        dg.add_t2i(ds, [dg.good_t2i_rows(rs, 4, start + 4 * i) for i in range(3)], num_used=5)
+        dg.add_edit(ds, [dg.good_edit_rows(rs, 3, start + 3 * i) for i in range(2)])
+        lines, files = dg.good_sft(rs, 10)
+        frames = [np.asarray(dg.photo(i, rs, 96, 97).resize((96, 80))) for i in range(14)]
+        files["clip.mp4"] = dg.mp4(frames)
+        for i, f in enumerate(frames):
+            files[f"frames/clip/frame_{i:05d}.jpg"] = dg.jpeg(dg.Image.fromarray(f))
+        for video in ("clip.mp4", "frames/clip/"):
+            lines.append(json.dumps({"video": video, "conversations": [
+                {"from": "human", "value": "<video>\nWhat happens?"}, {"from": "gpt", "value": dg.sentence(rs, 8, 20)}]}))
+        dg.add_sft(ds, lines, files, frames={"max_num_frames": 6, "min_num_frames": 3, "sample": "middle"},
+                   shuffle_lines=True)
+    merged = dg.Dataset(str(tmp_path))
+    for group in a.groups:
+        g = dict(a.groups[group])
+        g["dataset_names"] = [f"{group}_a", f"{group}_b"]
+        g["num_used_data"] = a.groups[group]["num_used_data"] + b.groups[group]["num_used_data"]
+        merged.groups[group] = g
+        (ia,), (ib,) = a.info[group].values(), b.info[group].values()
+        merged.info[group] = {f"{group}_a": ia, f"{group}_b": ib}
+    cfg = load_config(merged.config(knobs={**SMALL, "use_flex": True}, num_workers=2,
+                                    prepack={"batches_per_stream": 20}))
+    assert_parity(cfg, tokenizer_and_special, [0, 1], 20)
