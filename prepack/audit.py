@@ -313,7 +313,7 @@ def audit_stream_from_seed(ctx: AuditContext, stream: StreamEntry, rep: CheckRep
 
 
 def audit_pack(out, *, stream: int | None = None, shard: int | None = None, all_streams: bool = False,
-               tokenizer=None) -> CheckReport:
+               tokenizer=None, progress: bool = False) -> CheckReport:
     """Audit shard ``shard`` of ``stream`` (None: every shard / every stream); see module doc."""
     if all_streams and shard is not None:
         raise AuditRefused("--all re-packs whole streams from their seeds; it takes no --shard")
@@ -325,15 +325,22 @@ def audit_pack(out, *, stream: int | None = None, shard: int | None = None, all_
             raise AuditRefused(f"stream {stream} is not in the manifest ({ctx.manifest.num_streams} streams)")
     mode = "from seeds" if all_streams else "from checkpoints"
     rep = CheckReport(f"audit {ctx.loc.base} ({mode})")
-    for s in streams:
+    from tqdm import tqdm
+
+    todo = [(s, [sh for sh in s.shards if all_streams or shard is None or sh.shard == shard]) for s in streams]
+    bar = tqdm(total=sum(len(r.records) for _, shs in todo for r in shs), unit="batch", desc="re-packing",
+               disable=not progress)
+    for s, shards in todo:
         if all_streams:
             audit_stream_from_seed(ctx, s, rep)
+            bar.update(sum(len(sh.records) for sh in shards))
             continue
-        shards = [sh for sh in s.shards if shard is None or sh.shard == shard]
         if shard is not None and not shards and stream is not None:
             raise AuditRefused(f"stream {s.stream} has no shard {shard} (it has {len(s.shards)})")
         for sh in shards:
             audit_shard(ctx, s, sh, rep)
+            bar.update(len(sh.records))
+    bar.close()
     if not rep.rows:
         raise AuditRefused(f"nothing to audit: no stream has shard {shard}")
     return rep

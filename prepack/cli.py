@@ -83,7 +83,7 @@ def cmd_verify(args) -> int:
     from prepack.verify import verify_pack
 
     _require_pack(args.dir)
-    report = verify_pack(args.dir)
+    report = verify_pack(args.dir, progress=sys.stderr.isatty())
     for line in report.lines():
         print(line)
     return 0 if report.ok else 1
@@ -93,7 +93,8 @@ def cmd_audit(args) -> int:
     from prepack.audit import audit_pack
 
     _require_pack(args.dir)
-    report = audit_pack(args.dir, stream=args.stream, shard=args.shard, all_streams=args.all)
+    report = audit_pack(args.dir, stream=args.stream, shard=args.shard, all_streams=args.all,
+                        progress=sys.stderr.isatty())
     for line in report.lines():
         print(line)
     return 0 if report.ok else 1

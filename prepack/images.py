@@ -46,10 +46,14 @@ def _pil_scope(load_truncated: bool) -> Iterator[None]:
 def _open(source: bytes | str, policy: ImagePolicy, load_truncated: bool) -> Image.Image:
     with _pil_scope(load_truncated):
         img = Image.open(io.BytesIO(source) if isinstance(source, (bytes, bytearray, memoryview)) else source)
-        w, h = img.size
-        if w * h > policy.max_pixels:
-            raise Rejected("image_over_pixel_limit", f"{w}x{h} > {policy.max_pixels} pixels")
-        img.load()
+        try:
+            w, h = img.size
+            if w * h > policy.max_pixels:
+                raise Rejected("image_over_pixel_limit", f"{w}x{h} > {policy.max_pixels} pixels")
+            img.load()
+        except BaseException:
+            img.close()
+            raise
     return img
 
 

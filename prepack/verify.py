@@ -249,7 +249,8 @@ def check_lineage(loc: PackLocation, manifest: Manifest, rep: CheckReport) -> No
         rep.add("lineage", LINEAGE_NAME, True, f"{lin.height} rows = samples of every record")
 
 
-def verify_pack(out: "str | os.PathLike | PackLocation", *, threads: int | None = None) -> CheckReport:
+def verify_pack(out: "str | os.PathLike | PackLocation", *, threads: int | None = None,
+                progress: bool = False) -> CheckReport:
     """Check every shard byte, record digest, identity field and lineage row against the manifest."""
     loc = resolve_location(out)
     rep = CheckReport(f"verify {loc.base}")
@@ -261,9 +262,14 @@ def verify_pack(out: "str | os.PathLike | PackLocation", *, threads: int | None 
     check_identity(loc, manifest, rep)
     shards = [sh for s in manifest.streams for sh in s.shards]
     workers = max(1, min(threads or min(4, os.cpu_count() or 1), len(shards) or 1))
-    with ThreadPoolExecutor(workers, thread_name_prefix="verify") as pool:
-        for rows in pool.map(lambda sh: check_shard(loc, manifest, sh), shards):
+    from tqdm import tqdm
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="verify") as pool, \
+            tqdm(total=sum(sh.nbytes for sh in shards), unit="B", unit_scale=True, desc="verifying",
+                 disable=not progress) as bar:
+        for sh, rows in zip(shards, pool.map(lambda sh: check_shard(loc, manifest, sh), shards)):
             rep.rows.extend(rows)
+            bar.update(sh.nbytes)
     for s in manifest.streams:
         check_stream_totals(s, rep)
     check_lineage(loc, manifest, rep)
