@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from prepack.identity import identity_mismatch, pack_identity, record_metadata
-from prepack.stream_job import lineage_file
+from prepack.stream_job import _put_atomic, lineage_file
 from schemas.config import PrepackConfig
 from schemas.location import resolve_location
 from schemas.manifest import LINEAGE_NAME, MANIFEST_NAME, MANIFEST_VERSION, PACK_INFO_NAME, Manifest, StreamEntry
@@ -45,6 +45,8 @@ class RunSummary:
     max_num_tokens: int = 0
     output_bytes: int = 0
     extra: dict = field(default_factory=dict)
+    # what this run itself packed (resumed streams count only their new shards); None: all of ``streams``
+    packed_now: tuple[int, int] | None = None  # (records, tokens)
 
     def lines(self) -> list[str]:
         recs = sum(s.num_records for s in self.streams)
@@ -64,8 +66,10 @@ class RunSummary:
             f"fill ratio {fill:.3f} of max_num_tokens={self.max_num_tokens}; output {self.output_bytes / 2**20:.1f} MiB",
         ]
         if self.elapsed_s > 0 and not self.already_done:
-            out.append(f"throughput {toks / self.elapsed_s:,.0f} tokens/s, {recs / self.elapsed_s:.2f} batches/s "
-                       f"({self.elapsed_s:.1f} s wall)")
+            new_recs, new_toks = self.packed_now if self.packed_now is not None else (recs, toks)
+            resumed = f"; {recs - new_recs} batches were already committed" if new_recs != recs else ""
+            out.append(f"throughput {new_toks / self.elapsed_s:,.0f} tokens/s, {new_recs / self.elapsed_s:.2f} batches/s "
+                       f"({self.elapsed_s:.1f} s wall{resumed})")
         total = sum(groups.values()) or 1
         out.append("group mix: " + ", ".join(f"{g} {n} ({n / total:.0%})" for g, n in sorted(groups.items())))
         out.append("drops: " + (", ".join(f"{k}={v}" for k, v in sorted(drops.items())) or "none"))
@@ -78,13 +82,20 @@ class RunSummary:
 
 # -- lock -------------------------------------------------------------------------------------
 def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process on this host (a zombie, i.e. an exited process its parent
+    has not reaped yet, holds no lock: it counts as dead)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no procfs: trust kill(0)
+    return state not in ("Z", "X")
 
 
 def acquire_lock(loc) -> dict:
@@ -154,19 +165,32 @@ def _make_remote(ray):
             return dict(self.state)
 
     @ray.remote(num_cpus=1, max_retries=3)
-    def stream_task(cfg, out, stream, metadata, progress):
+    def stream_task(cfg, out, stream, metadata, progress, local_ray=False):
         from prepack.stream_job import pack_one_stream
         from prepack.tokenizer import load_tokenizer, special_token_ids
 
+        # A local Ray fate-shares with its driver: a SIGKILLed driver takes the raylet along, but
+        # its orphaned workers would go on packing (and even start a task pushed just before)
+        # for seconds, racing a rerun over the same files.  So on a local Ray (same host, same
+        # PID namespace) a task stops at the next record once its raylet has exited.
+        raylet = int(os.environ.get("RAY_RAYLET_PID") or 0) if local_ray else 0
+
+        def check_raylet() -> None:
+            if raylet and not _pid_alive(raylet):
+                raise RuntimeError(f"stream {stream}: this worker's raylet (pid {raylet}) is gone; stopping")
+
+        check_raylet()
         tokenizer, special = special_token_ids(load_tokenizer(cfg.tokenizer))
         last = [0.0]
 
         def report(ev):
+            check_raylet()
             now = time.monotonic()
             if ev.done or now - last[0] > 0.25:
                 last[0] = now
                 progress.update.remote(ev.stream, ev.batches, ev.tokens, ev.done)
 
+        check_raylet()
         return pack_one_stream(cfg, out, stream, tokenizer, special, metadata, report)
 
     return Progress, stream_task
@@ -196,14 +220,27 @@ def finalize(loc, cfg: PrepackConfig, identity: dict) -> tuple[bool, list[Stream
     if tables:
         sink = pa.BufferOutputStream()
         pq.write_table(pa.concat_tables(tables), sink, compression="zstd")
-        with loc.fs.open_output_stream(loc.path(LINEAGE_NAME)) as f:
-            f.write(sink.getvalue().to_pybytes())
+        _put_atomic(loc, LINEAGE_NAME, sink.getvalue().to_pybytes())  # a driver killed here leaves no torn file
     manifest = Manifest(version=MANIFEST_VERSION, record_schema_version=RECORD_SCHEMA_VERSION,
                         identity=identity, streams=entries)
     from prepack.writer import write_json_atomic
 
     write_json_atomic(loc, MANIFEST_NAME, manifest.to_json())
     return True, entries
+
+
+def _committed_totals(loc, stream: int) -> tuple[int, int]:
+    """(records, tokens) in the stream's committed shards (indexes contiguous from 0)."""
+    from schemas.manifest import ShardEntry, shard_index_file
+
+    recs = toks = 0
+    k = 0
+    while (d := _read_json(loc, shard_index_file(stream, k))) is not None:
+        entry = ShardEntry.from_json(d)
+        recs += len(entry.records)
+        toks += sum(r.num_tokens for r in entry.records)
+        k += 1
+    return recs, toks
 
 
 def output_bytes(loc) -> int:
@@ -244,14 +281,18 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
         from schemas.manifest import done_file
 
         todo = [s for s in wanted if _read_json(loc, done_file(s)) is None]
+        before = [_committed_totals(loc, s) for s in todo]  # shards a killed run already committed
         if todo:
             _run_tasks(cfg, out, todo, metadata, address, progress, num_cpus)
         written, entries = finalize(loc, cfg, identity)
         if not written:
             entries = [StreamEntry.from_json(_read_json(loc, done_file(s))) for s in wanted]
+        now = [e for e in entries if e.stream in todo]
+        packed_now = (sum(e.num_records for e in now) - sum(b[0] for b in before),
+                      sum(e.num_tokens for e in now) - sum(b[1] for b in before))
         return RunSummary(out, entries, written, time.perf_counter() - start,
-                          already_done=not todo and written, max_num_tokens=cfg.knobs.max_num_tokens,
-                          output_bytes=output_bytes(loc))
+                          already_done=not todo, max_num_tokens=cfg.knobs.max_num_tokens,
+                          output_bytes=output_bytes(loc), packed_now=packed_now)
     finally:
         release_lock(loc)
 
@@ -261,7 +302,8 @@ def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus) -> No
     try:
         Progress, stream_task = _make_remote(ray)
         progress = Progress.remote()
-        pending = {stream_task.remote(cfg, out, s, metadata, progress): s for s in todo}
+        local = not (address or os.environ.get("RAY_ADDRESS"))
+        pending = {stream_task.remote(cfg, out, s, metadata, progress, local): s for s in todo}
         budget = cfg.prepack.batches_per_stream
         bar = None
         if show_progress:
