@@ -103,24 +103,30 @@ def acquire_lock(loc) -> dict:
     path = loc.path(LOCK_NAME)
     if loc.is_local:
         for _ in range(2):
-            try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                try:
-                    held = json.loads(open(path).read() or "{}")
-                except (OSError, ValueError):
-                    held = {}
-                if held.get("host") == me["host"] and isinstance(held.get("pid"), int) and not _pid_alive(held["pid"]):
-                    log.warning("removing stale lock of dead process %s", held["pid"])
-                    os.unlink(path)
-                    continue
-                raise PackRefused(
-                    f"another prepack run (pid {held.get('pid')} on {held.get('host')}) holds {path}; "
-                    "wait for it, or delete the lock file if that run is dead"
-                ) from None
-            with os.fdopen(fd, "w") as f:
+            # Write the holder first, then link it into place: the lock never exists empty, even
+            # if this process dies between the two steps (link fails if a lock already exists).
+            tmp = f"{path}.{me['pid']}.tmp"
+            with open(tmp, "w") as f:
                 json.dump(me, f)
-            return me
+            try:
+                os.link(tmp, path)
+                return me
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(tmp)
+            try:
+                held = json.loads(open(path).read() or "{}")
+            except (OSError, ValueError):
+                held = {}
+            if held.get("host") == me["host"] and isinstance(held.get("pid"), int) and not _pid_alive(held["pid"]):
+                log.warning("removing stale lock of dead process %s", held["pid"])
+                os.unlink(path)
+                continue
+            raise PackRefused(
+                f"another prepack run (pid {held.get('pid')} on {held.get('host')}) holds {path}; "
+                "wait for it, or delete the lock file if that run is dead"
+            )
         raise PackRefused(f"could not take the lock {path}")
     info = loc.fs.get_file_info(path)
     if info.type.name == "File":
@@ -297,6 +303,21 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
         release_lock(loc)
 
 
+def progress_postfix(snap: dict[int, tuple[int, int, bool]], todo: list[int], budget: int | None,
+                     elapsed: float) -> str:
+    """Overall tokens and rate, then per stream: each one when few, the spread when many."""
+    tokens = sum(v[1] for v in snap.values())
+    done = sum(1 for v in snap.values() if v[2])
+    rate = tokens / elapsed if elapsed > 0 else 0.0
+    counts = [snap.get(s, (0, 0, False))[0] for s in todo]
+    of = f"/{budget}" if budget else ""
+    if len(todo) <= 6:
+        per = " ".join(f"s{s}:{c}{of}" for s, c in zip(todo, counts))
+    else:
+        per = f"per stream {min(counts)}..{max(counts)}{of}"
+    return f"{tokens:,} tok, {rate:,.0f} tok/s, {per}, done {done}/{len(todo)}"
+
+
 def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus) -> None:
     ray = init_ray(address, num_cpus)
     try:
@@ -325,12 +346,8 @@ def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus) -> No
                         raise RuntimeError(f"stream {s} failed: {type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}") from e
                 if bar is not None:
                     snap = ray.get(progress.snapshot.remote())
-                    batches = sum(v[0] for v in snap.values())
-                    tokens = sum(v[1] for v in snap.values())
-                    done = sum(1 for v in snap.values() if v[2])
-                    bar.n = batches
-                    rate = tokens / max(bar.format_dict.get("elapsed", 0) or 1e-9, 1e-9)
-                    bar.set_postfix_str(f"{tokens:,} tok, {rate:,.0f} tok/s, streams done {done}/{len(todo)}")
+                    bar.n = sum(v[0] for v in snap.values())
+                    bar.set_postfix_str(progress_postfix(snap, todo, budget, bar.format_dict.get("elapsed") or 0.0))
                     bar.refresh()
         finally:
             if bar is not None:

@@ -50,3 +50,12 @@ def test_bad_yaml_is_one_line(tmp_path):
     p.write_text("dataset: [unclosed\n")
     r = prepack("run", str(p), "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and "not valid YAML" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_progress_postfix_shows_each_stream_or_the_spread():
+    from prepack.driver import progress_postfix
+
+    few = progress_postfix({0: (3, 3000, False), 1: (6, 6000, True)}, [0, 1], 6, 2.0)
+    assert "9,000 tok" in few and "4,500 tok/s" in few and "s0:3/6 s1:6/6" in few and "done 1/2" in few
+    many = progress_postfix({s: (s, 10, False) for s in range(10)}, list(range(10)), None, 0.0)
+    assert "per stream 0..9" in many and "done 0/10" in many
