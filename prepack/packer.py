@@ -12,6 +12,7 @@ padding) is refused and counted instead of emitted.  Every sample that is not pa
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -91,6 +92,7 @@ class StreamPacker:
             counters=self.counters,
             image_policy=ImagePolicy(max_pixels=cfg.prepack.max_image_pixels, strict=cfg.prepack.strict),
             max_consecutive_failures=cfg.prepack.max_consecutive_failures,
+            config_dir=os.path.dirname(cfg.config_path) if cfg.config_path else os.getcwd(),
         )
         self.sources: list[Source] = [make_source(g, ctx) for g in cfg.groups]
         self.buffer: list[Sample] = []

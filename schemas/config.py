@@ -231,7 +231,12 @@ def _resolve(base: str, p: Any, where: str) -> str:
         raise ConfigError(f"{where} must be a non-empty path string, got {p!r}")
     if "://" in p:
         return p
-    return os.path.normpath(os.path.join(base, os.path.expanduser(p)))
+    p = os.path.expanduser(p)
+    if os.path.isabs(p):
+        # kept verbatim: the reference joins and compares these strings as given (parquet_info
+        # keys, sort order of file paths), so normalising them could change which files match
+        return p
+    return os.path.normpath(os.path.join(base, p))
 
 
 def _load_mapping(base: str, d: Mapping, key: str) -> dict:

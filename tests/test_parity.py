@@ -201,3 +201,32 @@ def test_parity_several_datasets_per_group_repeats_and_middle_frames(tokenizer_a
     cfg = load_config(merged.config(knobs={**SMALL, "use_flex": True}, num_workers=2,
                                     prepack={"batches_per_stream": 20}))
     assert_parity(cfg, tokenizer_and_special, [0, 1], 20)
+
+
+def test_parity_with_unnormalised_absolute_paths_and_relative_parquet_info_keys(tokenizer_and_special, tmp_path):
+    """Absolute paths are used verbatim (the reference joins and matches the strings as given);
+    relative parquet_info keys resolve against the config's folder like every relative path."""
+    rs = np.random.RandomState(8)
+    ds = dg.Dataset(str(tmp_path))
+    dg.add_edit(ds, [dg.good_edit_rows(rs, 3, 3 * i) for i in range(4)])
+    lines, files = dg.good_sft(rs, 8)
+    dg.add_sft(ds, lines, files)
+    info = ds.info["unified_edit"]["edit"]
+    raw_dir = str(tmp_path) + "/./edit//images"  # an unusual but valid spelling
+    info["data_dir"] = raw_dir
+    with open(info["parquet_info_path"]) as f:
+        entries = json.load(f)
+    with open(info["parquet_info_path"], "w") as f:
+        json.dump({os.path.join(raw_dir, os.path.basename(k)): v for k, v in entries.items()}, f)
+    cfg = load_config(ds.config(knobs=SMALL, num_workers=2, prepack={"batches_per_stream": 6}))
+    assert cfg.groups[0].datasets[0].data_dir == raw_dir
+    assert_parity(cfg, tokenizer_and_special, [0, 1], 6)
+
+    with open(info["parquet_info_path"], "w") as f:  # keys relative to the config's folder
+        json.dump({os.path.join("edit", "images", os.path.basename(k)): v for k, v in entries.items()}, f)
+    info["data_dir"] = "edit/images"
+    cfg = load_config(ds.config(knobs=SMALL, num_workers=2, prepack={"batches_per_stream": 6}))
+    tok, special = tokenizer_and_special
+    p = StreamPacker(cfg, 0, tok, special)
+    assert len(list(p)) == 6 and p.counters.samples_packed.get("unified_edit", 0) > 0
+    assert "edit_file_missing_from_parquet_info" not in p.counters.warnings

@@ -45,6 +45,7 @@ class StreamContext:
     counters: Counters
     image_policy: ImagePolicy
     max_consecutive_failures: int
+    config_dir: str = ""  # relative paths inside data files (parquet_info keys) resolve here
 
     @property
     def worker_id(self) -> int:

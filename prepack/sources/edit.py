@@ -24,7 +24,8 @@ from schemas.config import ConfigError, GroupConfig, TransformArgs
 from schemas.record import SampleOrigin
 
 
-def _load_parquet_info(paths: list[str]) -> dict:
+def _load_parquet_info(paths: list[str], base: str) -> dict:
+    """Merged ``parquet_info`` files; relative keys resolve against the config's folder."""
     info: dict = {}
     for p in paths:
         try:
@@ -34,14 +35,15 @@ def _load_parquet_info(paths: list[str]) -> dict:
             raise ConfigError(f"parquet_info_path {p}: cannot read JSON ({e})") from None
         if not isinstance(d, dict):
             raise ConfigError(f"parquet_info_path {p}: must be a JSON object of path -> {{num_row_groups}}")
-        info.update(d)
+        info.update({k if os.path.isabs(k) or "://" in k else os.path.normpath(os.path.join(base, k)): v
+                     for k, v in d.items()})
     return info
 
 
 class EditSource(Source):
     def __init__(self, group: GroupConfig, ctx: StreamContext):
         super().__init__(group, ctx)
-        info = _load_parquet_info([d.parquet_info_path for d in group.datasets if d.parquet_info_path])
+        info = _load_parquet_info([d.parquet_info_path for d in group.datasets if d.parquet_info_path], ctx.config_dir)
         listed: set[str] = set()
         row_groups: list[tuple[str, int, str]] = []
         for ds, num in zip(group.datasets, group.num_used_data):
