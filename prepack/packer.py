@@ -189,7 +189,9 @@ class StreamPacker:
         k = self.cfg.knobs
         cap = k.max_num_tokens_per_sample
         builder = self._new_builder()
-        while not self.budget_spent():
+        if self.budget_spent():
+            return
+        while True:  # the budget is checked at batch boundaries only, so no sample is left half-packed
             if builder.curr == 0:
                 for group, source in zip(self.cfg.groups, self.sources):
                     if not group.is_mandatory:
@@ -214,17 +216,16 @@ class StreamPacker:
                     continue
                 # The reference emits the batch and discards this sample without a trace.
                 self.counters.drop("discarded_no_fit_buffer_full" if not from_buffer else "discarded_no_fit_from_buffer")
-                batch = self._emit(builder)
-                builder = self._new_builder()
-                if batch is not None:
-                    yield batch
-                continue
-            builder.add(sample)
-            if builder.curr >= k.expected_num_tokens:
-                batch = self._emit(builder)
-                builder = self._new_builder()
-                if batch is not None:
-                    yield batch
+            else:
+                builder.add(sample)
+                if builder.curr < k.expected_num_tokens:
+                    continue
+            batch = self._emit(builder)
+            builder = self._new_builder()
+            if batch is not None:
+                yield batch
+            if self.budget_spent():
+                return
 
 
 def pack_stream(cfg: PrepackConfig, stream: int, tokenizer, special, limit: int | None = None) -> list[PackedBatch]:
