@@ -415,8 +415,8 @@ def parse_config(raw: Mapping[str, Any], base_dir: str, *, config_path: str = ""
                 raise ConfigError(f"prepack.{k} must be positive, got {v!r}")
     section = PrepackSection(**pkw)
     comp = section.compression
-    if comp != "none" and not (comp.startswith("zstd:") and comp[5:].lstrip("-").isdigit()):
-        raise ConfigError(f"prepack.compression must be 'zstd:LEVEL' or 'none', got {comp!r}")
+    if comp not in ("none", "lz4") and not (comp.startswith("zstd:") and comp[5:].lstrip("-").isdigit()):
+        raise ConfigError(f"prepack.compression must be 'zstd:LEVEL', 'lz4' or 'none', got {comp!r}")
     if section.batches_per_stream is None and section.tokens_per_stream is None and section.passes is None:
         raise ConfigError("prepack needs a budget: batches_per_stream, tokens_per_stream or passes")
 

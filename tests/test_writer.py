@@ -105,7 +105,7 @@ def test_deterministic_bytes(tmp_path):
         assert (tmp_path / "a" / e.file).read_bytes() == (tmp_path / "b" / e.file).read_bytes()
 
 
-@pytest.mark.parametrize("spec", ["none", "zstd:1", "zstd:19", "zstd:-5"])
+@pytest.mark.parametrize("spec", ["none", "zstd:1", "zstd:19", "zstd:-5", "lz4"])
 def test_compression_levels_same_content(tmp_path, spec):
     batches = stream_batches(2, 3)
     ref, _ = write_stream(str(tmp_path / "ref"), batches, compression="zstd:3", shard_bytes=10**9)
