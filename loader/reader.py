@@ -99,6 +99,8 @@ def _read_shard(loc: PackLocation, shard: ShardEntry, first: int, verify) -> Ite
         for i in range(first, len(shard.records)):
             try:
                 record = reader.get_batch(i)
+                if verify:  # bounds first: damaged offsets must not make the digest read out of range
+                    record.validate(full=True)
                 digest = record_digest(record) if verify else None
             except (pa.ArrowException, OSError, ValueError) as exc:
                 raise fail(i, f"cannot decode record ({exc})") from exc
