@@ -23,7 +23,6 @@ from prepack.writer import StreamWriter, recover_stream, write_json_atomic
 from schemas.config import PrepackConfig
 from schemas.location import resolve_location
 from schemas.manifest import StreamEntry, checkpoint_file, done_file, shard_index_file, stream_dir
-from schemas.record import PackedBatch
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +48,11 @@ class ProgressEvent:
     extra: dict = field(default_factory=dict)
 
 
-def _lineage_rows(stream: int, first_record: int, batches: list[PackedBatch]) -> pa.Table:
+def _lineage_rows(stream: int, first_record: int, batches: list[tuple[list, list[int]]]) -> pa.Table:
+    """Lineage of a shard from each batch's (origins, sample lengths)."""
     cols: dict[str, list] = {f.name: [] for f in LINEAGE_SCHEMA}
-    for i, b in enumerate(batches):
-        for j, (o, n) in enumerate(zip(b.origins, b.sample_lens.tolist())):
+    for i, (origins, lens) in enumerate(batches):
+        for j, (o, n) in enumerate(zip(origins, lens)):
             cols["stream"].append(stream)
             cols["record"].append(first_record + i)
             cols["sample"].append(j)
@@ -118,7 +118,7 @@ def pack_one_stream(cfg: PrepackConfig, out: str, stream: int, tokenizer, specia
         log.info("stream %d: resuming at shard %d (record %d)", stream, next_shard, next_record)
     writer = StreamWriter(loc, stream, shard_bytes=cfg.prepack.shard_bytes, compression=cfg.prepack.compression,
                           metadata=metadata, start_shard=next_shard, start_record=next_record)
-    pending: list[PackedBatch] = []
+    pending: list[tuple[list, list[int]]] = []  # lineage of the open shard (not its pixels)
     start = time.perf_counter()
 
     def commit(entry) -> None:
@@ -130,7 +130,7 @@ def pack_one_stream(cfg: PrepackConfig, out: str, stream: int, tokenizer, specia
 
     try:
         for batch in packer:
-            pending.append(batch)
+            pending.append((batch.origins, batch.sample_lens.tolist()))
             entry = writer.append(batch)
             if entry is not None:
                 commit(entry)
