@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("prepack.driver").setLevel(min(level, logging.INFO))  # progress lines without a terminal
     from schemas.config import ConfigError
 
     try:

@@ -29,6 +29,7 @@ from schemas.record import RECORD_SCHEMA_VERSION
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".prepack.lock"
+LOG_EVERY_S = 30.0
 
 
 class PackRefused(RuntimeError):
@@ -326,6 +327,7 @@ def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus) -> No
         local = not (address or os.environ.get("RAY_ADDRESS"))
         pending = {stream_task.remote(cfg, out, s, metadata, progress, local): s for s in todo}
         budget = cfg.prepack.batches_per_stream
+        started = last_log = time.monotonic()
         bar = None
         if show_progress:
             from tqdm import tqdm
@@ -349,6 +351,11 @@ def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus) -> No
                     bar.n = sum(v[0] for v in snap.values())
                     bar.set_postfix_str(progress_postfix(snap, todo, budget, bar.format_dict.get("elapsed") or 0.0))
                     bar.refresh()
+                elif time.monotonic() - last_log >= LOG_EVERY_S:  # no terminal (e.g. ray job logs)
+                    last_log = time.monotonic()
+                    snap = ray.get(progress.snapshot.remote())
+                    log.info("%d batches; %s", sum(v[0] for v in snap.values()),
+                             progress_postfix(snap, todo, budget, last_log - started))
         finally:
             if bar is not None:
                 bar.close()
