@@ -69,7 +69,8 @@ class CheckReport:
         for r in self.rows:
             out.append(f"{r.check:<{wc}}  {r.target:<{wt}}  {'ok' if r.ok else 'FAIL':<6}  {r.detail}".rstrip())
         bad = self.failures()
-        out.append(f"{len(self.rows) - len(bad)} passed, {len(bad)} failed: {'OK' if self.ok else 'FAILED'}")
+        verdict = "OK" if self.ok else "FAILED"
+        out.append(f"{verdict}: {len(self.rows) - len(bad)} of {len(self.rows)} checks passed")
         return out
 
 
