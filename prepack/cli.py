@@ -27,6 +27,9 @@ EPILOG = textwrap.dedent(
     plus a 'prepack:' section (world_size, batches_per_stream | tokens_per_stream | passes,
     shard_bytes, compression). Stream s = r*K + w holds exactly the batches the online packer yields
     in DataLoader worker w of rank r.
+
+    exit codes: 0 success; 1 the work failed or was refused (a stream error, a lock, another
+    config over the output, a verify/audit mismatch); 2 bad usage or config.
     """
 )
 
