@@ -171,9 +171,10 @@ def test_parity_through_shard_files_and_open_stream(flex, mixed, tokenizer_and_s
             assert not diffs, f"stream {s} batch {i}: " + "; ".join(diffs[:5])
 
 
-def test_parity_several_datasets_per_group_repeats_and_middle_frames(tokenizer_and_special, tmp_path):
+@pytest.mark.parametrize("sample", ["middle", "fps4"])
+def test_parity_several_datasets_per_group_repeats_and_frame_rules(sample, tokenizer_and_special, tmp_path):
     """Two datasets in every group (two parquet_info files, two JSONL files), file lists repeated
-    to num_used_data, and videos sampled with the 'middle' rule (mp4 and frame folders)."""
+    to num_used_data, and videos sampled with the 'middle' and 'fpsN' rules (mp4, frame folders)."""
     rs = np.random.RandomState(21)
     a, b = dg.Dataset(str(tmp_path / "a")), dg.Dataset(str(tmp_path / "b"))
     for ds, start in ((a, 0), (b, 40)):
@@ -188,7 +189,7 @@ def test_parity_several_datasets_per_group_repeats_and_middle_frames(tokenizer_a
         for video in ("clip.mp4", "frames/clip/"):
             lines.append(json.dumps({"video": video, "conversations": [
                 {"from": "human", "value": "<video>\nWhat happens?"}, {"from": "gpt", "value": dg.sentence(rs, 8, 20)}]}))
-        dg.add_sft(ds, lines, files, frames={"max_num_frames": 6, "min_num_frames": 3, "sample": "middle"},
+        dg.add_sft(ds, lines, files, frames={"max_num_frames": 6, "min_num_frames": 3, "sample": sample},
                    shuffle_lines=True)
     merged = dg.Dataset(str(tmp_path))
     for group in a.groups:
