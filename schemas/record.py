@@ -118,9 +118,11 @@ class PackedBatch:
         return out
 
 
-def encode_rows(hwc: np.ndarray) -> np.ndarray:
-    """Row-delta code an (h, w, 3) uint8 image: byte minus its left neighbour's, mod 256."""
-    out = np.array(hwc, dtype=np.uint8, copy=True)
+def encode_rows(hwc: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Row-delta code an (h, w, 3) uint8 image: byte minus its left neighbour's, mod 256
+    (into ``out``, an (h, w, 3) uint8 array, when given)."""
+    out = np.empty(hwc.shape, np.uint8) if out is None else out
+    out[:, :1] = hwc[:, :1]
     np.subtract(hwc[:, 1:], hwc[:, :-1], out=out[:, 1:], dtype=np.uint8, casting="unsafe")
     return out
 
@@ -135,12 +137,14 @@ def image_table(images: list[np.ndarray]) -> dict[str, np.ndarray]:
     offsets = np.zeros(len(images) + 1, np.int64)
     if images:
         np.cumsum([im.size for im in images], out=offsets[1:])
+    pixels = np.empty(int(offsets[-1]), np.uint8)  # coded straight into place: one pass, one copy
+    for im, a, b in zip(images, offsets[:-1], offsets[1:]):
+        encode_rows(im, out=pixels[a:b].reshape(im.shape))
     return {
         "image_heights": np.asarray([im.shape[0] for im in images], np.int32),
         "image_widths": np.asarray([im.shape[1] for im in images], np.int32),
         "image_offsets": offsets,
-        "image_pixels": (np.concatenate([encode_rows(im).reshape(-1) for im in images]) if images
-                         else np.zeros(0, np.uint8)),
+        "image_pixels": pixels,
     }
 
 
