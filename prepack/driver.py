@@ -20,7 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from prepack.identity import identity_mismatch, pack_identity, record_metadata
-from prepack.stream_job import _put_atomic, lineage_file
+from prepack.stream_job import lineage_file
+from prepack.writer import write_bytes_atomic
 from schemas.config import PrepackConfig
 from schemas.location import resolve_location
 from schemas.manifest import LINEAGE_NAME, MANIFEST_NAME, MANIFEST_VERSION, PACK_INFO_NAME, Manifest, StreamEntry
@@ -227,7 +228,7 @@ def finalize(loc, cfg: PrepackConfig, identity: dict) -> tuple[bool, list[Stream
     if tables:
         sink = pa.BufferOutputStream()
         pq.write_table(pa.concat_tables(tables), sink, compression="zstd")
-        _put_atomic(loc, LINEAGE_NAME, sink.getvalue().to_pybytes())  # a driver killed here leaves no torn file
+        write_bytes_atomic(loc, LINEAGE_NAME, sink.getvalue().to_pybytes())  # a driver killed here leaves no torn file
     manifest = Manifest(version=MANIFEST_VERSION, record_schema_version=RECORD_SCHEMA_VERSION,
                         identity=identity, streams=entries)
     from prepack.writer import write_json_atomic

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from prepack.checkpoint import state_from_payload, state_to_payload
 from prepack.packer import StreamPacker
-from prepack.writer import StreamWriter, recover_stream, write_json_atomic
+from prepack.writer import StreamWriter, recover_stream, write_bytes_atomic, write_json_atomic
 from schemas.config import PrepackConfig
 from schemas.location import resolve_location
 from schemas.manifest import StreamEntry, checkpoint_file, done_file, shard_index_file, stream_dir
@@ -70,7 +70,7 @@ def _lineage_rows(stream: int, first_record: int, batches: list[tuple[list, list
 def write_checkpoint(out, stream: int, shard: int, packer: StreamPacker) -> None:
     doc, pixels = state_to_payload(packer.state())
     loc = resolve_location(out)
-    _put_atomic(loc, checkpoint_file(stream, shard, "arrow"), pixels)
+    write_bytes_atomic(loc, checkpoint_file(stream, shard, "arrow"), pixels)
     write_json_atomic(loc, checkpoint_file(stream, shard, "json"), doc)
 
 
@@ -80,25 +80,10 @@ def read_checkpoint(out, stream: int, shard: int):
     return state_from_payload(doc, loc.read_bytes(checkpoint_file(stream, shard, "arrow")))
 
 
-def _put_atomic(loc, relpath: str, data: bytes) -> None:
-    tmp = loc.path(relpath) + ".tmp"
-    with loc.fs.open_output_stream(tmp) as f:
-        f.write(data)
-    if loc.is_local:
-        import os
-
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    loc.fs.move(tmp, loc.path(relpath))
-
-
 def _write_lineage(loc, stream: int, shard: int, table: pa.Table) -> None:
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, compression="zstd")
-    _put_atomic(loc, lineage_file(stream, shard), sink.getvalue().to_pybytes())
+    write_bytes_atomic(loc, lineage_file(stream, shard), sink.getvalue().to_pybytes())
 
 
 def pack_one_stream(cfg: PrepackConfig, out: str, stream: int, tokenizer, special, metadata: dict[str, str],
