@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import textwrap
 
@@ -64,8 +63,8 @@ def cmd_demo_data(args) -> int:
     from prepack.demo_data import write_demo_data
 
     data = write_demo_data(args.dir, seed=args.seed)
-    print(f"demo dataset written to {os.path.abspath(args.dir)}")
-    del data
+    print(f"demo dataset written to {data.root}: {data.num_t2i_rows} t2i rows, {data.num_edit_rows} edit rows, "
+          f"{data.num_vlm_rows} VLM rows ({len(data.videos)} videos, {len(data.frame_dirs)} frame folders)")
     return 0
 
 
