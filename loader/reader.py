@@ -18,19 +18,12 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from schemas.errors import PackIntegrityError
 from schemas.location import PackLocation, resolve_location
 from schemas.manifest import MANIFEST_NAME, Manifest, ShardEntry, StreamEntry
 from schemas.record import RECORD_SCHEMA_VERSION, record_digest
 
 _READ_OPTIONS = dict(use_threads=False)  # one core per reader; parallelism comes from streams
-
-
-class PackIntegrityError(RuntimeError):
-    """A shard file does not hold what the manifest says; names the file and the record."""
-
-    def __init__(self, path: str, stream: int, record: int, reason: str):
-        super().__init__(f"{path}: stream {stream}, record {record}: {reason}")
-        self.path, self.stream, self.record, self.reason = path, stream, record, reason
 
 
 @dataclass

@@ -11,6 +11,8 @@ import logging
 import sys
 import textwrap
 
+from schemas.errors import NotAPack, PrepackError, UsageError
+
 EPILOG = textwrap.dedent(
     """\
     examples:
@@ -33,10 +35,6 @@ EPILOG = textwrap.dedent(
 )
 
 
-class UsageError(Exception):
-    """Bad arguments: exit code 2."""
-
-
 def _streams(text: str | None) -> list[int] | None:
     if text is None:
         return None
@@ -47,7 +45,7 @@ def _streams(text: str | None) -> list[int] | None:
 
 
 def cmd_run(args) -> int:
-    from prepack.driver import run_pack
+    from prepack.run.driver import run_pack
     from schemas.config import load_config
 
     cfg = load_config(args.config)
@@ -60,16 +58,12 @@ def cmd_run(args) -> int:
 
 
 def cmd_demo_data(args) -> int:
-    from prepack.demo_data import write_demo_data
+    from prepack.demo.data import write_demo_data
 
     data = write_demo_data(args.dir, seed=args.seed)
     print(f"demo dataset written to {data.root}: {data.num_t2i_rows} t2i rows, {data.num_edit_rows} edit rows, "
           f"{data.num_vlm_rows} VLM rows ({len(data.videos)} videos, {len(data.frame_dirs)} frame folders)")
     return 0
-
-
-class NotAPack(Exception):
-    """DIR holds no finished pack: exit code 1."""
 
 
 def _require_pack(path: str) -> None:
@@ -82,7 +76,7 @@ def _require_pack(path: str) -> None:
 
 
 def cmd_verify(args) -> int:
-    from prepack.verify import verify_pack
+    from prepack.tools.verify import verify_pack
 
     _require_pack(args.dir)
     report = verify_pack(args.dir, progress=sys.stderr.isatty())
@@ -92,7 +86,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_audit(args) -> int:
-    from prepack.audit import audit_pack
+    from prepack.tools.audit import audit_pack
 
     _require_pack(args.dir)
     report = audit_pack(args.dir, stream=args.stream, shard=args.shard, all_streams=args.all,
@@ -103,7 +97,7 @@ def cmd_audit(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from prepack.inspect import inspect_record
+    from prepack.tools.inspect_record import inspect_record
 
     _require_pack(args.dir)
     text = inspect_record(args.dir, stream=args.stream, record=args.record, png=args.png)
@@ -112,12 +106,18 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_stats(args) -> int:
-    from prepack.stats import pack_stats
+    from prepack.tools.stats import pack_stats
 
     _require_pack(args.dir)
     report = pack_stats(args.dir, html=args.html)
     print(report)
     return 0
+
+
+def _version() -> str:
+    from prepack import __version__
+
+    return __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -181,23 +181,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("prepack.driver").setLevel(min(level, logging.INFO))  # progress lines without a terminal
-    from schemas.config import ConfigError
-
+    logging.getLogger("prepack.run.driver").setLevel(min(level, logging.INFO))  # progress lines without a terminal
     try:
         return args.func(args)
-    except (UsageError, ConfigError) as e:
-        print(f"prepack: error: {e}", file=sys.stderr)
-        return 2
+    except PrepackError as e:  # the user's mistake or a refused/failed piece of work: one line
+        if args.verbose:
+            logging.exception("details")
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"prepack: error: {msg}", file=sys.stderr)
+        return e.exit_code
     except KeyboardInterrupt:
         print("prepack: interrupted (committed shards are kept; rerun to resume)", file=sys.stderr)
         return 130
-    except Exception as e:  # one clear line; -v shows the traceback
-        if args.verbose:
-            logging.exception("failed")
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"prepack: error: {msg}", file=sys.stderr)
-        return 1
+    except Exception:  # anything else is a bug in prepack: show where
+        import traceback
+
+        traceback.print_exc()
+        print(f"prepack: internal error (a bug in prepack {_version()}; please report it with the traceback above)",
+              file=sys.stderr)
+        return 70
 
 
 if __name__ == "__main__":

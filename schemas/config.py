@@ -18,12 +18,11 @@ from typing import Any, Mapping
 
 import yaml
 
+from schemas.compression import Compression
+from schemas.errors import ConfigError
+
 GROUP_KINDS = ("t2i_pretrain", "vlm_sft", "unified_edit")
 DEFAULT_MAX_IMAGE_PIXELS = 400_000_000  # the reference's effective limit: 2 x PIL.MAX_IMAGE_PIXELS(2e8)
-
-
-class ConfigError(ValueError):
-    """A config mistake; the message is one line meant for the user."""
 
 
 def _closest(key: str, valid: list[str]) -> str:
@@ -414,9 +413,10 @@ def parse_config(raw: Mapping[str, Any], base_dir: str, *, config_path: str = ""
             if v <= 0:
                 raise ConfigError(f"prepack.{k} must be positive, got {v!r}")
     section = PrepackSection(**pkw)
-    comp = section.compression
-    if comp not in ("none", "lz4") and not (comp.startswith("zstd:") and comp[5:].lstrip("-").isdigit()):
-        raise ConfigError(f"prepack.compression must be 'zstd:LEVEL', 'lz4' or 'none', got {comp!r}")
+    try:
+        Compression.parse(section.compression)
+    except ValueError as e:
+        raise ConfigError(f"prepack.compression: {e}") from None
     if section.batches_per_stream is None and section.tokens_per_stream is None and section.passes is None:
         raise ConfigError("prepack needs a budget: batches_per_stream, tokens_per_stream or passes")
 

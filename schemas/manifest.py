@@ -8,7 +8,7 @@ Layout of a pack output directory (every name deterministic, no uuids or timesta
     OUT/stream-00003/ckpt-00001.json (+.arrow)  stream state at the start of shard 1
     OUT/stream-00003/done.json                  the stream finished its budget
     OUT/manifest.json                           written last: every stream's shards, totals, drops
-    OUT/lineage.parquet                         one row per packed sample (see prepack.writer)
+    OUT/lineage.parquet                         one row per packed sample (see prepack.run.writer)
 
 A shard index is written (atomically) only after its shard file is durable, and a checkpoint only
 after its shard index; so the set of shard indexes is always the set of committed shards.

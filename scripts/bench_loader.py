@@ -112,11 +112,11 @@ def build_pack(tmp: str, batches: int):
     """Realistic data (~0.8 MP photos, NeMo pretrain knobs, flex) packed in-process: 2 streams."""
     import bench_pack
 
-    from prepack.driver import finalize
-    from prepack.identity import pack_identity, record_metadata
-    from prepack.stream_job import pack_one_stream
-    from prepack.tokenizer import load_tokenizer, special_token_ids, tokenizer_fingerprint
-    from prepack.writer import write_json_atomic
+    from prepack.run.driver import finalize
+    from prepack.run.identity import pack_identity, record_metadata
+    from prepack.run.stream_job import pack_one_stream
+    from prepack.engine.tokenizer import load_tokenizer, special_token_ids, tokenizer_fingerprint
+    from prepack.run.writer import write_json_atomic
     from schemas.config import load_config
     from schemas.location import resolve_location
     from schemas.manifest import PACK_INFO_NAME

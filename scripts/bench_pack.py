@@ -80,9 +80,9 @@ def main() -> None:
     import oracle
     from compare import diff_batches
     from loader.batch import SimpleCustomBatch
-    from prepack.packer import StreamPacker
-    from prepack.tokenizer import load_tokenizer, special_token_ids
-    from prepack.writer import Compression
+    from prepack.engine.packer import StreamPacker
+    from prepack.engine.tokenizer import load_tokenizer, special_token_ids
+    from prepack.run.writer import Compression
     from schemas.config import load_config
     from schemas.record import RECORD_SCHEMA, batch_to_record, record_to_batch
     import pyarrow as pa
@@ -136,7 +136,7 @@ def main() -> None:
           f"{ref_cpu / (pack_cpu + write_cpu):.2f}x including the {args.compression} record write")
 
     if args.ray:
-        from prepack.driver import run_pack
+        from prepack.run.driver import run_pack
 
         for cpus in (1, 2):
             out = os.path.join(tmp, f"ray-{cpus}")

@@ -14,6 +14,6 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 @pytest.fixture(scope="session")
 def tokenizer_and_special():
     """The built-in qwen2-offline tokenizer with BAGEL's special tokens resolved."""
-    from prepack.tokenizer import load_tokenizer, special_token_ids
+    from prepack.engine.tokenizer import load_tokenizer, special_token_ids
 
     return special_token_ids(load_tokenizer("qwen2-offline"))

@@ -1,0 +1,1 @@
+"""The demo dataset: real photographs (scikit-image), captions, edit chains, VLM dialogues, videos."""

@@ -1,0 +1,83 @@
+"""StreamState <-> checkpoint payload (JSON + pixel bytes; format in ``schemas.checkpoint``).
+
+Buffered samples are saved with their resized pixels.  A picture used twice in one sample (an edit
+frame that is a VAE target and a VAE condition) stays one object after a restore, so a resumed
+stream dedupes images exactly as an uninterrupted one and writes the same bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from prepack.engine.accounting import Counters
+from prepack.engine.packer import StreamState
+from prepack.engine.sample import PlanItem, Sample, SampleImage
+from schemas.checkpoint import CHECKPOINT_VERSION, decode_pixels, encode_pixels
+from schemas.record import SampleOrigin
+
+
+def state_to_payload(state: StreamState) -> tuple[dict, bytes]:
+    pixels = []
+    buffer = []
+    for sample in state.buffer:
+        index: dict[int, int] = {}
+        images = []
+        for img in sample.images:
+            if id(img) not in index:
+                index[id(img)] = len(pixels)
+                pixels.append(img.pixels())
+            images.append({"pixels": index[id(img)], "norm": list(img.norm)})
+        buffer.append({
+            "plan": [asdict(p) for p in sample.plan],
+            "texts": [list(map(int, t)) for t in sample.texts],
+            "images": images,
+            "num_tokens": int(sample.num_tokens),
+            "origin": asdict(sample.origin),
+        })
+    doc = {
+        "version": CHECKPOINT_VERSION,
+        "stream": state.stream,
+        "batches": state.batches,
+        "tokens": state.tokens,
+        "py_rng": state.py_rng,
+        "np_rng": state.np_rng,
+        "sources": state.sources,
+        "buffer": buffer,
+        "counters": state.counters.to_json(),
+        "refused_in_row": state.refused_in_row,
+    }
+    return doc, encode_pixels(pixels)
+
+
+def state_from_payload(doc: dict, pixel_bytes: bytes) -> StreamState:
+    if doc.get("version") != CHECKPOINT_VERSION:
+        raise ValueError(f"unsupported checkpoint version {doc.get('version')!r}")
+    pixels = decode_pixels(pixel_bytes)
+    buffer = []
+    for s in doc["buffer"]:
+        shared: dict[int, SampleImage] = {}
+        images = []
+        for im in s["images"]:
+            i = im["pixels"]
+            if i not in shared:
+                arr = pixels[i]
+                shared[i] = SampleImage(None, arr.shape[1], arr.shape[0], tuple(im["norm"]), pixels=arr)
+            images.append(shared[i])
+        buffer.append(Sample(
+            plan=[PlanItem(**p) for p in s["plan"]],
+            texts=s["texts"],
+            images=images,
+            num_tokens=s["num_tokens"],
+            origin=SampleOrigin(**s["origin"]),
+        ))
+    return StreamState(
+        stream=doc["stream"],
+        batches=doc["batches"],
+        tokens=doc["tokens"],
+        py_rng=doc["py_rng"],
+        np_rng=doc["np_rng"],
+        sources=doc["sources"],
+        buffer=buffer,
+        counters=Counters.from_json(doc["counters"]),
+        refused_in_row=doc.get("refused_in_row", 0),
+    )

@@ -1,0 +1,145 @@
+"""Image decoding under an explicit per-run policy, and the NaViT resize rule, in uint8.
+
+The reference decodes with PIL globals it sets at import (truncated images accepted, a raised
+pixel limit, a 1 GiB PNG text-chunk limit).  We reproduce exactly that decoding, but only inside a
+scoped context around each decode (restored afterwards; nothing changes at import), and with our
+own pixel limit checked from the header before any pixel is decoded.  Damaged-but-decodable input
+is counted as a warning (default) or refused (strict).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+from PIL import Image, ImageFile, PngImagePlugin
+
+from prepack.engine.accounting import Rejected
+
+_HIGH_BIT_DEPTH_MODES = {"I", "F", "I;16", "I;16B", "I;16L", "I;16N"}
+_ALPHA_MODES_WITHOUT_COMPOSITE = {"LA", "La", "PA"}
+
+
+@dataclass(frozen=True)
+class ImagePolicy:
+    """Per-run decoding policy: the pixel limit and whether damaged input is refused."""
+
+    max_pixels: int
+    strict: bool = False
+
+
+@contextlib.contextmanager
+def _pil_scope(load_truncated: bool) -> Iterator[None]:
+    saved = (Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES, PngImagePlugin.MAX_TEXT_CHUNK)
+    Image.MAX_IMAGE_PIXELS = None  # our own limit is checked from the header instead
+    ImageFile.LOAD_TRUNCATED_IMAGES = load_truncated
+    PngImagePlugin.MAX_TEXT_CHUNK = 1024 * 2**20
+    try:
+        yield
+    finally:
+        Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES, PngImagePlugin.MAX_TEXT_CHUNK = saved
+
+
+def _open(source: bytes | str, policy: ImagePolicy, load_truncated: bool) -> Image.Image:
+    with _pil_scope(load_truncated):
+        img = Image.open(io.BytesIO(source) if isinstance(source, (bytes, bytearray, memoryview)) else source)
+        try:
+            w, h = img.size
+            if w * h > policy.max_pixels:
+                raise Rejected("image_over_pixel_limit", f"{w}x{h} > {policy.max_pixels} pixels")
+            img.load()
+        except BaseException:
+            img.close()
+            raise
+    return img
+
+
+def load_image(source: bytes | str, policy: ImagePolicy, warn: Callable[[str], None]) -> Image.Image:
+    """Decode fully (as the reference's PIL settings would), counting damage via ``warn``."""
+    if not isinstance(source, (bytes, bytearray, memoryview, str)):
+        raise Rejected("image_not_bytes", type(source).__name__)
+    try:
+        return _open(source, policy, load_truncated=False)
+    except Rejected:
+        raise
+    except OSError:
+        pass  # maybe truncated: the reference accepts truncated images, retry as it decodes
+    img = _open(source, policy, load_truncated=True)
+    if policy.strict:
+        raise Rejected("strict_truncated_image")
+    warn("truncated_image")
+    return img
+
+
+def check_damage(img: Image.Image, policy: ImagePolicy, warn: Callable[[str], None]) -> None:
+    """Count (or refuse, in strict mode) what the reference's RGB conversion silently damages."""
+    kinds = []
+    if img.mode in _HIGH_BIT_DEPTH_MODES:
+        kinds.append("high_bit_depth_image_saturated")
+    if img.mode in _ALPHA_MODES_WITHOUT_COMPOSITE and img.info.get("transparency") is None:
+        kinds.append("alpha_dropped_without_composite")
+    if getattr(img, "n_frames", 1) > 1:
+        kinds.append("animated_image_first_frame_only")
+    for kind in kinds:
+        if policy.strict and kind != "animated_image_first_frame_only":
+            raise Rejected(f"strict_{kind}")
+        warn(kind)
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """RGB, compositing transparency on white (RGBA or a transparency key), as the reference does."""
+    if img.mode == "RGBA" or img.info.get("transparency") is not None:
+        rgba = img.convert("RGBA")
+        white = Image.new("RGB", rgba.size, (255, 255, 255))
+        white.paste(rgba, mask=rgba.split()[3])
+        return white
+    if img.mode == "RGB":
+        return img  # convert("RGB") would only copy
+    return img.convert("RGB")
+
+
+def decode_rgb(source: bytes | str, policy: ImagePolicy, warn: Callable[[str], None]) -> Image.Image:
+    """Bytes or a path -> a loaded RGB image (reference ``pil_img2rgb(Image.open(...))``)."""
+    img = load_image(source, policy, warn)
+    check_damage(img, policy, warn)
+    return to_rgb(img)
+
+
+def decode_plain_rgb(path: str, policy: ImagePolicy, warn: Callable[[str], None]) -> Image.Image:
+    """Frame-folder decoding: the reference uses ``.convert("RGB")`` there, with no compositing."""
+    img = load_image(path, policy, warn)
+    check_damage(img, policy, warn)
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def _make_divisible(value: float, stride: int) -> int:
+    return max(stride, int(round(value / stride) * stride))
+
+
+def _apply_scale(width: int, height: int, scale: float, stride: int) -> tuple[int, int]:
+    return _make_divisible(round(width * scale), stride), _make_divisible(round(height * scale), stride)
+
+
+def navit_size(width: int, height: int, *, max_size, min_size, stride: int, max_pixels, img_num: int = 1) -> tuple[int, int]:
+    """Target (width, height) of the NaViT resize: long edge <= max, short edge >= min, both
+    divisible by ``stride``, total pixels <= max_pixels / img_num.  Same float arithmetic and
+    order as the reference resize, so sizes agree exactly."""
+    scale = min(max_size / max(width, height), 1.0)
+    scale = max(scale, min_size / min(width, height))
+    new_w, new_h = _apply_scale(width, height, scale, stride)
+    if new_w * new_h > max_pixels / img_num:
+        scale = max_pixels / img_num / (new_w * new_h)
+        new_w, new_h = _apply_scale(new_w, new_h, scale, stride)
+    if max(new_w, new_h) > max_size:
+        scale = max_size / max(new_w, new_h)
+        new_w, new_h = _apply_scale(new_w, new_h, scale, stride)
+    return new_w, new_h
+
+
+def resize_pixels(img: Image.Image, width: int, height: int) -> np.ndarray:
+    """Bicubic (antialiased) PIL resize -> (h, w, 3) uint8, the pixels the reference normalises."""
+    out = img.resize((width, height), Image.Resampling.BICUBIC)
+    return np.asarray(out, dtype=np.uint8)

@@ -1,0 +1,251 @@
+"""Lay samples out along one packed sequence, drawing CFG dropout and timesteps in reference order.
+
+``SequenceBuilder.add(sample)`` follows the reference ``pack_sequence`` rules: per plan item, a text
+split (BOS + ids, then an EOS that closes the split), a ViT image (start marker, patches, end
+marker, one rope id for the whole image) or a VAE image (markers around latent slots, a timestep
+per slot), with classifier-free-guidance dropout per item and the split/rope bookkeeping of video
+frames (``split_start``/``split_end``/``frame_delta``).  The random draws happen exactly where the
+reference makes them, on the stream's explicit generators.  ``build()`` returns the compact
+``PackedBatch``; nothing heavy (patches, padded floats, dense masks) is made here.
+"""
+
+from __future__ import annotations
+
+import random
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from prepack.engine.sample import Sample, SampleImage
+from schemas.config import PackingKnobs
+from schemas.errors import PackingError
+from schemas.record import ATTN_MODE_CODES, PackedBatch, SampleOrigin, image_table
+
+
+@lru_cache(maxsize=4096)
+def _extrapolated_ids(n_h: int, n_w: int, max_side: int) -> np.ndarray:
+    ids = (np.arange(n_h, dtype=np.int64)[:, None] * max_side + np.arange(n_w, dtype=np.int64)).reshape(-1)
+    return ids.astype(np.int32)
+
+
+@lru_cache(maxsize=4096)
+def _interpolated_ids(n_h: int, n_w: int, max_side: int) -> np.ndarray:
+    # The reference buckets float32 fractional coordinates against float32 boundaries made by
+    # torch.arange; the same torch calls give the same buckets, so use them rather than numpy.
+    edges = torch.arange(1 / max_side, 1.0, 1 / max_side)
+    rows = torch.bucketize(torch.arange(0, 1 - 1e-6, 1 / n_h), edges, right=True)
+    cols = torch.bucketize(torch.arange(0, 1 - 1e-6, 1 / n_w), edges, right=True)
+    return (rows[:, None] * max_side + cols).reshape(-1).numpy().astype(np.int32)
+
+
+def position_ids(height: int, width: int, patch: int, max_side: int, interpolate: bool) -> np.ndarray:
+    fn = _interpolated_ids if interpolate else _extrapolated_ids
+    return fn(height // patch, width // patch, max_side)
+
+
+class SequenceBuilder:
+    """Accumulates one packed batch; ``curr`` is the reference's running token position."""
+
+    def __init__(self, knobs: PackingKnobs, special, py_rng: random.Random, np_rng: np.random.RandomState):
+        self.k = knobs
+        self.sp = special
+        self.py = py_rng
+        self.np = np_rng
+        self.curr = 0
+        self.sample_lens: list[int] = []
+        self.sample_num_splits: list[int] = []
+        self.split_lens: list[int] = []
+        self.attn_modes: list[int] = []
+        self.text_ids: list[int] = []
+        self.text_indexes: list[int] = []
+        self.position_ids: list[int] = []
+        self.label_ids: list[int] = []
+        self.ce_indexes: list[int] = []
+        self.ce_weights: list[float] = []
+        self.images: list[SampleImage] = []
+        self._image_slot: dict[int, int] = {}
+        self.vit_ids: list[int] = []
+        self.vit_seqlens: list[int] = []
+        self.vit_pos: list[np.ndarray] = []
+        self.vit_indexes: list[int] = []
+        self.vae_ids: list[int] = []
+        self.vae_shapes: list[tuple[int, int]] = []
+        self.latent_pos: list[np.ndarray] = []
+        self.vae_indexes: list[int] = []
+        self.timesteps: list[float] = []
+        self.mse_indexes: list[int] = []
+        self.origins: list[SampleOrigin] = []
+
+    @property
+    def empty(self) -> bool:
+        return self.curr == 0 and not self.sample_lens
+
+    def _slot(self, image: SampleImage) -> int:
+        key = id(image)
+        if key not in self._image_slot:
+            self._image_slot[key] = len(self.images)
+            self.images.append(image)
+        return self._image_slot[key]
+
+    def _marker(self, token: int, pos: int) -> None:
+        """A single text-stream token (BOS/EOS or an image start/end marker) at ``pos``."""
+        self.text_ids.append(token)
+        self.text_indexes.append(pos)
+
+    def _special_loss(self, item, pos: int) -> None:
+        if item.special_token_loss == 1:
+            self.ce_indexes.append(pos)
+            self.ce_weights.append(1.0)
+            self.label_ids.append(item.special_token_label)
+
+    def add(self, sample: Sample) -> None:
+        """Append one sample (reference ``pack_sequence`` semantics, random draws included)."""
+        k, sp = self.k, self.sp
+        texts = iter(sample.texts)
+        images = iter(sample.images)
+        curr = self.curr
+        rope = 0
+        sample_len = 0
+        split_len = 0
+        n_splits = 0
+        n_modes_before = len(self.attn_modes)
+        timestep = None
+        for item in sample.plan:
+            if item.split_start:
+                split_len = 0
+            if item.kind == "text":
+                ids = next(texts)
+                if item.enable_cfg == 1 and self.py.random() < k.text_cond_dropout_prob:
+                    continue
+                n = len(ids) + 1
+                self.text_ids.append(sp.bos_token_id)
+                self.text_ids.extend(ids)
+                self.text_indexes.extend(range(curr, curr + n))
+                if item.loss == 1:
+                    self.ce_indexes.extend(range(curr, curr + n))
+                    self.ce_weights.extend([1 / (n**0.5)] * n)
+                    self.label_ids.extend(ids)
+                    self.label_ids.append(sp.eos_token_id)
+                curr += n
+                split_len += n
+                self._marker(sp.eos_token_id, curr)
+                self._special_loss(item, curr)
+                curr += 1
+                split_len += 1
+                self.attn_modes.append(ATTN_MODE_CODES["causal"])
+                self.position_ids.extend(range(rope, rope + split_len))
+                rope += split_len
+            elif item.kind == "vit_image":
+                image = next(images)
+                if item.enable_cfg == 1 and self.py.random() < k.vit_cond_dropout_prob:
+                    rope += 1
+                    continue
+                self._marker(sp.start_of_image, curr)
+                curr += 1
+                split_len += 1
+                p = k.vit_patch_size
+                if image.height % p or image.width % p:
+                    raise PackingError(
+                        f"ViT image {image.width}x{image.height} is not divisible by vit_patch_size={p}: "
+                        "set the group's image_stride to the patch size"
+                    )
+                n_tok = (image.height // p) * (image.width // p)
+                self.vit_indexes.extend(range(curr, curr + n_tok))
+                curr += n_tok
+                split_len += n_tok
+                self.vit_ids.append(self._slot(image))
+                self.vit_seqlens.append(n_tok)
+                self.vit_pos.append(position_ids(image.height, image.width, p, k.max_num_patch_per_side, k.interpolate_pos))
+                self._marker(sp.end_of_image, curr)
+                self._special_loss(item, curr)
+                curr += 1
+                split_len += 1
+                self.attn_modes.append(ATTN_MODE_CODES["full"])
+                self.position_ids.extend([rope] * split_len)
+                rope += 1
+            elif item.kind == "vae_image":
+                image = next(images)
+                if item.enable_cfg == 1 and self.py.random() < k.vae_cond_dropout_prob:
+                    rope += 1
+                    continue
+                self._marker(sp.start_of_image, curr)
+                curr += 1
+                split_len += 1
+                d = k.vae_image_downsample
+                self.vae_ids.append(self._slot(image))
+                self.latent_pos.append(position_ids(image.height, image.width, d, k.max_latent_size, k.interpolate_pos))
+                h, w = image.height // d, image.width // d
+                self.vae_shapes.append((h, w))
+                n_tok = h * w
+                self.vae_indexes.extend(range(curr, curr + n_tok))
+                if item.loss == 1:
+                    self.mse_indexes.extend(range(curr, curr + n_tok))
+                    if item.split_start:
+                        timestep = self.np.randn()
+                    elif timestep is None:
+                        raise PackingError("a continued VAE split with loss has no timestep (malformed video plan)")
+                else:
+                    timestep = float("-inf")
+                self.timesteps.extend([timestep] * n_tok)
+                curr += n_tok
+                split_len += n_tok
+                self._marker(sp.end_of_image, curr)
+                self._special_loss(item, curr)
+                curr += 1
+                split_len += 1
+                if item.split_start:
+                    noisy = item.loss == 1 and item.frame_delta is None
+                    self.attn_modes.append(ATTN_MODE_CODES["noise" if noisy else "full"])
+                self.position_ids.extend([rope] * (n_tok + 2))
+                if item.frame_delta is not None:
+                    rope += item.frame_delta
+                elif item.loss == 0:
+                    rope += 1
+            else:
+                raise PackingError(f"unknown plan item kind {item.kind!r}")
+            if item.split_end:
+                self.split_lens.append(split_len)
+                n_splits += 1
+                sample_len += split_len
+        if len(self.attn_modes) - n_modes_before != n_splits:
+            raise PackingError("a sample's splits and attention modes disagree (malformed multi-frame plan)")
+        self.curr = curr
+        self.sample_lens.append(sample_len)
+        self.sample_num_splits.append(n_splits)
+        self.origins.append(sample.origin)
+
+    def build(self) -> PackedBatch:
+        """The compact batch; pixels are resized here (once per distinct picture)."""
+        k = self.k
+        table = image_table([img.pixels() for img in self.images])
+        cat = lambda parts: np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)  # noqa: E731
+        return PackedBatch(
+            use_flex=k.use_flex,
+            max_num_tokens=k.max_num_tokens,
+            vit_patch_size=k.vit_patch_size,
+            sequence_length=int(sum(self.sample_lens)),
+            sample_lens=np.asarray(self.sample_lens, np.int32),
+            sample_num_splits=np.asarray(self.sample_num_splits, np.int32),
+            split_lens=np.asarray(self.split_lens, np.int32),
+            attn_modes=np.asarray(self.attn_modes, np.uint8),
+            packed_text_ids=np.asarray(self.text_ids, np.int32),
+            packed_text_indexes=np.asarray(self.text_indexes, np.int32),
+            packed_position_ids=np.asarray(self.position_ids, np.int32),
+            packed_label_ids=np.asarray(self.label_ids, np.int32),
+            ce_loss_indexes=np.asarray(self.ce_indexes, np.int32),
+            ce_loss_weights=np.asarray(self.ce_weights, np.float64).astype(np.float32),
+            **table,
+            image_norm=np.asarray([img.norm for img in self.images], np.float64).reshape(-1, 6),
+            vit_image_ids=np.asarray(self.vit_ids, np.int32),
+            vit_token_seqlens=np.asarray(self.vit_seqlens, np.int32),
+            packed_vit_position_ids=cat(self.vit_pos),
+            packed_vit_token_indexes=np.asarray(self.vit_indexes, np.int32),
+            vae_image_ids=np.asarray(self.vae_ids, np.int32),
+            vae_latent_shapes=np.asarray(self.vae_shapes, np.int32).reshape(-1, 2),
+            packed_latent_position_ids=cat(self.latent_pos),
+            packed_vae_token_indexes=np.asarray(self.vae_indexes, np.int32),
+            packed_timesteps=np.asarray(self.timesteps, np.float64).astype(np.float32),
+            mse_loss_indexes=np.asarray(self.mse_indexes, np.int32),
+            origins=list(self.origins),
+        )

@@ -1,0 +1,240 @@
+"""One stream's greedy packer: weighted group sampling, mandatory groups, overflow buffer, budget.
+
+Stream ``s = r*K + w`` owns two explicit generators seeded like the reference seeds its process
+globals at iterator start (``random`` and NumPy's legacy generator, same seed) and draws from them
+in the reference's order: group choice, the sources' per-row draws, then CFG dropout and
+timesteps while laying a sample out.  Divergences from the reference (documented in
+docs/architecture.md): a source that never yields stops the stream with an error instead of
+looping forever; in flex mode a batch whose mandatory samples exceed ``max_num_tokens`` (negative
+padding) is refused and counted instead of emitted.  Every sample that is not packed is counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from prepack.engine.accounting import Counters
+from prepack.engine.images import ImagePolicy
+from prepack.engine.layout import PackingError, SequenceBuilder
+from prepack.engine.sample import Sample
+from prepack.engine.sources import Source, StreamContext, make_source
+from schemas.config import PrepackConfig
+from schemas.record import PackedBatch
+
+log = logging.getLogger(__name__)
+
+MAX_CONSECUTIVE_REFUSED_BATCHES = 100
+
+
+@dataclass
+class StreamState:
+    """Everything needed to continue a stream exactly after its last emitted batch."""
+
+    stream: int
+    batches: int
+    tokens: int
+    py_rng: list  # random.Random.getstate() as JSON
+    np_rng: dict  # RandomState.get_state(legacy) as JSON
+    sources: list[dict]
+    buffer: list[Sample]
+    counters: Counters
+    refused_in_row: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def _py_state_to_json(state: tuple) -> list:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def _py_state_from_json(d: list) -> tuple:
+    return (d[0], tuple(d[1]), d[2])
+
+
+def _np_state_to_json(rs: np.random.RandomState) -> dict:
+    name, keys, pos, has_gauss, cached = rs.get_state(legacy=True)
+    return {"name": name, "keys": [int(k) for k in keys], "pos": int(pos), "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached)}
+
+
+def _np_state_from_json(d: dict) -> tuple:
+    return (d["name"], np.asarray(d["keys"], dtype=np.uint32), d["pos"], d["has_gauss"], d["cached_gaussian"])
+
+
+class StreamPacker:
+    """Iterate packed batches of one stream until its budget is spent."""
+
+    def __init__(self, cfg: PrepackConfig, stream: int, tokenizer, special, state: StreamState | None = None):
+        self.cfg = cfg
+        self.stream = stream
+        self.rank, self.worker = cfg.stream_rank_worker(stream)
+        self.seed = cfg.stream_seed(stream)
+        self.special = special
+        self.py = random.Random(self.seed)
+        self.np = np.random.RandomState(self.seed)
+        self.counters = Counters()
+        ctx = StreamContext(
+            rank=self.rank,
+            worker=self.worker,
+            world_size=cfg.world_size,
+            num_workers=cfg.num_workers,
+            data_seed=cfg.knobs.data_seed,
+            tokenizer=tokenizer,
+            py_rng=self.py,
+            np_rng=self.np,
+            counters=self.counters,
+            image_policy=ImagePolicy(max_pixels=cfg.prepack.max_image_pixels, strict=cfg.prepack.strict),
+            max_consecutive_failures=cfg.prepack.max_consecutive_failures,
+            config_dir=os.path.dirname(cfg.config_path) if cfg.config_path else os.getcwd(),
+        )
+        self.sources: list[Source] = [make_source(g, ctx) for g in cfg.groups]
+        self.buffer: list[Sample] = []
+        self.batches = 0
+        self.tokens = 0
+        self.refused_in_row = 0
+        weights = [g.weight for g in cfg.groups]
+        total = sum(weights)
+        self.cumprobs = [sum(weights[: i + 1]) / total for i in range(len(weights))]
+        if state is not None:
+            self._restore(state)
+
+    # -- state ----------------------------------------------------------------------------------
+    def state(self) -> StreamState:
+        """The state after the last emitted batch (call only between batches)."""
+        return StreamState(
+            stream=self.stream,
+            batches=self.batches,
+            tokens=self.tokens,
+            py_rng=_py_state_to_json(self.py.getstate()),
+            np_rng=_np_state_to_json(self.np),
+            sources=[s.state() for s in self.sources],
+            buffer=list(self.buffer),
+            counters=Counters.from_json(self.counters.to_json()),
+            refused_in_row=self.refused_in_row,
+        )
+
+    def _restore(self, st: StreamState) -> None:
+        if st.stream != self.stream:
+            raise ValueError(f"checkpoint is for stream {st.stream}, not {self.stream}")
+        self.batches, self.tokens, self.refused_in_row = st.batches, st.tokens, st.refused_in_row
+        self.py.setstate(_py_state_from_json(st.py_rng))
+        self.np.set_state(_np_state_from_json(st.np_rng))
+        for source, s in zip(self.sources, st.sources, strict=True):
+            source.restore(s)
+        self.buffer = list(st.buffer)
+        restored = st.counters
+        self.counters.drops, self.counters.warnings = dict(restored.drops), dict(restored.warnings)
+        self.counters.samples_read, self.counters.samples_packed = dict(restored.samples_read), dict(restored.samples_packed)
+
+    # -- budget ---------------------------------------------------------------------------------
+    def budget_spent(self) -> bool:
+        p = self.cfg.prepack
+        if p.batches_per_stream is not None and self.batches >= p.batches_per_stream:
+            return True
+        if p.tokens_per_stream is not None and self.tokens >= p.tokens_per_stream:
+            return True
+        if p.passes is not None and all(s.passes >= p.passes for s in self.sources):
+            return True
+        return False
+
+    def final_counters(self) -> Counters:
+        """Counters at the end of the stream, with what is still buffered accounted for."""
+        c = Counters.from_json(self.counters.to_json())
+        if self.buffer:
+            c.drops["left_in_buffer_at_end_of_budget"] = c.drops.get("left_in_buffer_at_end_of_budget", 0) + len(self.buffer)
+        return c
+
+    # -- packing --------------------------------------------------------------------------------
+    def _new_builder(self) -> SequenceBuilder:
+        return SequenceBuilder(self.cfg.knobs, self.special, self.py, self.np)
+
+    def _pick_group(self) -> int:
+        n = self.py.random()
+        for i, cp in enumerate(self.cumprobs):
+            if n < cp:
+                return i
+        return 0
+
+    def _emit(self, builder: SequenceBuilder) -> PackedBatch | None:
+        k = self.cfg.knobs
+        length = builder.curr
+        if length > k.max_num_tokens:
+            if k.use_flex:
+                self.counters.drop("batch_refused_over_max_num_tokens", f"{length} > {k.max_num_tokens}")
+                self.counters.drop("samples_in_refused_batches", n=len(builder.origins))
+                self.refused_in_row += 1
+                if self.refused_in_row >= MAX_CONSECUTIVE_REFUSED_BATCHES:
+                    raise PackingError(
+                        f"{self.refused_in_row} batches in a row exceed max_num_tokens={k.max_num_tokens} "
+                        "(mandatory samples alone overflow it): raise max_num_tokens or lower max_num_tokens_per_sample"
+                    )
+                return None
+            self.counters.warn("batch_over_max_num_tokens")
+        self.refused_in_row = 0
+        batch = builder.build()
+        for o in builder.origins:
+            self.counters.samples_packed[o.group] = self.counters.samples_packed.get(o.group, 0) + 1
+        self.batches += 1
+        self.tokens += batch.sequence_length
+        return batch
+
+    def __iter__(self) -> Iterator[PackedBatch]:
+        k = self.cfg.knobs
+        cap = k.max_num_tokens_per_sample
+        builder = self._new_builder()
+        if self.budget_spent():
+            return
+        while True:  # the budget is checked at batch boundaries only, so no sample is left half-packed
+            if builder.curr == 0:
+                for group, source in zip(self.cfg.groups, self.sources):
+                    if not group.is_mandatory:
+                        continue
+                    while True:
+                        sample = source.next_sample()
+                        if sample.packed_len_estimate < cap:
+                            builder.add(sample)
+                            break
+                        self.counters.drop("overlength_mandatory_sample", str(sample.packed_len_estimate))
+            if builder.curr < k.prefer_buffer_before and self.buffer:
+                sample, from_buffer = self.buffer.pop(0), True
+            else:
+                sample, from_buffer = self.sources[self._pick_group()].next_sample(), False
+            n = sample.packed_len_estimate
+            if n > cap:
+                self.counters.drop("overlength_sample", str(n))
+                continue
+            if builder.curr + n > k.max_num_tokens:
+                if len(self.buffer) < k.max_buffer_size and not from_buffer:
+                    self.buffer.append(sample)
+                    continue
+                # The reference emits the batch and discards this sample without a trace.
+                self.counters.drop("discarded_no_fit_buffer_full" if not from_buffer else "discarded_no_fit_from_buffer")
+            else:
+                builder.add(sample)
+                if builder.curr < k.expected_num_tokens:
+                    continue
+            batch = self._emit(builder)
+            builder = self._new_builder()
+            if batch is not None:
+                yield batch
+            if self.budget_spent():
+                return
+
+
+def pack_stream(cfg: PrepackConfig, stream: int, tokenizer, special, limit: int | None = None) -> list[PackedBatch]:
+    """Convenience for tests and audits: the first ``limit`` batches of a stream, in memory."""
+    out = []
+    start = time.perf_counter()
+    for batch in StreamPacker(cfg, stream, tokenizer, special):
+        out.append(batch)
+        if limit is not None and len(out) >= limit:
+            break
+    log.debug("packed %d batches of stream %d in %.2fs", len(out), stream, time.perf_counter() - start)
+    return out

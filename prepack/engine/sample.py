@@ -1,0 +1,72 @@
+"""One source sample before packing: its sequence plan, token ids and (lazily resized) images.
+
+A sample is what the reference's per-dataset iterators yield, in our own types.  Images keep the
+decoded RGB picture and their target size; the bicubic resize runs only when the sample is
+actually packed (or checkpointed), and once per (picture, size) even when the plan uses the same
+picture twice (an edit frame that is both a VAE target and a VAE condition).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from PIL import Image
+
+from prepack.engine.images import resize_pixels
+from schemas.config import TransformArgs
+from schemas.record import SampleOrigin
+
+
+@dataclass
+class PlanItem:
+    """One split of a sequence plan (reference ``sequence_plan`` entry)."""
+
+    kind: str  # "text" | "vit_image" | "vae_image"
+    enable_cfg: int
+    loss: int
+    special_token_loss: int = 0
+    special_token_label: int | None = None
+    split_start: bool = True
+    split_end: bool = True
+    frame_delta: int | None = None
+
+
+class SampleImage:
+    """A decoded picture bound to a resize target and a normalisation; pixels made on demand."""
+
+    __slots__ = ("picture", "width", "height", "norm", "_pixels")
+
+    def __init__(self, picture: Image.Image | None, width: int, height: int, norm: tuple[float, ...],
+                 pixels: np.ndarray | None = None):
+        self.picture = picture
+        self.width = width
+        self.height = height
+        self.norm = norm  # mean rgb + std rgb
+        self._pixels = pixels
+
+    @classmethod
+    def from_transform(cls, picture: Image.Image, target: tuple[int, int], args: TransformArgs) -> "SampleImage":
+        return cls(picture, target[0], target[1], tuple(args.image_mean) + tuple(args.image_std))
+
+    def pixels(self) -> np.ndarray:
+        """(h, w, 3) uint8 after the NaViT resize; computed once, the picture then released."""
+        if self._pixels is None:
+            self._pixels = resize_pixels(self.picture, self.width, self.height)
+            self.picture = None
+        return self._pixels
+
+
+@dataclass
+class Sample:
+    plan: list[PlanItem]
+    texts: list[list[int]]  # one per text plan item, in order
+    images: list[SampleImage]  # one per image plan item, in order (extra unused ones allowed)
+    num_tokens: int  # the reference's estimate (before BOS/EOS/markers)
+    origin: SampleOrigin
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def packed_len_estimate(self) -> int:
+        """The length the packer budgets for: num_tokens + 2 per plan item (reference rule)."""
+        return self.num_tokens + 2 * len(self.plan)

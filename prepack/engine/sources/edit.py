@@ -1,0 +1,166 @@
+"""``unified_edit``: parquet rows of (``image_list``, ``instruction_list``) -> an edit chain.
+
+The unit of slicing is a (file, row group) pair, taken from ``parquet_info`` (files absent from it
+are ignored, as in the reference; both mismatches are counted).  Per row the reference draws, in
+order: the chain start, the chain end, (for chains longer than one step) whether to merge the
+instructions, and one paraphrase per step; images are decoded between those draws, and we decode
+at the same points so a failing row consumes exactly the draws it consumes there.
+Data index: ``[row-group position, row]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator
+
+import pyarrow.parquet as pq
+
+from prepack.engine.accounting import Rejected
+from prepack.engine.images import decode_rgb, navit_size
+from prepack.engine.sample import PlanItem, Sample, SampleImage
+from prepack.engine.sources.base import Source, StreamContext, list_parquet_files, slice_for_stream
+from schemas.config import ConfigError, GroupConfig, TransformArgs
+from schemas.record import SampleOrigin
+
+
+def _load_parquet_info(paths: list[str], base: str) -> dict:
+    """Merged ``parquet_info`` files; relative keys resolve against the config's folder."""
+    info: dict = {}
+    for p in paths:
+        try:
+            with open(p) as f:
+                d = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"parquet_info_path {p}: cannot read JSON ({e})") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"parquet_info_path {p}: must be a JSON object of path -> {{num_row_groups}}")
+        info.update({k if os.path.isabs(k) or "://" in k else os.path.normpath(os.path.join(base, k)): v
+                     for k, v in d.items()})
+    return info
+
+
+class EditSource(Source):
+    def __init__(self, group: GroupConfig, ctx: StreamContext):
+        super().__init__(group, ctx)
+        info = _load_parquet_info([d.parquet_info_path for d in group.datasets if d.parquet_info_path], ctx.config_dir)
+        listed: set[str] = set()
+        row_groups: list[tuple[str, int, str]] = []
+        for ds, num in zip(group.datasets, group.num_used_data):
+            for path in list_parquet_files(ds.data_dir, num, ctx.counters, group.name):
+                listed.add(path)
+                if path not in info:
+                    ctx.counters.warn("edit_file_missing_from_parquet_info", path)
+                    continue
+                try:
+                    n = int(info[path]["num_row_groups"])
+                except (KeyError, TypeError, ValueError):
+                    raise ConfigError(f"parquet_info entry for {path} needs an integer 'num_row_groups'") from None
+                row_groups += [(path, rg, ds.name) for rg in range(n)]
+        for path in info:
+            if path not in listed and not os.path.exists(path):
+                ctx.counters.warn("parquet_info_entry_without_file", path)
+        self.row_groups = slice_for_stream(row_groups, ctx, group.name, key=lambda t: (t[0], t[1]))
+        self.pos = [0, 0]  # next (row-group position, row)
+
+    def cursor(self) -> dict:
+        return {"row_group_pos": self.pos[0], "row": self.pos[1]}
+
+    def _restore_cursor(self, cursor: dict) -> None:
+        self.pos = [int(cursor["row_group_pos"]), int(cursor["row"])]
+
+    def _samples(self) -> Iterator[Sample]:
+        while True:
+            while self.pos[0] < len(self.row_groups):
+                gpos = self.pos[0]
+                path, rg, dataset = self.row_groups[gpos]
+                try:
+                    pf = pq.ParquetFile(path)
+                    names = pf.schema_arrow.names
+                    table = pf.read_row_group(rg, columns=[c for c in ("image_list", "instruction_list") if c in names])
+                except Exception as e:  # the reference drops the row group (or crashes on a missing file)
+                    self._failed("parquet_row_group_parse", f"{path} rg {rg}: {e}")
+                    self.pos = [gpos + 1, 0]
+                    continue
+                while self.pos[1] < table.num_rows:
+                    row = self.pos[1]
+                    self.pos = [gpos, row + 1]
+                    origin = SampleOrigin(self.group.name, dataset, self.ctx.worker_id, [gpos, row], False, path, rg, row)
+                    try:
+                        sample = self._row(table, row, origin)
+                    except Rejected as r:
+                        self._failed(r, f"{path} rg {rg} row {row}")
+                        continue
+                    except Exception as e:  # the reference's parse_row guard
+                        self._failed("parquet_row_parse", f"{path} rg {rg} row {row}: {type(e).__name__}: {e}")
+                        continue
+                    yield sample
+                self.pos = [gpos + 1, 0]
+            self.pos = [0, 0]
+            self._wrapped()
+
+    def _row(self, table, row: int, origin: SampleOrigin) -> Sample:
+        ctx, py = self.ctx, self.ctx.py_rng
+        vae_args, vit_args = self.group.image_transform, self.group.vit_image_transform
+        images = table.column("image_list")[row].as_py()
+        instructions = table.column("instruction_list")[row].as_py()
+        n = len(images)
+        start = py.choice(range(n - 1))
+        end = py.choice(range(start + 1, min(start + 3, n)))
+        plan: list[PlanItem] = []
+        texts: list[list[int]] = []
+        slots: list[SampleImage] = []
+        tokens = 0
+
+        def picture(i: int):
+            data = images[i]
+            if not isinstance(data, bytes):
+                raise Rejected("edit_image_not_bytes")
+            return decode_rgb(data, ctx.image_policy, ctx.counters.warn)
+
+        def add_text(text: str) -> None:
+            nonlocal tokens
+            ids = ctx.tokenizer.encode(text)
+            tokens += len(ids)
+            texts.append(ids)
+            plan.append(PlanItem("text", enable_cfg=1, loss=0))
+
+        def sized(pic, args: TransformArgs) -> SampleImage:
+            nonlocal tokens
+            target = navit_size(*pic.size, max_size=args.max_image_size, min_size=args.min_image_size,
+                                stride=args.image_stride, max_pixels=args.max_pixels)
+            tokens += target[0] * target[1] // args.image_stride**2
+            return SampleImage.from_transform(pic, target, args)
+
+        def add_image(pic, *, loss: bool, vae: bool, vit: bool) -> None:
+            nonlocal tokens
+            vae_image = None
+            if loss:
+                vae_image = sized(pic, vae_args)
+                plan.append(PlanItem("vae_image", enable_cfg=0, loss=1))
+                slots.append(vae_image)
+            if vae:
+                if vae_image is None:
+                    vae_image = sized(pic, vae_args)
+                else:  # same picture, same resize: reuse the pixels, count the tokens again
+                    tokens += vae_image.width * vae_image.height // vae_args.image_stride**2
+                plan.append(PlanItem("vae_image", enable_cfg=1, loss=0))
+                slots.append(vae_image)
+            if vit:
+                plan.append(PlanItem("vit_image", enable_cfg=1, loss=0))
+                slots.append(sized(pic, vit_args))
+
+        add_image(picture(start), loss=False, vae=True, vit=True)
+        if end - start > 1 and py.random() < 0.5:
+            if end == n - 1:
+                end -= 1
+            merged = ""
+            for idx in range(start + 1, end + 1):
+                merged += py.choice(instructions[idx - 1]) + ". "
+            add_text(merged.rstrip())
+            add_image(picture(end), loss=True, vae=False, vit=False)
+        else:
+            for idx in range(start + 1, end + 1):
+                add_text(py.choice(instructions[idx - 1]))
+                add_image(picture(idx), loss=True, vae=idx != end, vit=idx != end)
+        return Sample(plan, texts, slots, tokens, origin)

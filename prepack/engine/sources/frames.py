@@ -1,0 +1,100 @@
+"""Video frame sampling (mp4 through decord, or a folder of extracted frames), reference draws.
+
+The number of frames is drawn with NumPy (``randint(min, max + 1)``), then one frame per equal
+interval with ``random.choice``; when an interval is empty the draw falls back to a NumPy
+permutation (after whatever ``choice`` calls already happened, as in the reference).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+from typing import Callable
+
+import numpy as np
+from PIL import Image
+
+from prepack.engine.accounting import Rejected
+from prepack.engine.images import ImagePolicy, decode_plain_rgb
+from schemas.config import FrameSamplerArgs
+
+_FRAME_NUMBER = re.compile(r"_(\d+).jpg$")
+
+
+def frame_indices(num_frames: int, vlen: int, mode: str, py: random.Random, rs: np.random.RandomState,
+                  fix_start: int | None = None, input_fps: float = 1, max_num_frames: int = -1) -> list[int]:
+    """Indices of the frames to keep (reference ``get_frame_indices`` semantics)."""
+    if mode in ("rand", "middle"):
+        count = min(num_frames, vlen)
+        edges = np.linspace(start=0, stop=vlen, num=count + 1).astype(int)
+        spans = [(int(edges[i]), int(edges[i + 1]) - 1) for i in range(len(edges) - 1)]
+        if mode == "rand":
+            picked: list = []
+            try:
+                for lo, hi in spans:
+                    picked.append(py.choice(range(lo, hi)))
+            except IndexError:
+                perm = rs.permutation(vlen)[:count]
+                perm.sort()
+                picked = list(perm)
+        elif fix_start is not None:
+            picked = [lo + fix_start for lo, _ in spans]
+        else:
+            picked = [(lo + hi) // 2 for lo, hi in spans]
+        if len(picked) < num_frames:
+            padded = [picked[-1]] * num_frames  # IndexError on an empty video, as in the reference
+            padded[: len(picked)] = picked
+            picked = padded
+        return picked
+    if mode.startswith("fps"):
+        out_fps = float(mode[3:])
+        duration = float(vlen) / input_fps
+        delta = 1 / out_fps
+        seconds = np.arange(0 + delta / 2, duration + delta / 2, delta)
+        idx = [e for e in np.around(seconds * input_fps).astype(int) if e < vlen]
+        if max_num_frames > 0 and len(idx) > max_num_frames:
+            idx = idx[:max_num_frames]
+        return idx
+    raise ValueError(f"unknown frame sampling mode {mode!r}")
+
+
+def _frame_number(name: str) -> int:
+    m = _FRAME_NUMBER.search(name)
+    return int(m.group(1)) if m else -1
+
+
+def read_video_file(path: str, args: FrameSamplerArgs, py: random.Random, rs: np.random.RandomState,
+                    policy: ImagePolicy) -> list[Image.Image]:
+    """Frames of an mp4 (or anything decord reads)."""
+    import decord  # heavy and only needed for video rows
+
+    reader = decord.VideoReader(path, num_threads=1)
+    vlen = len(reader)
+    fps = reader.get_avg_fps()
+    count = rs.randint(args.min_num_frames, args.max_num_frames + 1)
+    idx = frame_indices(count, vlen, args.sample, py, rs, input_fps=fps)
+    height, width = reader[int(idx[0])].shape[:2] if len(idx) else (0, 0)
+    if height * width > policy.max_pixels:
+        raise Rejected("image_over_pixel_limit", f"video frame {width}x{height}")
+    frames = reader.get_batch(idx).asnumpy()
+    return [Image.fromarray(frames[i]) for i in range(frames.shape[0])]
+
+
+def read_frame_folder(path: str, args: FrameSamplerArgs, py: random.Random, rs: np.random.RandomState,
+                      policy: ImagePolicy, warn: Callable[[str], None]) -> list[Image.Image]:
+    """Frames of a folder of images, ordered by the ``_NNN.jpg`` suffix (others first)."""
+    names = sorted(os.listdir(path), key=lambda n: _frame_number(os.path.basename(n)))
+    frames = [decode_plain_rgb(os.path.join(path, n), policy, warn) for n in names]
+    count = rs.randint(args.min_num_frames, args.max_num_frames + 1)
+    if len(frames) > count:
+        frames = [frames[i] for i in frame_indices(count, len(frames), args.sample, py, rs)]
+    return frames
+
+
+def sample_frames(path: str, args: FrameSamplerArgs, py: random.Random, rs: np.random.RandomState,
+                  policy: ImagePolicy, warn: Callable[[str], None]) -> list[Image.Image]:
+    """A trailing slash names a frame folder, anything else a video file (reference rule)."""
+    if path.endswith("/"):
+        return read_frame_folder(path, args, py, rs, policy, warn)
+    return read_video_file(path, args, py, rs, policy)

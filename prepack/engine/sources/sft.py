@@ -1,0 +1,182 @@
+"""``vlm_sft``: JSONL conversations with images, multiple images or a video.
+
+Lines are read with Python's universal-newline rules (a bare carriage return ends a line, as the
+reference's ``readlines()`` does), so row numbering matches; a line that is not valid UTF-8 is one
+dropped row instead of a crashed file.  Per file: optional seeded line shuffle, then the first
+``num_used_data`` lines.  All files' lines are sorted by (text, image dir) and sliced per stream.
+Image and video paths must stay inside the data directory (absolute paths and ``..`` are refused).
+Data index: the row's position in this stream's slice (an int).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+from dataclasses import dataclass
+from typing import Iterator
+
+from prepack.engine.accounting import Rejected
+from prepack.engine.images import decode_rgb, navit_size
+from prepack.engine.sample import PlanItem, Sample, SampleImage
+from prepack.engine.sources.base import Source, StreamContext, slice_for_stream
+from prepack.engine.sources.frames import sample_frames
+from schemas.config import GroupConfig
+from schemas.record import SampleOrigin
+
+
+@dataclass(frozen=True)
+class _Line:
+    text: str
+    data_dir: str
+    path: str
+    line_no: int
+    dataset: str
+    valid_utf8: bool
+
+
+def read_lines(path: str) -> list[tuple[str, bool]]:
+    """(line, decodes-as-UTF-8) pairs with ``readlines()`` newline semantics."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    text = raw.decode("utf-8", errors="surrogateescape")
+    out = []
+    for line in io.StringIO(text, newline=None).readlines():
+        try:
+            line.encode("utf-8")
+            out.append((line, True))
+        except UnicodeEncodeError:
+            out.append((line, False))
+    return out
+
+
+def _inside(data_dir: str, rel) -> str:
+    """Join a JSONL path onto the data dir, refusing anything that could leave it."""
+    if not isinstance(rel, str):
+        raise Rejected("jsonl_bad_path", f"path is {type(rel).__name__}")
+    parts = rel.replace("\\", "/").split("/")
+    if os.path.isabs(rel) or rel.startswith("~") or ".." in parts:
+        raise Rejected("unsafe_path_outside_data_dir", rel)
+    return os.path.join(data_dir, rel)
+
+
+class SftSource(Source):
+    def __init__(self, group: GroupConfig, ctx: StreamContext):
+        super().__init__(group, ctx)
+        lines: list[_Line] = []
+        for ds, num in zip(group.datasets, group.num_used_data):
+            raw = [(t, ok, i) for i, (t, ok) in enumerate(read_lines(ds.jsonl_path))]
+            if group.shuffle_lines:
+                random.Random(group.shuffle_seed).shuffle(raw)
+            lines += [_Line(t, ds.data_dir, ds.jsonl_path, i, ds.name, ok) for t, ok, i in raw[:num]]
+        self.lines = slice_for_stream(lines, ctx, group.name, key=lambda ln: (ln.text, ln.data_dir))
+        self.pos = 0
+
+    def cursor(self) -> dict:
+        return {"row": self.pos}
+
+    def _restore_cursor(self, cursor: dict) -> None:
+        self.pos = int(cursor["row"])
+
+    def _samples(self) -> Iterator[Sample]:
+        while True:
+            while self.pos < len(self.lines):
+                row = self.pos
+                self.pos += 1
+                line = self.lines[row]
+                origin = SampleOrigin(self.group.name, line.dataset, self.ctx.worker_id, [row], True,
+                                      line.path, -1, line.line_no)
+                try:
+                    sample = self._row(line, origin)
+                except Rejected as r:
+                    self._failed(r, f"{line.path}:{line.line_no + 1}")
+                    continue
+                yield sample
+            self.pos = 0
+            self._wrapped()
+
+    def _media(self, item: dict, data_dir: str) -> list:
+        """The row's pictures, decoded in the reference's order (may draw for video frames)."""
+        ctx = self.ctx
+        if "image" in item:
+            names = item["image"] if type(item["image"]) is list else [item["image"]]
+            return [decode_rgb(_inside(data_dir, n), ctx.image_policy, ctx.counters.warn) for n in names]
+        if "video" in item:
+            frames = sample_frames(_inside(data_dir, item["video"]), self.group.frame_sampler, ctx.py_rng,
+                                   ctx.np_rng, ctx.image_policy, ctx.counters.warn)
+            convs = item["conversations"]
+            first = convs[0]
+            if "<video>" not in first["value"]:
+                raise Rejected("jsonl_parse", "no <video> placeholder in the first turn")
+            first["value"] = first["value"].replace("<video>", "<image>" * len(frames))
+            if not frames:
+                if ctx.image_policy.strict:
+                    raise Rejected("strict_video_without_frames")
+                ctx.counters.warn("video_without_frames_packed_as_text")
+            return frames
+        return []
+
+    def _row(self, line: _Line, origin: SampleOrigin) -> Sample:
+        ctx, args = self.ctx, self.group.image_transform
+        if not line.valid_utf8:
+            raise Rejected("jsonl_not_utf8")
+        try:
+            item = json.loads(line.text)
+        except ValueError as e:
+            raise Rejected("jsonl_parse", f"bad JSON: {e}") from None
+        try:
+            pictures = self._media(item, line.data_dir) if isinstance(item, dict) else None
+        except Rejected:
+            raise
+        except Exception as e:  # the reference's guard around media loading
+            raise Rejected("jsonl_parse", f"{type(e).__name__}: {e}") from None
+        if not isinstance(item, dict):
+            raise Rejected("jsonl_not_object", type(item).__name__)
+        convs = item.get("conversations")
+        if not isinstance(convs, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("from"), str) and isinstance(c.get("value"), str) for c in convs
+        ):
+            raise Rejected("jsonl_bad_conversations", "needs a list of {from, value} strings")
+        images: list[SampleImage] = []
+        tokens = 0
+        for pic in pictures:
+            target = navit_size(*pic.size, max_size=args.max_image_size, min_size=args.min_image_size,
+                                stride=args.image_stride, max_pixels=args.max_pixels, img_num=len(pictures))
+            images.append(SampleImage.from_transform(pic, target, args))
+            tokens += target[0] * target[1] // args.image_stride**2
+        plan: list[PlanItem] = []
+        texts: list[list[int]] = []
+        placeholders = 0
+
+        def add_text(text: str, loss: int) -> None:
+            nonlocal tokens
+            ids = ctx.tokenizer.encode(text)
+            if ids:
+                texts.append(ids)
+                tokens += len(ids)
+                plan.append(PlanItem("text", enable_cfg=0, loss=loss))
+
+        for conv in convs:
+            if conv["from"] == "human":
+                if "<image>" not in conv["value"]:
+                    add_text(conv["value"], 0)
+                    continue
+                pieces = conv["value"].split("<image>")
+                for i, piece in enumerate(pieces):
+                    if piece.strip() != "":
+                        add_text(piece.strip(), 0)
+                    if i != len(pieces) - 1 and i < len(images):
+                        plan.append(PlanItem("vit_image", enable_cfg=0, loss=0))
+                        placeholders += 1
+            elif conv["from"] == "gpt":
+                add_text(conv["value"], 1)
+        if not any(p.loss for p in plan):
+            raise Rejected("no_loss_labels")
+        if placeholders > len(images):  # the reference would crash packing this row
+            raise Rejected("more_image_placeholders_than_images")
+        if placeholders < len(images):
+            if ctx.image_policy.strict:
+                raise Rejected("strict_image_without_placeholder")
+            ctx.counters.warn("image_without_placeholder_counted_not_packed")
+        return Sample(plan, texts, images, tokens, origin)

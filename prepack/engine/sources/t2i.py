@@ -1,0 +1,117 @@
+"""``t2i_pretrain``: parquet rows of (``image`` bytes, ``captions`` JSON object) -> caption + VAE target.
+
+Per row, in the reference's order: decode the image (failure: drop), parse the captions (failure:
+drop), draw one caption with the stream's ``random`` (one ``choice`` over all captions), tokenize
+only the chosen one.  An empty caption object packs the caption ``" "`` as the reference does (a
+counted warning; dropped in strict mode).  Data index: ``[file position, row group, row]``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Iterator
+
+import pyarrow.parquet as pq
+
+from prepack.engine.accounting import Rejected
+from prepack.engine.images import decode_rgb, navit_size
+from prepack.engine.sample import PlanItem, Sample, SampleImage
+from prepack.engine.sources.base import Source, StreamContext, list_parquet_files, slice_for_stream
+from schemas.config import GroupConfig
+from schemas.record import SampleOrigin
+
+
+class T2ISource(Source):
+    def __init__(self, group: GroupConfig, ctx: StreamContext):
+        super().__init__(group, ctx)
+        files: list[tuple[str, str]] = []  # (path, dataset name)
+        for info, num in zip(group.datasets, group.num_used_data):
+            files += [(p, info.name) for p in list_parquet_files(info.data_dir, num, ctx.counters, group.name)]
+        self.files = slice_for_stream(files, ctx, group.name, key=lambda f: f[0])
+        self.pos = [0, 0, 0]  # next (file position, row group, row)
+
+    def cursor(self) -> dict:
+        return {"file": self.pos[0], "row_group": self.pos[1], "row": self.pos[2]}
+
+    def _restore_cursor(self, cursor: dict) -> None:
+        self.pos = [int(cursor["file"]), int(cursor["row_group"]), int(cursor["row"])]
+
+    def _samples(self) -> Iterator[Sample]:
+        while True:
+            while self.pos[0] < len(self.files):
+                fpos = self.pos[0]
+                path, dataset = self.files[fpos]
+                try:
+                    pf = pq.ParquetFile(path)
+                    names = set(pf.schema_arrow.names)
+                    num_groups = pf.num_row_groups
+                except Exception as e:  # the reference crashes here; we drop the file
+                    self._failed("parquet_file_unreadable", f"{path}: {e}")
+                    self.pos = [fpos + 1, 0, 0]
+                    continue
+                while self.pos[1] < num_groups:
+                    rg = self.pos[1]
+                    try:
+                        table = pf.read_row_group(rg, columns=[c for c in ("image", "captions") if c in names])
+                    except Exception as e:  # the reference crashes here; we drop the row group
+                        self._failed("parquet_row_group_unreadable", f"{path} rg {rg}: {e}")
+                        self.pos = [fpos, rg + 1, 0]
+                        continue
+                    images = table.column("image") if "image" in names else None
+                    captions = table.column("captions") if "captions" in names else None
+                    while self.pos[2] < table.num_rows:
+                        row = self.pos[2]
+                        self.pos = [fpos, rg, row + 1]
+                        origin = SampleOrigin(self.group.name, dataset, self.ctx.worker_id, [fpos, rg, row], False, path, rg, row)
+                        try:
+                            sample = self._row(images, captions, row, origin)
+                        except Rejected as r:
+                            self._failed(r, f"{path} rg {rg} row {row}")
+                            continue
+                        yield sample
+                    self.pos = [fpos, rg + 1, 0]
+                self.pos = [fpos + 1, 0, 0]
+            self.pos = [0, 0, 0]
+            self._wrapped()
+
+    def _row(self, images, captions, row: int, origin: SampleOrigin) -> Sample:
+        ctx, args = self.ctx, self.group.image_transform
+        if images is None:
+            raise Rejected("t2i_image_parse", "no 'image' column")
+        data = images[row].as_py()
+        if not isinstance(data, bytes):
+            raise Rejected("t2i_image_parse", f"image value is {type(data).__name__}, not bytes")
+        try:
+            picture = decode_rgb(data, ctx.image_policy, ctx.counters.warn)
+        except Rejected:
+            raise
+        except Exception as e:
+            raise Rejected("t2i_image_parse", str(e)) from None
+        target = navit_size(*picture.size, max_size=args.max_image_size, min_size=args.min_image_size,
+                            stride=args.image_stride, max_pixels=args.max_pixels)
+        num_tokens = target[0] * target[1] // args.image_stride**2
+        if captions is None:
+            raise Rejected("t2i_caption_parse", "no 'captions' column")
+        try:
+            caption_dict = json.loads(captions[row].as_py())
+        except Exception as e:
+            raise Rejected("t2i_caption_parse", str(e)) from None
+        if not isinstance(caption_dict, dict):
+            raise Rejected("t2i_caption_not_object", type(caption_dict).__name__)
+        values = list(caption_dict.values())
+        if any(not isinstance(v, str) for v in values):
+            raise Rejected("t2i_caption_not_string")
+        if not values:
+            if ctx.image_policy.strict:
+                raise Rejected("strict_t2i_no_caption")
+            ctx.counters.warn("t2i_no_caption_packed_as_space")
+            text = " "
+        else:
+            text = values[ctx.py_rng.choice(range(len(values)))]
+            if text == "":
+                if ctx.image_policy.strict:
+                    raise Rejected("strict_t2i_empty_caption")
+                ctx.counters.warn("t2i_empty_caption")
+        ids = ctx.tokenizer.encode(text)
+        plan = [PlanItem("text", enable_cfg=1, loss=0), PlanItem("vae_image", enable_cfg=0, loss=1)]
+        return Sample(plan, [ids], [SampleImage.from_transform(picture, target, args)], num_tokens + len(ids), origin)

@@ -1,0 +1,292 @@
+"""Shard writer for one stream: PackedBatch -> Arrow IPC files, committed crash-safely.
+
+Why this shape: a stream is the unit of resume, so its output must always be a clean prefix of
+committed shards.  A shard is written under a temporary name, made durable, then renamed; its
+*index* (``shard-k.json``, written by the driver through ``write_json_atomic`` after the stream
+checkpoint ``ckpt-(k+1)``) is the commit marker.  ``recover_stream`` turns whatever a crash left
+behind back into that clean prefix.
+
+Output bytes depend only on the batches, the compression and the metadata: no timestamps, no
+uuids; the sha256 of a shard is computed from the bytes as they are written, never read back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from dataclasses import asdict, dataclass, is_dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from schemas.compression import Compression
+from schemas.location import PackLocation, resolve_location
+from schemas.manifest import RecordEntry, ShardEntry, shard_file, shard_index_file, stream_dir
+from schemas.record import RECORD_SCHEMA, RECORD_SCHEMA_VERSION, PackedBatch, batch_to_record, record_digest
+
+log = logging.getLogger(__name__)
+
+TMP_SUFFIX = ".tmp"
+
+
+class _HashingSink:
+    """File-like sink for pyarrow that counts and sha256-hashes every byte on its way to ``raw``."""
+
+    def __init__(self, raw):
+        self.raw = raw
+        self.sha256 = hashlib.sha256()
+        self.nbytes = 0
+        self.closed = False
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        self.sha256.update(view)
+        self.raw.write(view)
+        self.nbytes += view.nbytes
+        return view.nbytes
+
+    def tell(self) -> int:
+        return self.nbytes
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        # pyarrow never closes a Python sink itself; the writer closes ``raw`` after fsync.
+        self.closed = True
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _AtomicFile:
+    """A file written under ``final + .tmp`` and published by ``commit`` (durably on local disk).
+
+    On object stores (atomic PUT, rename = copy) the final name is written directly: the object
+    only appears once complete, and the shard index remains the commit marker.
+    """
+
+    def __init__(self, loc: PackLocation, relpath: str):
+        self.loc = loc
+        self.final = loc.path(relpath)
+        self.tmp = self.final if loc.atomic_put else self.final + TMP_SUFFIX
+        if loc.is_local:
+            os.makedirs(os.path.dirname(self.final), exist_ok=True)
+            self.raw = open(self.tmp, "wb")
+        else:
+            loc.fs.create_dir(self.final.rsplit("/", 1)[0], recursive=True)
+            self.raw = loc.fs.open_output_stream(self.tmp)
+
+    def commit(self) -> None:
+        self.raw.flush()
+        if self.loc.is_local:
+            os.fsync(self.raw.fileno())
+        self.raw.close()
+        if self.tmp == self.final:
+            return
+        if self.loc.is_local:
+            os.replace(self.tmp, self.final)
+            _fsync_dir(os.path.dirname(self.final))
+        else:
+            self.loc.fs.move(self.tmp, self.final)
+
+    def abort(self) -> None:
+        if not self.raw.closed:
+            self.raw.close()
+        try:
+            self.loc.fs.delete_file(self.tmp)
+        except FileNotFoundError:
+            pass
+
+
+def _json_text(obj: Any) -> str:
+    if isinstance(obj, str):
+        return obj
+    if hasattr(obj, "to_json"):
+        value = obj.to_json()
+        return value if isinstance(value, str) else json.dumps(value, indent=1, sort_keys=True)
+    if is_dataclass(obj):
+        obj = asdict(obj)
+    return json.dumps(obj, indent=1, sort_keys=True)
+
+
+def write_bytes_atomic(fs_or_out: "PackLocation | str | os.PathLike", relpath: str, data: bytes) -> None:
+    """Write ``data`` at ``relpath`` atomically: tmp + fsync + rename + directory fsync (local)."""
+    f = _AtomicFile(resolve_location(fs_or_out), relpath)
+    try:
+        f.raw.write(data)
+        f.commit()
+    except BaseException:
+        f.abort()
+        raise
+
+
+def write_json_atomic(fs_or_out: "PackLocation | str | os.PathLike", relpath: str, obj: Any) -> None:
+    """Write ``obj`` as JSON at ``relpath`` atomically (see ``write_bytes_atomic``).
+
+    ``obj`` may be a JSON string, an object with ``to_json()`` (e.g. ``ShardEntry``, ``Manifest``),
+    a dataclass or plain JSON data.  Keys are sorted so the bytes are deterministic.
+    """
+    write_bytes_atomic(fs_or_out, relpath, _json_text(obj).encode())
+
+
+class StreamWriter:
+    """Appends packed batches of one stream to rolling shard files.
+
+    ``append`` returns the ``ShardEntry`` of a shard it just committed (the shard ends after the
+    record that made it reach ``shard_bytes``), else ``None``; ``finish`` commits the last,
+    partial shard.  The caller persists entries (``write_json_atomic``): the writer never writes
+    a shard index, so the caller can checkpoint first.
+    """
+
+    def __init__(
+        self,
+        out: "str | os.PathLike | PackLocation",
+        stream: int,
+        *,
+        shard_bytes: int,
+        compression: str,
+        metadata: dict[str, str],
+        start_shard: int = 0,
+        start_record: int = 0,
+        filesystem: pafs.FileSystem | None = None,
+    ):
+        if shard_bytes <= 0:
+            raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
+        self.loc = resolve_location(out, filesystem)
+        self.stream = stream
+        self.shard_bytes = shard_bytes
+        self.compression = Compression.parse(compression)
+        self.metadata = {str(k): str(v) for k, v in metadata.items()}
+        self.next_shard = start_shard
+        self.next_record = start_record
+        self._file: _AtomicFile | None = None
+        self._sink: _HashingSink | None = None
+        self._ipc: pa.ipc.RecordBatchFileWriter | None = None
+        self._records: list[RecordEntry] = []
+
+    def _schema(self) -> pa.Schema:
+        meta = dict(self.metadata)
+        meta.update(
+            {
+                "prepack.record_schema_version": str(RECORD_SCHEMA_VERSION),
+                "prepack.stream": str(self.stream),
+                "prepack.shard": str(self.next_shard),
+            }
+        )
+        return RECORD_SCHEMA.with_metadata(meta)
+
+    def _open(self) -> None:
+        self._file = _AtomicFile(self.loc, shard_file(self.stream, self.next_shard))
+        self._sink = _HashingSink(self._file.raw)
+        self._ipc = pa.ipc.new_file(self._sink, self._schema(), options=self.compression.write_options())
+        self._records = []
+
+    def append(self, batch: PackedBatch) -> ShardEntry | None:
+        """Write one packed batch; return the shard's entry if this record completed a shard."""
+        record = batch_to_record(batch)
+        if self._ipc is None:
+            self._open()
+        self._ipc.write_batch(record)
+        self._records.append(RecordEntry(record_digest(record), int(batch.sequence_length), batch.num_samples))
+        if self._sink.nbytes >= self.shard_bytes:
+            return self._commit()
+        return None
+
+    def finish(self) -> ShardEntry | None:
+        """Commit the current partial shard, if it holds any record."""
+        return self._commit() if self._ipc is not None else None
+
+    def abort(self) -> None:
+        """Drop the shard in progress (its temporary file is removed)."""
+        if self._ipc is not None:
+            try:
+                self._ipc.close()
+            except (OSError, pa.ArrowException):
+                pass
+            self._file.abort()
+            self._ipc = self._sink = self._file = None
+
+    def _commit(self) -> ShardEntry:
+        self._ipc.close()
+        self._file.commit()
+        entry = ShardEntry(
+            stream=self.stream,
+            shard=self.next_shard,
+            file=shard_file(self.stream, self.next_shard),
+            nbytes=self._sink.nbytes,
+            sha256=self._sink.sha256.hexdigest(),
+            first_record=self.next_record,
+            records=self._records,
+        )
+        log.debug(
+            "stream %d: committed %s (%d records, %d bytes)", self.stream, entry.file, len(entry.records), entry.nbytes
+        )
+        self.next_shard += 1
+        self.next_record += len(self._records)
+        self._ipc = self._sink = self._file = None
+        self._records = []
+        return entry
+
+
+_STREAM_FILE = re.compile(r"(shard|ckpt)-(\d+)\.(arrow|json)")
+
+
+def recover_stream(
+    out: "str | os.PathLike | PackLocation", stream: int, filesystem: pafs.FileSystem | None = None
+) -> tuple[int, int, list[ShardEntry]]:
+    """Bring a stream's directory back to its committed prefix after a crash.
+
+    Returns ``(next_shard, next_record, committed)``.  Committed shards are those with a shard
+    index, contiguous from 0.  Deleted: every ``.tmp`` file, shard files numbered at or beyond
+    ``next_shard`` and checkpoints beyond ``next_shard`` (``ckpt-next_shard`` is the state to
+    resume from, so it stays).  A gap in the indexes, or an index whose shard file is missing or
+    has the wrong size, is damage a restart must not paper over: ``RuntimeError``.
+    """
+    loc = resolve_location(out, filesystem)
+    sdir = loc.path(stream_dir(stream))
+    infos = loc.fs.get_file_info(pafs.FileSelector(sdir, allow_not_found=True))
+    sizes = {i.base_name: i.size for i in infos if i.type == pafs.FileType.File}
+
+    index_numbers = sorted(
+        int(m[2]) for n in sizes if (m := _STREAM_FILE.fullmatch(n)) and m[1] == "shard" and m[3] == "json"
+    )
+    if index_numbers != list(range(len(index_numbers))):
+        raise RuntimeError(f"{sdir}: shard indexes are not contiguous from 0: {index_numbers}")
+    committed: list[ShardEntry] = []
+    next_record = 0
+    for k in index_numbers:
+        entry = ShardEntry.from_json(json.loads(loc.read_bytes(shard_index_file(stream, k))))
+        name = shard_file(stream, k).rsplit("/", 1)[1]
+        if (entry.stream, entry.shard, entry.first_record) != (stream, k, next_record):
+            raise RuntimeError(f"{sdir}/{name}: shard index does not continue the stream at record {next_record}")
+        if sizes.get(name) != entry.nbytes:
+            raise RuntimeError(f"{sdir}/{name}: committed shard file missing or not {entry.nbytes} bytes")
+        committed.append(entry)
+        next_record += len(entry.records)
+    next_shard = len(committed)
+
+    for name in sorted(sizes):
+        m = _STREAM_FILE.fullmatch(name)
+        stale = name.endswith(TMP_SUFFIX)
+        stale |= bool(m) and m[1] == "shard" and m[3] == "arrow" and int(m[2]) >= next_shard
+        stale |= bool(m) and m[1] == "ckpt" and int(m[2]) > next_shard
+        if stale:
+            log.warning("stream %d: removing crash leftover %s", stream, name)
+            loc.fs.delete_file(f"{sdir}/{name}")
+    return next_shard, next_record, committed

@@ -1,0 +1,343 @@
+"""``prepack audit``: re-pack shards and prove the stored records are what the code makes of the data.
+
+A stream's output depends only on (config, tokenizer, data, stream id), and every shard starts
+from a committed checkpoint, so shard k of stream s can be re-packed alone: restore ``ckpt-k``,
+take as many batches as the shard holds, compare record digests one by one, and compare the state
+reached with ``ckpt-(k+1)``.  ``all_streams`` re-packs whole streams from their seeds instead,
+which also proves every checkpoint (each shard boundary's state must equal the stored one).
+
+An audit is only meaningful with the same config, tokenizer, code and data: it is refused, with
+one line saying why, when a fingerprint differs from the manifest's or a source is unreachable.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Iterator
+
+import numpy as np
+import pyarrow as pa
+
+from prepack.tools.verify import CheckReport, load_manifest
+from schemas.config import (
+    DatasetInfo,
+    FrameSamplerArgs,
+    GroupConfig,
+    PackingKnobs,
+    PrepackConfig,
+    PrepackSection,
+    TransformArgs,
+)
+from schemas.errors import AuditRefused
+from schemas.location import PackLocation, resolve_location
+from schemas.manifest import Manifest, ShardEntry, StreamEntry, checkpoint_file
+from schemas.record import PackedBatch, SampleOrigin, batch_fields, batch_to_record, record_digest, record_to_batch
+
+log = logging.getLogger(__name__)
+
+
+# -- config ---------------------------------------------------------------------------------------
+def _transform(d: dict | None) -> TransformArgs | None:
+    if d is None:
+        return None
+    return TransformArgs(**{**d, "image_mean": tuple(d["image_mean"]), "image_std": tuple(d["image_std"])})
+
+
+def config_from_identity(identity: dict[str, Any]) -> PrepackConfig:
+    """Rebuild the ``PrepackConfig`` a pack was made with from pack.json's stored ``config``.
+
+    Why not re-read the YAML: it may have changed or moved since; the identity is what was used.
+    The caller should check ``content_hash()`` against the identity's ``config_hash``.
+    """
+    d = identity["config"]
+    groups = tuple(
+        GroupConfig(**{
+            **g,
+            "datasets": tuple(DatasetInfo(**x) for x in g["datasets"]),
+            "num_used_data": tuple(g["num_used_data"]),
+            "image_transform": _transform(g["image_transform"]),
+            "vit_image_transform": _transform(g["vit_image_transform"]),
+            "frame_sampler": FrameSamplerArgs(**g["frame_sampler"]) if g["frame_sampler"] else None,
+        })
+        for g in d["groups"]
+    )
+    return PrepackConfig(**{
+        **d,
+        "groups": groups,
+        "knobs": PackingKnobs(**d["knobs"]),
+        "prepack": PrepackSection(**d["prepack"]),
+        "config_path": identity.get("config_path") or "",
+    })
+
+
+# -- preconditions --------------------------------------------------------------------------------
+@dataclass
+class AuditContext:
+    loc: PackLocation
+    manifest: Manifest
+    cfg: PrepackConfig
+    tokenizer: Any
+    special: Any
+
+
+def _reachable(path: str, directory: bool) -> bool:
+    if "://" in path:
+        import pyarrow.fs as pafs
+
+        fs, p = pafs.FileSystem.from_uri(path)
+        kind = fs.get_file_info(p).type
+        return kind == (pafs.FileType.Directory if directory else pafs.FileType.File)
+    return os.path.isdir(path) if directory else os.path.isfile(path)
+
+
+def unreachable_source(cfg: PrepackConfig) -> str | None:
+    """The first source path of the config that is not there, described, or None."""
+    for g in cfg.groups:
+        for ds in g.datasets:
+            for label, path, is_dir in (("data_dir", ds.data_dir, True), ("jsonl_path", ds.jsonl_path, False),
+                                        ("parquet_info_path", ds.parquet_info_path, False)):
+                if path is not None and not _reachable(path, is_dir):
+                    return f"{g.name}/{ds.name} {label} {path}"
+    return None
+
+
+def prepare(out, tokenizer=None) -> AuditContext:
+    """Load the manifest and the pack's config and tokenizer; refuse when re-packing cannot match.
+
+    ``tokenizer`` is an optional ``(tokenizer, special_tokens)`` pair already loaded (tests).
+    """
+    from prepack.run.identity import identity_mismatch, pack_identity
+    from prepack.engine.tokenizer import load_tokenizer, special_token_ids, tokenizer_fingerprint
+
+    loc = resolve_location(out)
+    try:
+        manifest = load_manifest(loc)
+    except (OSError, ValueError) as e:
+        raise AuditRefused(f"cannot audit {loc.base}: no readable manifest ({e}); audit a finished pack") from None
+    identity = manifest.identity
+    try:
+        cfg = config_from_identity(identity)
+    except (KeyError, TypeError) as e:
+        raise AuditRefused(f"cannot audit {loc.base}: the stored config does not rebuild ({e!r})") from None
+    if cfg.content_hash() != identity.get("config_hash"):
+        raise AuditRefused(f"cannot audit {loc.base}: the stored config does not hash to its config_hash")
+    missing = unreachable_source(cfg)
+    if missing:
+        raise AuditRefused(f"cannot audit {loc.base}: source data unreachable: {missing}")
+    if tokenizer is None:
+        try:
+            tokenizer = special_token_ids(load_tokenizer(cfg.tokenizer))
+        except (OSError, ValueError, TypeError) as e:
+            raise AuditRefused(f"cannot audit {loc.base}: tokenizer {cfg.tokenizer!r} unavailable ({e})") from None
+    tok, special = tokenizer
+    why = identity_mismatch(identity, pack_identity(cfg, tokenizer_fingerprint(tok), special), check_code=True)
+    if why:
+        raise AuditRefused(f"cannot audit {loc.base}: {why}")
+    return AuditContext(loc, manifest, cfg, tok, special)
+
+
+# -- comparisons ----------------------------------------------------------------------------------
+def _array_difference(name: str, a: np.ndarray, b: np.ndarray, what=("stored", "re-packed")) -> str | None:
+    if a.shape != b.shape:
+        return f"{name}: shape {a.shape} {what[0]}, {b.shape} {what[1]}"
+    x, y = a.reshape(-1), b.reshape(-1)
+    same = x == y
+    if x.dtype.kind == "f":
+        same |= np.isnan(x) & np.isnan(y)
+    if same.all():
+        return None
+    i = int(np.argmin(same))
+    return f"{name}[{i}]: {what[0]} {x[i].item()!r}, {what[1]} {y[i].item()!r}"
+
+
+def first_difference(stored: PackedBatch, repacked: PackedBatch) -> str | None:
+    """The first field (declaration order) where two batches differ, with the values, or None."""
+    for name in batch_fields():
+        a, b = getattr(stored, name), getattr(repacked, name)
+        if name == "origins":
+            if len(a) != len(b):
+                return f"origins: {len(a)} samples stored, {len(b)} re-packed"
+            for i, (oa, ob) in enumerate(zip(a, b)):
+                for f in fields(SampleOrigin):
+                    va, vb = getattr(oa, f.name), getattr(ob, f.name)
+                    if va != vb:
+                        return f"origins[{i}].{f.name}: stored {va!r}, re-packed {vb!r}"
+        elif isinstance(a, np.ndarray):
+            diff = _array_difference(name, np.asarray(a), np.asarray(b))
+            if diff:
+                return diff
+        elif a != b:
+            return f"{name}: stored {a!r}, re-packed {b!r}"
+    return None
+
+
+def _json_difference(a: Any, b: Any, path: str = "") -> str | None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b), key=str):
+            if k not in a or k not in b:
+                return f"{path}.{k}: only in {'stored' if k in a else 're-packed'}"
+            d = _json_difference(a[k], b[k], f"{path}.{k}")
+            if d:
+                return d
+        return None
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return f"{path}: length {len(a)} stored, {len(b)} re-packed"
+        for i, (x, y) in enumerate(zip(a, b)):
+            d = _json_difference(x, y, f"{path}[{i}]")
+            if d:
+                return d
+        return None
+    return None if a == b else f"{path or '.'}: stored {a!r}, re-packed {b!r}"
+
+
+def state_difference(ctx: AuditContext, stream: int, shard: int, packer) -> str | None:
+    """How the packer's state differs from the stored checkpoint at the start of ``shard``, or None."""
+    from prepack.engine.checkpoint import state_to_payload
+    from schemas.checkpoint import decode_pixels
+
+    doc, pixels = state_to_payload(packer.state())
+    doc = json.loads(json.dumps(doc))  # tuples -> lists, as stored
+    stored = json.loads(ctx.loc.read_bytes(checkpoint_file(stream, shard, "json")))
+    diff = _json_difference(stored, doc)
+    if diff:
+        return f"state{diff}"
+    stored_pixels = ctx.loc.read_bytes(checkpoint_file(stream, shard, "arrow"))
+    if stored_pixels != pixels:
+        a, b = decode_pixels(stored_pixels), decode_pixels(pixels)
+        if len(a) != len(b):
+            return f"buffered pictures: {len(a)} stored, {len(b)} re-packed"
+        for i, (x, y) in enumerate(zip(a, b)):
+            diff = _array_difference(f"buffered picture {i}", x, y)
+            if diff:
+                return diff
+    return None
+
+
+# -- audit ----------------------------------------------------------------------------------------
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _stored_record(ctx: AuditContext, shard: ShardEntry, i: int) -> pa.RecordBatch:
+    with ctx.loc.fs.open_input_file(ctx.loc.path(shard.file)) as f:
+        return pa.ipc.open_file(f).get_batch(i)
+
+
+def _compare_shard(ctx: AuditContext, batches: Iterator[PackedBatch], shard: ShardEntry, rep: CheckReport) -> bool:
+    """Consume the shard's number of batches from ``batches``; one report row; True if identical."""
+    target = shard.file
+    bad, first = 0, None
+    for i, entry in enumerate(shard.records):
+        try:
+            batch = next(batches, None)
+        except Exception as e:  # a source failing now (edited, unreadable) is an audit finding
+            return rep.add("re-pack", target, False, f"stream {shard.stream} record {shard.first_record + i}: "
+                           f"packing failed: {type(e).__name__}: {_first_line(e)}")
+        if batch is None:
+            return rep.add("re-pack", target, False, f"stream {shard.stream} record {shard.first_record + i}: "
+                           f"the re-packed stream ended after {shard.first_record + i} records")
+        record = batch_to_record(batch)
+        if record_digest(record) == entry.digest:
+            continue
+        bad += 1
+        if first is None:
+            try:
+                where = first_difference(record_to_batch(_stored_record(ctx, shard, i)), record_to_batch(record))
+            except Exception as e:  # the stored bytes themselves are damaged: verify says where
+                where = f"the digest (stored record unreadable, run verify: {type(e).__name__})"
+            first = (f"stream {shard.stream} record {shard.first_record + i} (#{i} in shard): differs first in "
+                     f"{where or 'the digest only'}")
+    if bad:
+        more = f"; {bad - 1} more of {len(shard.records)} records differ" if bad > 1 else ""
+        return rep.add("re-pack", target, False, first + more)
+    return rep.add("re-pack", target, True, f"{_plural(len(shard.records), 'record')} identical")
+
+
+def _check_state(ctx: AuditContext, stream: int, shard: int, packer, rep: CheckReport) -> bool:
+    rel = checkpoint_file(stream, shard, "json")
+    try:
+        diff = state_difference(ctx, stream, shard, packer)
+    except FileNotFoundError:
+        return rep.add("checkpoint", rel, False, "missing")
+    return rep.add("checkpoint", rel, diff is None, diff or "state equal")
+
+
+def audit_shard(ctx: AuditContext, stream: StreamEntry, shard: ShardEntry, rep: CheckReport) -> None:
+    """Re-pack one shard from its start checkpoint; also compare the end state with the next one."""
+    from prepack.engine.packer import StreamPacker
+    from prepack.run.stream_job import read_checkpoint
+
+    try:
+        state = read_checkpoint(ctx.loc, stream.stream, shard.shard)
+        packer = StreamPacker(ctx.cfg, stream.stream, ctx.tokenizer, ctx.special, state=state)
+    except Exception as e:  # a missing or damaged checkpoint, or sources that no longer fit it
+        rep.add("checkpoint", checkpoint_file(stream.stream, shard.shard), False,
+                f"cannot start shard {shard.shard} from it: {type(e).__name__}: {_first_line(e)}")
+        return
+    log.info("auditing %s from %s", shard.file, checkpoint_file(stream.stream, shard.shard))
+    if _compare_shard(ctx, iter(packer), shard, rep):
+        _check_state(ctx, stream.stream, shard.shard + 1, packer, rep)
+
+
+def audit_stream_from_seed(ctx: AuditContext, stream: StreamEntry, rep: CheckReport) -> None:
+    """Re-pack a whole stream from its seed, checking each shard and each boundary's checkpoint."""
+    from prepack.engine.packer import StreamPacker
+
+    try:
+        packer = StreamPacker(ctx.cfg, stream.stream, ctx.tokenizer, ctx.special)
+    except Exception as e:  # sources that no longer open the way they did
+        rep.add("re-pack", f"stream {stream.stream}", False, f"cannot start: {type(e).__name__}: {_first_line(e)}")
+        return
+    log.info("auditing stream %d from its seed", stream.stream)
+    _check_state(ctx, stream.stream, 0, packer, rep)
+    batches = iter(packer)
+    for shard in stream.shards:
+        if not _compare_shard(ctx, batches, shard, rep):
+            return  # later shards would only repeat the divergence
+        _check_state(ctx, stream.stream, shard.shard + 1, packer, rep)
+    rep.add("budget", f"stream {stream.stream}", packer.budget_spent(),
+            "stream ends where its budget ends" if packer.budget_spent() else
+            f"the budget is not spent after {packer.batches} batches: records are missing from the pack")
+
+
+def audit_pack(out, *, stream: int | None = None, shard: int | None = None, all_streams: bool = False,
+               tokenizer=None, progress: bool = False) -> CheckReport:
+    """Audit shard ``shard`` of ``stream`` (None: every shard / every stream); see module doc."""
+    if all_streams and shard is not None:
+        raise AuditRefused("--all re-packs whole streams from their seeds; it takes no --shard")
+    ctx = prepare(out, tokenizer)
+    streams = ctx.manifest.streams
+    if stream is not None:
+        streams = [s for s in streams if s.stream == stream]
+        if not streams:
+            raise AuditRefused(f"stream {stream} is not in the manifest ({ctx.manifest.num_streams} streams)")
+    mode = "from seeds" if all_streams else "from checkpoints"
+    rep = CheckReport(f"audit {ctx.loc.base} ({mode})")
+    from tqdm import tqdm
+
+    todo = [(s, [sh for sh in s.shards if all_streams or shard is None or sh.shard == shard]) for s in streams]
+    bar = tqdm(total=sum(len(r.records) for _, shs in todo for r in shs), unit="batch", desc="re-packing",
+               disable=not progress)
+    for s, shards in todo:
+        if all_streams:
+            audit_stream_from_seed(ctx, s, rep)
+            bar.update(sum(len(sh.records) for sh in shards))
+            continue
+        if shard is not None and not shards and stream is not None:
+            raise AuditRefused(f"stream {s.stream} has no shard {shard} (it has {len(s.shards)})")
+        for sh in shards:
+            audit_shard(ctx, s, sh, rep)
+            bar.update(len(sh.records))
+    bar.close()
+    if not rep.rows:
+        raise AuditRefused(f"nothing to audit: no stream has shard {shard}")
+    return rep

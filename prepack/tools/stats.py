@@ -1,0 +1,340 @@
+"""``prepack stats``: what a pack holds, from the manifest and the lineage (polars).
+
+Why: packing is lossy by design (greedy fill, overflow buffer, drops) and weighted-random by
+design (group mix); these numbers say whether the knobs did what was meant.  Fill ratio per
+batch, group mix against the configured weights, samples and images per batch, drops by reason,
+how often each source row was used, and per-stream throughput.  Image counts come from three
+tiny columns of each shard (a projected read: pixels are not read).  ``--html`` renders the same
+tables with plots into one self-contained page (inline SVG).
+
+The two lineage questions (``batches_with_row``, ``rows_of_batch``) are plain polars queries over
+lineage.parquet; they are here so that tests and users share one spelling of them.
+"""
+
+from __future__ import annotations
+
+import html as html_lib
+import io
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+
+from schemas.location import PackLocation, resolve_location
+from schemas.manifest import LINEAGE_NAME, Manifest
+from schemas.record import RECORD_SCHEMA
+
+log = logging.getLogger(__name__)
+
+FILL_BIN = 0.05
+_IMAGE_COLUMNS = ("image_heights", "vit_image_ids", "vae_image_ids")
+_ROW_KEY = ["source_file", "source_row_group", "source_row"]
+
+
+# -- lineage queries ------------------------------------------------------------------------------
+def scan_lineage(out) -> pl.LazyFrame:
+    loc = resolve_location(out)
+    if loc.is_local:
+        return pl.scan_parquet(loc.path(LINEAGE_NAME))
+    return pl.read_parquet(io.BytesIO(loc.read_bytes(LINEAGE_NAME))).lazy()
+
+
+def batches_with_row(out, source_file: str, source_row: int, source_row_group: int | None = None) -> pl.DataFrame:
+    """Which packed batches contain source row X: (stream, record, sample) rows, in stream order."""
+    q = scan_lineage(out).filter((pl.col("source_file") == source_file) & (pl.col("source_row") == source_row))
+    if source_row_group is not None:
+        q = q.filter(pl.col("source_row_group") == source_row_group)
+    return q.select("stream", "record", "sample", "group", "num_tokens").sort("stream", "record", "sample").collect()
+
+
+def rows_of_batch(out, stream: int, record: int) -> pl.DataFrame:
+    """Which source rows formed batch (stream, record), in packing order."""
+    return (scan_lineage(out).filter((pl.col("stream") == stream) & (pl.col("record") == record))
+            .sort("sample").select("sample", "group", "dataset", *_ROW_KEY, "data_indexes", "num_tokens").collect())
+
+
+# -- numbers --------------------------------------------------------------------------------------
+@dataclass
+class PackStats:
+    """Every table the report and the page show; all polars DataFrames."""
+
+    title: str
+    max_num_tokens: int
+    records: pl.DataFrame  # stream, shard, record, num_tokens, num_samples, fill, images, vit_uses, vae_uses
+    fill_hist: pl.DataFrame  # lo, hi, batches
+    group_mix: pl.DataFrame  # group, mandatory, weight, configured_share, samples, share
+    drops: pl.DataFrame  # kind (drop|warning), reason, count
+    row_use: pl.DataFrame  # uses, rows: how many source rows were packed that many times
+    top_rows: pl.DataFrame  # the most used source rows
+    streams: pl.DataFrame  # stream, rank, worker, records, tokens, samples, elapsed_s, tokens_per_s, records_per_s
+
+
+def _image_counts(loc: PackLocation, manifest: Manifest) -> dict[tuple[int, int], tuple[int, int, int]]:
+    """(stream, record) -> (stored images, ViT uses, VAE uses), reading only three small columns."""
+    fields = [RECORD_SCHEMA.get_field_index(n) for n in _IMAGE_COLUMNS]
+    options = pa.ipc.IpcReadOptions(included_fields=fields, use_threads=False)
+    out = {}
+    for s in manifest.streams:
+        for sh in s.shards:
+            with loc.fs.open_input_file(loc.path(sh.file)) as f:
+                reader = pa.ipc.open_file(f, options=options)
+                for i in range(reader.num_record_batches):
+                    b = reader.get_batch(i)
+                    out[(s.stream, sh.first_record + i)] = tuple(len(b.column(n)[0]) for n in _IMAGE_COLUMNS)
+    return out
+
+
+def _records(loc: PackLocation, manifest: Manifest, max_tokens: int) -> pl.DataFrame:
+    images = _image_counts(loc, manifest)
+    rows = [
+        (s.stream, sh.shard, sh.first_record + i, r.num_tokens, r.num_samples) + images[(s.stream, sh.first_record + i)]
+        for s in manifest.streams for sh in s.shards for i, r in enumerate(sh.records)
+    ]
+    schema = {"stream": pl.Int32, "shard": pl.Int32, "record": pl.Int64, "num_tokens": pl.Int64,
+              "num_samples": pl.Int64, "images": pl.Int64, "vit_uses": pl.Int64, "vae_uses": pl.Int64}
+    df = pl.DataFrame(rows, schema=schema, orient="row")
+    return df.with_columns((pl.col("num_tokens") / max(max_tokens, 1)).alias("fill"))
+
+
+def _fill_hist(records: pl.DataFrame) -> pl.DataFrame:
+    top = max(1.0, float(records["fill"].max() or 0.0))
+    edges = np.round(np.arange(0.0, top + FILL_BIN, FILL_BIN), 6)
+    counts, _ = np.histogram(records["fill"].to_numpy(), bins=edges)
+    return pl.DataFrame({"lo": edges[:-1], "hi": edges[1:], "batches": counts.astype(np.int64)})
+
+
+def _group_mix(identity: dict, lineage: pl.DataFrame) -> pl.DataFrame:
+    groups = (identity.get("config") or {}).get("groups") or []
+    configured = pl.DataFrame(
+        {"group": [g["name"] for g in groups], "mandatory": [bool(g.get("is_mandatory")) for g in groups],
+         "weight": [float(g.get("weight", 0.0)) for g in groups]},
+        schema={"group": pl.String, "mandatory": pl.Boolean, "weight": pl.Float64},
+    ).with_columns((pl.col("weight") / pl.col("weight").sum()).alias("configured_share"))
+    achieved = lineage.group_by("group").agg(pl.len().cast(pl.Int64).alias("samples"))
+    return (configured.join(achieved, on="group", how="full", coalesce=True)
+            .with_columns(pl.col("samples").fill_null(0))
+            .with_columns((pl.col("samples") / pl.col("samples").sum()).alias("share"))
+            .sort("group"))
+
+
+def _drops(manifest: Manifest) -> pl.DataFrame:
+    rows: dict[tuple[str, str], int] = {}
+    for s in manifest.streams:
+        for kind, d in (("drop", s.drops), ("warning", s.warnings)):
+            for reason, n in d.items():
+                rows[(kind, reason)] = rows.get((kind, reason), 0) + int(n)
+    return pl.DataFrame([(k, r, n) for (k, r), n in sorted(rows.items())],
+                        schema={"kind": pl.String, "reason": pl.String, "count": pl.Int64}, orient="row")
+
+
+def _streams(manifest: Manifest) -> pl.DataFrame:
+    df = pl.DataFrame(
+        [(s.stream, s.rank, s.worker, s.num_records, s.num_tokens, s.num_samples, float(s.elapsed_s)) for s in manifest.streams],
+        schema={"stream": pl.Int32, "rank": pl.Int32, "worker": pl.Int32, "records": pl.Int64, "tokens": pl.Int64,
+                "samples": pl.Int64, "elapsed_s": pl.Float64}, orient="row",
+    )
+    per_s = pl.when(pl.col("elapsed_s") > 0)
+    return df.with_columns(per_s.then(pl.col("tokens") / pl.col("elapsed_s")).alias("tokens_per_s"),
+                           per_s.then(pl.col("records") / pl.col("elapsed_s")).alias("records_per_s"))
+
+
+def compute_stats(out) -> PackStats:
+    """All statistics of a finished pack (manifest.json + lineage.parquet + projected shard reads)."""
+    from prepack.tools.verify import load_manifest
+
+    loc = resolve_location(out)
+    manifest = load_manifest(loc)
+    max_tokens = int(manifest.identity.get("max_num_tokens") or 0)
+    lineage = scan_lineage(loc).select("group", *_ROW_KEY).collect()
+    records = _records(loc, manifest, max_tokens)
+    per_row = lineage.group_by("group", *_ROW_KEY).agg(pl.len().cast(pl.Int64).alias("uses"))
+    return PackStats(
+        title=f"pack {loc.base}",
+        max_num_tokens=max_tokens,
+        records=records,
+        fill_hist=_fill_hist(records),
+        group_mix=_group_mix(manifest.identity, lineage),
+        drops=_drops(manifest),
+        row_use=per_row.group_by("uses").agg(pl.len().cast(pl.Int64).alias("rows")).sort("uses"),
+        top_rows=per_row.sort(["uses", *_ROW_KEY], descending=[True, False, False, False]).head(10),
+        streams=_streams(manifest),
+    )
+
+
+# -- text -----------------------------------------------------------------------------------------
+def _cell(v) -> str:
+    if isinstance(v, float):
+        return "-" if v != v else f"{v:,.3f}".rstrip("0").rstrip(".")
+    if isinstance(v, int) and not isinstance(v, bool):
+        return f"{v:,}"
+    return "-" if v is None else str(v)
+
+
+def text_table(df: pl.DataFrame, indent: str = "  ") -> list[str]:
+    """A DataFrame as aligned plain-text lines (numbers right-aligned)."""
+    cells = [[_cell(v) for v in row] for row in df.iter_rows()]
+    widths = [max([len(c)] + [len(r[j]) for r in cells]) for j, c in enumerate(df.columns)]
+    numeric = [dt.is_numeric() for dt in df.dtypes]
+    fmt = lambda row: indent + "  ".join(c.rjust(w) if n else c.ljust(w) for c, w, n in zip(row, widths, numeric))  # noqa: E731
+    return [fmt(df.columns).rstrip()] + [fmt(r).rstrip() for r in cells]
+
+
+def _summary(col: pl.Series) -> str:
+    return f"mean {col.mean():.2f}, min {col.min()}, median {col.median():g}, max {col.max()}"
+
+
+def format_stats(st: PackStats) -> str:
+    r = st.records
+    lines = [
+        f"{st.title}: {st.streams.height} streams, {r.height:,} batches, {int(r['num_tokens'].sum()):,} tokens, "
+        f"{int(r['num_samples'].sum()):,} samples, max_num_tokens {st.max_num_tokens:,}",
+        "",
+        f"fill ratio (sequence length / max_num_tokens): mean {r['fill'].mean():.3f}, min {r['fill'].min():.3f}, "
+        f"max {r['fill'].max():.3f}",
+    ]
+    peak = max(int(st.fill_hist["batches"].max() or 0), 1)
+    for lo, hi, n in st.fill_hist.filter(pl.col("batches") > 0).iter_rows():
+        lines.append(f"  {lo:.2f}-{hi:.2f}  {'#' * max(1, round(30 * n / peak)):<30} {n}")
+    lines += ["", "group mix (samples packed vs configured weights):"]
+    lines += text_table(st.group_mix.select(
+        "group", "mandatory", "weight", (pl.col("configured_share") * 100).round(1).alias("configured %"),
+        "samples", (pl.col("share") * 100).round(1).alias("achieved %")))
+    lines += ["", f"samples per batch: {_summary(r['num_samples'])}",
+              f"images per batch:  stored {_summary(r['images'])}",
+              f"                   ViT uses {_summary(r['vit_uses'])}; VAE uses {_summary(r['vae_uses'])}", ""]
+    if st.drops.height:
+        lines.append("drops and damaged-input warnings by reason:")
+        lines += text_table(st.drops)
+    else:
+        lines.append("drops: none")
+    distinct = int(st.row_use["rows"].sum() or 0)
+    lines += ["", f"source row reuse: {distinct:,} distinct rows packed"]
+    lines += text_table(st.row_use)
+    if st.row_use.height and int(st.row_use["uses"].max()) > 1:
+        lines += ["  most used rows:"] + text_table(st.top_rows, indent="    ")
+    lines += ["", "streams:"] + text_table(st.streams.with_columns(pl.col("tokens_per_s", "records_per_s").round(1)))
+    return "\n".join(lines)
+
+
+# -- html -----------------------------------------------------------------------------------------
+def _svg(fig) -> str:
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", metadata={"Date": None})
+    text = buf.getvalue()
+    return text[text.index("<svg"):]
+
+
+def _figure(width: float = 6.4, height: float = 3.2):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)  # no pyplot, no global backend
+    return fig, fig.add_subplot()
+
+
+def _style(ax, title: str, xlabel: str, ylabel: str, integer_x: bool = False) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    if integer_x:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=ylabel in ("batches", "rows")))
+    ax.set_title(title, fontsize=11, loc="left")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(axis="y", alpha=0.3)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+
+
+def _plots(st: PackStats) -> list[str]:
+    svgs = []
+    fig, ax = _figure()
+    h = st.fill_hist
+    ax.bar(h["lo"].to_numpy(), h["batches"].to_numpy(), width=FILL_BIN, align="edge", color="#4C72B0", edgecolor="white")
+    ax.axvline(float(st.records["fill"].mean()), color="#C44E52", ls="--", label="mean")
+    ax.legend(frameon=False)
+    _style(ax, "Fill ratio per batch", "sequence length / max_num_tokens", "batches")
+    svgs.append(_svg(fig))
+
+    fig, ax = _figure()
+    g = st.group_mix
+    x = np.arange(g.height)
+    ax.bar(x - 0.2, g["configured_share"].fill_null(0).to_numpy(), 0.4, label="configured weight", color="#BBBBBB")
+    ax.bar(x + 0.2, g["share"].to_numpy(), 0.4, label="achieved (samples)", color="#55A868")
+    ax.set_xticks(x, [f"{n}{' (mandatory)' if m else ''}" for n, m in zip(g["group"], g["mandatory"].fill_null(False))])
+    ax.legend(frameon=False)
+    _style(ax, "Group mix", "", "share")
+    svgs.append(_svg(fig))
+
+    fig = _figure(9.6, 3.2)[0]
+    fig.clear()
+    axes = fig.subplots(1, 3)
+    for ax, col, color, label in zip(axes, ("num_samples", "images", "vae_uses"), ("#4C72B0", "#DD8452", "#55A868"),
+                                     ("samples", "stored images", "VAE image uses")):
+        values = st.records[col].to_numpy()
+        ax.hist(values, bins=np.arange(values.min(), values.max() + 2) - 0.5, color=color, edgecolor="white")
+        _style(ax, f"{label} per batch", label, "batches", integer_x=True)
+    svgs.append(_svg(fig))
+
+    fig, ax = _figure()
+    uses = st.row_use["uses"].to_numpy()
+    ax.bar(uses, st.row_use["rows"].to_numpy(), width=0.8, color="#8172B3", edgecolor="white")
+    ax.set_xlim(0.4, max(uses.max(initial=1), 3) + 0.6)
+    _style(ax, "Source row reuse", "times a row was packed", "rows", integer_x=True)
+    svgs.append(_svg(fig))
+
+    fig, ax = _figure()
+    s = st.streams
+    ax.bar(s["stream"].to_numpy(), s["tokens_per_s"].fill_null(0).to_numpy(), color="#DD8452")
+    _style(ax, "Throughput per stream", "stream", "tokens / s", integer_x=True)
+    svgs.append(_svg(fig))
+
+    if st.drops.height:
+        fig, ax = _figure(6.4, 0.6 + 0.35 * st.drops.height)
+        d = st.drops
+        ax.barh([f"{k}: {r}" for k, r in zip(d["kind"], d["reason"])], d["count"].to_numpy(),
+                color=["#C44E52" if k == "drop" else "#CCB974" for k in d["kind"]])
+        ax.invert_yaxis()
+        _style(ax, "Drops (red) and warnings (yellow)", "count", "")
+        svgs.append(_svg(fig))
+    return svgs
+
+
+def _html_table(df: pl.DataFrame) -> str:
+    head = "".join(f"<th>{html_lib.escape(c)}</th>" for c in df.columns)
+    body = "".join("<tr>" + "".join(f"<td>{html_lib.escape(_cell(v))}</td>" for v in row) + "</tr>" for row in df.iter_rows())
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+_CSS = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
+h1{font-size:1.4em}h2{font-size:1.1em;margin-top:1.6em}pre{background:#f6f6f6;padding:1em;overflow-x:auto}
+table{border-collapse:collapse;font-size:.9em}td,th{padding:.2em .8em;border-bottom:1px solid #ddd;text-align:right}
+th{background:#f0f0f0}td:first-child,th:first-child{text-align:left}.plots{display:flex;flex-wrap:wrap;gap:1em}.plots svg{max-width:100%;height:auto}"""
+
+
+def render_html(st: PackStats) -> str:
+    """One self-contained page: summary text, plots as inline SVG, tables."""
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html_lib.escape(st.title)}</title>",
+             f"<style>{_CSS}</style></head><body><h1>{html_lib.escape(st.title)}</h1>",
+             f"<pre>{html_lib.escape(format_stats(st))}</pre>", "<div class='plots'>", *_plots(st), "</div>"]
+    for name, df in (("Group mix", st.group_mix), ("Drops and warnings", st.drops), ("Source row reuse", st.row_use),
+                     ("Most used source rows", st.top_rows), ("Streams", st.streams),
+                     ("Batches", st.records.drop("fill").with_columns(st.records["fill"].round(4)))):
+        parts.append(f"<h2>{name}</h2>{_html_table(df) if df.height else '<p>none</p>'}")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def pack_stats(out, html: str | None = None) -> str:
+    """The plain-text report; with ``html``, also write the page there."""
+    st = compute_stats(out)
+    text = format_stats(st)
+    if html:
+        with open(os.fspath(html), "w", encoding="utf-8") as f:
+            f.write(render_html(st))
+        text += f"\n\npage written to {html}"
+    return text

@@ -1,0 +1,221 @@
+"""Crashes of a pack on a local Ray: the rerun (or Ray's task retry) finishes with exactly the
+records of an uninterrupted run.
+
+The config has small shards (about two records each) so every stream commits several shards
+and a kill lands between commits.  Killed: the driver (``prepack run``) at two points, and, in
+a separate run, the Ray worker process executing a stream task.  Afterwards: every record
+digest, shard boundary and counter equals an uninterrupted pack's, streams are contiguous (no
+record lost or repeated), shards committed before the kill were kept (resumed, not redone),
+and no ``.tmp`` file or lock is left.  Locks of dead (or zombie) processes are taken over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+from tests.helpers.ray_helpers import (
+    RayRun,
+    check_stream_contiguity,
+    cmdline,
+    leftovers,
+    load_manifest,
+    make_demo,
+    prepack,
+    process_state,
+    read_back,
+    read_log,
+    same_streams,
+    summary,
+    variant,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slow  # starts Ray or runs the reference for many batches
+
+BATCHES = 12
+SHARD_BYTES = 5_000_000  # records are ~2-4 MB: about two records per shard
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rayfaults")
+    return variant(make_demo(str(root)), "faults.yaml", batches_per_stream=BATCHES, shard_bytes=SHARD_BYTES)
+
+
+@pytest.fixture(scope="module")
+def reference(config, tokenizer_and_special, tmp_path_factory):
+    """The uninterrupted pack, in process (no Ray): each stream packed start to end."""
+    from prepack.run.driver import finalize
+    from prepack.run.identity import pack_identity, record_metadata
+    from prepack.run.stream_job import pack_one_stream
+    from prepack.engine.tokenizer import tokenizer_fingerprint
+    from prepack.run.writer import write_json_atomic
+    from schemas.config import load_config
+    from schemas.location import resolve_location
+
+    cfg = load_config(config)
+    tok, special = tokenizer_and_special
+    identity = pack_identity(cfg, tokenizer_fingerprint(tok), special)
+    out = str(tmp_path_factory.mktemp("reference") / "out")
+    for s in range(cfg.num_streams):
+        pack_one_stream(cfg, out, s, tok, special, record_metadata(identity))
+    loc = resolve_location(out)
+    write_json_atomic(loc, "pack.json", identity)
+    assert finalize(loc, cfg, identity)[0]
+    man = load_manifest(out)
+    assert all(s["num_records"] == BATCHES and len(s["shards"]) >= 4 for s in man["streams"]), \
+        [(s["num_records"], len(s["shards"])) for s in man["streams"]]
+    return out, man
+
+
+def exists(out: str, stream: int, name: str) -> bool:
+    return os.path.exists(os.path.join(out, f"stream-{stream:05d}", name))
+
+
+def committed_shards(out: str, stream: int) -> list[int]:
+    d = os.path.join(out, f"stream-{stream:05d}")
+    if not os.path.isdir(d):
+        return []
+    return sorted(int(n[6:11]) for n in os.listdir(d) if n.startswith("shard-") and n.endswith(".json"))
+
+
+def shard_mtimes(out: str) -> dict[str, int]:
+    """mtime of every committed shard file: a resumed stream must not rewrite them."""
+    got = {}
+    for s in (0, 1):
+        for k in committed_shards(out, s):
+            p = os.path.join(out, f"stream-{s:05d}", f"shard-{k:05d}.arrow")
+            got[p] = os.stat(p).st_mtime_ns
+    return got
+
+
+def check_final(out: str, reference_manifest: dict) -> None:
+    man = load_manifest(out)
+    same_streams(man, reference_manifest)
+    check_stream_contiguity(man)
+    assert leftovers(out) == [], leftovers(out)
+    lineage = pq.read_table(os.path.join(out, "lineage.parquet")).select(["stream", "record"]).to_pylist()
+    for s in man["streams"]:
+        seen = sorted({r["record"] for r in lineage if r["stream"] == s["stream"]})
+        assert seen == list(range(s["num_records"])), f"stream {s['stream']}: lineage records {seen}"
+    assert read_back(out, man) == {s["stream"]: s["num_records"] for s in man["streams"]}
+
+
+def is_agent(pid: int) -> bool:
+    # Ray's per-node agents outlive a SIGKILLed driver by up to a minute; they write nothing here.
+    return any(a in cmdline(pid) for a in ("DashboardAgent", "RuntimeEnvAgent"))
+
+
+@pytest.mark.parametrize("point", ["first_shard", "stream_done"])
+def test_driver_sigkill_then_rerun(point, config, reference, tmp_path):
+    _, ref_man = reference
+    out = str(tmp_path / "out")
+    with RayRun() as rr:
+        if point == "first_shard":
+            # both streams running; kill as soon as any shard is committed
+            args, cond = [], lambda: exists(out, 0, "shard-00000.json") or exists(out, 1, "shard-00000.json")
+        else:
+            # one CPU: stream 0 finishes, then stream 1 runs; kill right after stream 0 is done
+            args, cond = ["--num-cpus", "1"], lambda: exists(out, 0, "done.json")
+        driver = rr.popen(prepack("run", config, "--out", out, *args), str(tmp_path / "killed"))
+        wait_until(cond, 180, f"kill point {point}", driver)
+        os.kill(driver.pid, signal.SIGKILL)
+        driver.wait(timeout=30)
+
+        # The local Ray dies with its driver; its orphaned workers stop at their next record (the
+        # stream task watches its raylet) and exit.  Ray's agents linger up to a minute: end them.
+        survivors = rr.wait_gone(30, keep=lambda p: not is_agent(p))
+        assert not survivors, [cmdline(p) for p in survivors]
+        rr.kill_all()
+
+        # what the kill left: a partial pack, its lock, no manifest
+        assert not os.path.exists(os.path.join(out, "manifest.json"))
+        assert os.path.exists(os.path.join(out, ".prepack.lock"))
+        done = [s for s in (0, 1) if exists(out, s, "done.json")]
+        assert done != [0, 1], "both streams finished: orphaned workers went on packing after the driver died, or the kill came too late"
+        if point == "stream_done":
+            assert done == [0]
+        kept = shard_mtimes(out)
+        assert kept, "no committed shard at the kill"
+
+        rerun = rr.run(prepack("run", config, "--out", out), timeout=240)
+    assert rerun.returncode == 0, rerun.stderr[-4000:]
+    assert "removing stale lock" in rerun.stderr, rerun.stderr[-3000:]
+    assert summary(rerun.stdout)[0].startswith(f"packed: 2 streams, {2 * BATCHES} batches, "), rerun.stdout
+    assert "batches were already committed" in rerun.stdout, rerun.stdout
+    check_final(out, ref_man)
+    # resumed, not redone: every shard committed before the kill is the very same file
+    assert {p: os.stat(p).st_mtime_ns for p in kept} == kept
+
+
+def test_worker_sigkill_task_retried(config, reference, tmp_path):
+    """SIGKILL the worker process running a stream task: Ray retries the task, which resumes."""
+    _, ref_man = reference
+    out = str(tmp_path / "out")
+    with RayRun() as rr:
+        driver = rr.popen(prepack("run", config, "--out", out, "--num-cpus", "1"), str(tmp_path / "run"))
+        wait_until(lambda: exists(out, 0, "shard-00001.json"), 240, "stream 0's second shard", driver)
+        workers = [p for p in rr.pids() if cmdline(p).startswith("ray::stream_task")]
+        assert len(workers) == 1, [cmdline(p) for p in rr.pids()]
+        kept = shard_mtimes(out)
+        os.kill(workers[0], signal.SIGKILL)
+        assert not exists(out, 0, "done.json") or not exists(out, 1, "done.json")
+        rc = driver.wait(timeout=300)
+        stdout, stderr = read_log(driver)
+        gone = workers[0] not in rr.pids()
+    assert rc == 0, stderr[-4000:]
+    assert gone
+    # Ray reports the lost worker and the retry of its task to the driver
+    assert "stream_task" in stdout + stderr and "retr" in stdout + stderr, (stdout + stderr)[-3000:]
+    assert summary(stdout)[0].startswith(f"packed: 2 streams, {2 * BATCHES} batches, "), stdout
+    check_final(out, ref_man)
+    assert {p: os.stat(p).st_mtime_ns for p in kept} == kept
+
+
+def _lock(pid: int) -> str:
+    return json.dumps({"pid": pid, "host": socket.gethostname(), "since": time.time() - 3600})
+
+
+@pytest.mark.parametrize("holder", ["dead", "zombie", "live"])
+def test_lock_left_by_a_process(holder, config, reference, tmp_path):
+    """A lock whose process is gone (or exited but not reaped) is taken over; a live one refuses."""
+    ref_out, ref_man = reference
+    out = str(tmp_path / "out")
+    shutil.copytree(ref_out, out)
+    if holder == "live":
+        proc = subprocess.Popen(["sleep", "120"])
+    else:
+        proc = subprocess.Popen([sys.executable, "-c", "pass"])
+        if holder == "dead":
+            proc.wait()
+        else:  # exited, not reaped: still in the process table as a zombie
+            wait_until(lambda: process_state(proc.pid) == "Z", 30, "the child to exit")
+    lock = os.path.join(out, ".prepack.lock")
+    with open(lock, "w") as f:
+        f.write(_lock(proc.pid))
+    try:
+        with RayRun() as rr:
+            r = rr.run(prepack("run", config, "--out", out), timeout=120)
+    finally:
+        proc.kill()
+        proc.wait()
+    if holder == "live":
+        assert r.returncode != 0
+        assert f"another prepack run (pid {proc.pid}" in r.stderr, r.stderr[-2000:]
+        with open(lock) as f:
+            assert json.loads(f.read())["pid"] == proc.pid  # the holder's lock is left alone
+    else:
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "removing stale lock" in r.stderr
+        assert summary(r.stdout)[0].startswith(f"already complete: 2 streams, {2 * BATCHES} batches"), r.stdout
+        assert not os.path.exists(lock)
+        check_final(out, ref_man)

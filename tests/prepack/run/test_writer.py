@@ -1,0 +1,240 @@
+"""StreamWriter: round trip, determinism, rollover, compression, commit protocol and crash recovery."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pytest
+from tests.helpers.fakepack import BatchSpec, make_batch, stream_batches
+
+from prepack.run.writer import Compression, StreamWriter, recover_stream, write_json_atomic
+from schemas.manifest import ShardEntry, checkpoint_file, shard_index_file
+from schemas.record import batch_fields, record_digest, record_to_batch
+
+META = {"config_hash": "abc", "tokenizer": "qwen2"}
+
+
+def write_stream(
+    out, batches, stream=0, *, shard_bytes=40_000, compression="zstd:3", **kw
+) -> tuple[list[ShardEntry], list[int]]:
+    """Write batches; return the entries and the index of the append that returned each one."""
+    w = StreamWriter(out, stream, shard_bytes=shard_bytes, compression=compression, metadata=META, **kw)
+    entries, at = [], []
+    for i, b in enumerate(batches):
+        e = w.append(b)
+        if e is not None:
+            entries.append(e)
+            at.append(i)
+    last = w.finish()
+    if last is not None:
+        entries.append(last)
+        at.append(len(batches) - 1)
+    return entries, at
+
+
+def read_shard(path):
+    with pa.OSFile(str(path)) as f:
+        reader = pa.ipc.open_file(f)
+        return reader.schema, [reader.get_batch(i) for i in range(reader.num_record_batches)]
+
+
+def assert_batches_equal(a, b):
+    for name in batch_fields():
+        x, y = getattr(a, name), getattr(b, name)
+        if isinstance(x, np.ndarray):
+            assert x.dtype == np.asarray(y).dtype or name in ("image_norm", "vae_latent_shapes"), name
+            assert np.array_equal(x, y), name
+        else:
+            assert x == y, name
+
+
+def test_round_trip_and_shard_entries(tmp_path):
+    batches = stream_batches(3, 7)
+    entries, _ = write_stream(str(tmp_path), batches, stream=3, start_record=0)
+    assert len(entries) > 1
+    i = 0
+    for k, e in enumerate(entries):
+        path = tmp_path / e.file
+        assert e.file == f"stream-00003/shard-{k:05d}.arrow" and (e.stream, e.shard, e.first_record) == (3, k, i)
+        raw = path.read_bytes()
+        assert e.nbytes == len(raw) and e.sha256 == hashlib.sha256(raw).hexdigest()
+        schema, records = read_shard(path)
+        assert schema.metadata[b"config_hash"] == b"abc" and schema.metadata[b"prepack.shard"] == str(k).encode()
+        assert len(records) == len(e.records)
+        for rec, entry in zip(records, e.records):
+            assert entry.digest == record_digest(rec)
+            assert (entry.num_tokens, entry.num_samples) == (batches[i].sequence_length, batches[i].num_samples)
+            assert_batches_equal(record_to_batch(rec), batches[i])
+            i += 1
+    assert i == len(batches)
+    assert not [f for f in os.listdir(tmp_path / "stream-00003") if f.endswith(".tmp")]
+    assert not [f for f in os.listdir(tmp_path / "stream-00003") if f.endswith(".json")]  # caller writes indexes
+
+
+def test_rollover_ends_a_shard_after_the_record_that_crossed(tmp_path):
+    batches = stream_batches(0, 9)
+    shard_bytes = 30_000
+    entries, at = write_stream(str(tmp_path), batches, shard_bytes=shard_bytes)
+    assert len(entries) >= 3
+    for e in entries[:-1]:
+        assert e.nbytes >= shard_bytes
+        # bytes before the footer: under the threshold without the shard's last record, not with it
+        schema, records = read_shard(tmp_path / e.file)
+        sink = pa.BufferOutputStream()
+        w = pa.ipc.new_file(sink, schema, options=Compression.parse("zstd:3").write_options())
+        sizes = []
+        for r in records:
+            w.write_batch(r)
+            sizes.append(sink.tell())
+        w.close()
+        assert sizes[-1] >= shard_bytes and (len(sizes) == 1 or sizes[-2] < shard_bytes)
+    assert at[:-1] == [e.first_record + len(e.records) - 1 for e in entries[:-1]]
+
+
+def test_deterministic_bytes(tmp_path):
+    batches = stream_batches(1, 5)
+    a, _ = write_stream(str(tmp_path / "a"), batches)
+    b, _ = write_stream(str(tmp_path / "b"), stream_batches(1, 5))
+    assert [e.to_json() for e in a] == [e.to_json() for e in b]
+    for e in a:
+        assert (tmp_path / "a" / e.file).read_bytes() == (tmp_path / "b" / e.file).read_bytes()
+
+
+@pytest.mark.parametrize("spec", ["none", "zstd:1", "zstd:19", "zstd:-5", "lz4"])
+def test_compression_levels_same_content(tmp_path, spec):
+    batches = stream_batches(2, 3)
+    ref, _ = write_stream(str(tmp_path / "ref"), batches, compression="zstd:3", shard_bytes=10**9)
+    got, _ = write_stream(str(tmp_path / "x"), batches, compression=spec, shard_bytes=10**9)
+    assert [r.digest for r in got[0].records] == [r.digest for r in ref[0].records]
+    _, records = read_shard(tmp_path / "x" / got[0].file)
+    for rec, b in zip(records, batches):
+        assert_batches_equal(record_to_batch(rec), b)
+    # uncompressed files hold the text ids verbatim; compressed ones do not
+    needle = np.ascontiguousarray(batches[0].packed_text_ids).tobytes()
+    assert (needle in (tmp_path / "x" / got[0].file).read_bytes()) == (spec == "none")
+
+
+@pytest.mark.parametrize("spec", ["zstd", "gzip:3", "zstd:x", "zstd:99", "zstd:0", "", "ZSTD:3", "zstd:3 "])
+def test_bad_compression_strings(tmp_path, spec):
+    with pytest.raises(ValueError, match="compression|zstd level"):
+        StreamWriter(str(tmp_path), 0, shard_bytes=100, compression=spec, metadata={})
+
+
+def test_uri_and_filesystem_outputs(tmp_path):
+    batches = stream_batches(0, 2)
+    local, _ = write_stream(str(tmp_path / "a"), batches)
+    uri, _ = write_stream(f"file://{tmp_path}/b", batches)
+    # a non-local pyarrow filesystem takes the generic path (output stream + move)
+    sub = pafs.SubTreeFileSystem(str(tmp_path / "c"), pafs.LocalFileSystem())
+    (tmp_path / "c").mkdir()
+    other, _ = write_stream("", batches, filesystem=sub)
+    for x in (uri, other):
+        assert [e.to_json() for e in x] == [e.to_json() for e in local]
+    assert (tmp_path / "c" / local[0].file).read_bytes() == (tmp_path / "a" / local[0].file).read_bytes()
+    write_json_atomic(f"file://{tmp_path}/b", "stream-00000/x.json", {"b": 1, "a": [1, 2]})
+    assert json.loads((tmp_path / "b/stream-00000/x.json").read_text()) == {"a": [1, 2], "b": 1}
+
+
+def test_write_json_atomic(tmp_path):
+    e = write_stream(str(tmp_path), stream_batches(0, 2), shard_bytes=10**9)[0][0]
+    write_json_atomic(str(tmp_path), shard_index_file(0, 0), e)
+    text = (tmp_path / shard_index_file(0, 0)).read_text()
+    assert ShardEntry.from_json(json.loads(text)) == e
+    write_json_atomic(str(tmp_path), shard_index_file(0, 0), e)
+    assert (tmp_path / shard_index_file(0, 0)).read_text() == text
+    assert sorted(os.listdir(tmp_path / "stream-00000")) == ["shard-00000.arrow", "shard-00000.json"]
+
+
+def test_abort_leaves_nothing(tmp_path):
+    w = StreamWriter(str(tmp_path), 0, shard_bytes=10**9, compression="zstd:3", metadata={})
+    assert w.append(make_batch(0)) is None
+    assert os.listdir(tmp_path / "stream-00000") == ["shard-00000.arrow.tmp"]
+    w.abort()
+    assert os.listdir(tmp_path / "stream-00000") == []
+    assert w.finish() is None
+
+
+def _commit(out, entry, stream=0):
+    write_json_atomic(out, checkpoint_file(stream, entry.shard + 1), {"state": entry.shard + 1})
+    write_json_atomic(out, shard_index_file(stream, entry.shard), entry)
+
+
+def test_recover_after_crash_then_resume_gives_identical_output(tmp_path):
+    batches = stream_batches(4, 10)
+    clean = str(tmp_path / "clean")
+    full, _ = write_stream(clean, batches, stream=4, shard_bytes=30_000)
+    assert len(full) >= 4
+
+    out = str(tmp_path / "crash")
+    w = StreamWriter(out, 4, shard_bytes=30_000, compression="zstd:3", metadata=META)
+    done, i = [], 0
+    while len(done) < 3:
+        e = w.append(batches[i])
+        i += 1
+        if e is not None:
+            done.append(e)
+            if len(done) < 3:
+                _commit(out, e, 4)
+            else:  # crash after the shard file rename and ckpt, before its index
+                write_json_atomic(out, checkpoint_file(4, e.shard + 1), {"state": "x"})
+    w.append(batches[i])  # a partial shard in progress ...
+    sdir = tmp_path / "crash" / "stream-00004"
+    (sdir / "ckpt-00003.arrow").write_bytes(b"x")
+    (sdir / "shard-00001.json.tmp").write_text("{")
+    # ... and the process dies here (no finish, no abort)
+
+    next_shard, next_record, committed = recover_stream(out, 4)
+    assert next_shard == 2 and next_record == full[2].first_record
+    assert [c.to_json() for c in committed] == [e.to_json() for e in full[:2]]
+    kept = ["ckpt-00001.json", "ckpt-00002.json"] + [
+        f"shard-0000{k}.{ext}" for k in (0, 1) for ext in ("arrow", "json")
+    ]
+    assert sorted(os.listdir(sdir)) == kept
+    assert recover_stream(out, 4) == (next_shard, next_record, committed)  # idempotent
+
+    rest, _ = write_stream(
+        out, batches[next_record:], stream=4, shard_bytes=30_000, start_shard=next_shard, start_record=next_record
+    )
+    assert [e.to_json() for e in committed + rest] == [e.to_json() for e in full]
+    for e in full:
+        assert (tmp_path / "crash" / e.file).read_bytes() == (tmp_path / "clean" / e.file).read_bytes()
+
+
+def test_recover_empty_and_damaged_streams(tmp_path):
+    out = str(tmp_path)
+    assert recover_stream(out, 7) == (0, 0, [])
+    entries, _ = write_stream(out, stream_batches(0, 6), shard_bytes=20_000)
+    assert len(entries) >= 3
+    for e in entries:
+        write_json_atomic(out, shard_index_file(0, e.shard), e)
+    assert recover_stream(out, 0)[0] == len(entries)
+    os.remove(tmp_path / shard_index_file(0, 1))
+    with pytest.raises(RuntimeError, match="not contiguous"):
+        recover_stream(out, 0)
+    write_json_atomic(out, shard_index_file(0, 1), entries[1])
+    with open(tmp_path / entries[2].file, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(RuntimeError, match="shard-00002.arrow: committed shard file missing or not"):
+        recover_stream(out, 0)
+
+
+def test_empty_lists_round_trip(tmp_path):
+    b = make_batch(3, BatchSpec(vit=False, vae=False, labels=False))
+    assert len(b.image_pixels) == 0 and len(b.packed_label_ids) == 0
+    e = write_stream(str(tmp_path), [b])[0][0]
+    _, [rec] = read_shard(tmp_path / e.file)
+    assert_batches_equal(record_to_batch(rec), b)
+
+
+def test_write_bytes_atomic_replaces_whole_file(tmp_path):
+    from prepack.run.writer import write_bytes_atomic
+
+    write_bytes_atomic(str(tmp_path), "stream-00001/ckpt-00001.arrow", b"first version, longer")
+    write_bytes_atomic(str(tmp_path), "stream-00001/ckpt-00001.arrow", b"second")
+    assert (tmp_path / "stream-00001/ckpt-00001.arrow").read_bytes() == b"second"
+    assert os.listdir(tmp_path / "stream-00001") == ["ckpt-00001.arrow"]

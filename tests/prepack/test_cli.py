@@ -1,0 +1,61 @@
+"""The prepack command line: --help teaches, errors are one line with a non-zero exit code."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def prepack(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "prepack.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=120)
+
+
+def test_help_lists_every_subcommand_with_examples():
+    r = prepack("--help")
+    assert r.returncode == 0
+    for word in ("run", "verify", "audit", "inspect", "stats", "demo-data", "examples:", "ray job submit"):
+        assert word in r.stdout
+    r = prepack("run", "--help")
+    assert r.returncode == 0 and "--streams" in r.stdout and "--address" in r.stdout
+
+
+def test_no_subcommand_prints_help_and_fails():
+    r = prepack()
+    assert r.returncode == 2 and "usage:" in r.stdout
+
+
+@pytest.mark.parametrize("args, code, text", [
+    (["run", "missing.yaml", "--out", "x"], 2, "config file not found"),
+    (["run", "configs/demo.yaml", "--out", "x", "--streams", "a,b"], 2, None),
+    (["verify", "/nonexistent/pack"], 1, "not a finished pack"),
+    (["stats", "/nonexistent/pack"], 1, "not a finished pack"),
+])
+def test_errors_are_one_line_on_stderr(args, code, text, tmp_path):
+    import os
+
+    from tests.helpers.paths import REPO as repo
+    r = prepack(*[a if a != "x" else str(tmp_path / "out") for a in args], cwd=repo)
+    assert r.returncode == code, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("prepack: error: "), r.stderr
+    if text:
+        assert text in lines[0]
+
+
+def test_bad_yaml_is_one_line(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("dataset: [unclosed\n")
+    r = prepack("run", str(p), "--out", str(tmp_path / "o"))
+    assert r.returncode == 2 and "not valid YAML" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_progress_postfix_shows_each_stream_or_the_spread():
+    from prepack.run.driver import progress_postfix
+
+    few = progress_postfix({0: (3, 3000, False), 1: (6, 6000, True)}, [0, 1], 6, 2.0)
+    assert "9,000 tok" in few and "4,500 tok/s" in few and "s0:3/6 s1:6/6" in few and "done 1/2" in few
+    many = progress_postfix({s: (s, 10, False) for s in range(10)}, list(range(10)), None, 0.0)
+    assert "per stream 0..9" in many and "done 0/10" in many

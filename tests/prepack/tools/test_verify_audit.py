@@ -1,0 +1,282 @@
+"""verify and audit on real packs built in-process (pack_one_stream + finalize, no Ray).
+
+verify must pass on a fresh pack and name the file and the record after one flipped byte; audit
+must pass from checkpoints and from seeds, and name the record (and its first differing field)
+after a source row is edited; it must refuse when fingerprints or data do not match.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from dataclasses import replace
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.helpers import datagen as dg
+from tests.helpers.fakepack import make_batch
+from tests.helpers.packs import KNOBS, build_pack
+from prepack.tools.audit import AuditRefused, audit_pack, config_from_identity, first_difference
+from prepack.cli import main
+from prepack.run.driver import finalize
+from prepack.run.identity import pack_identity, record_metadata
+from prepack.tools.stats import batches_with_row
+from prepack.run.stream_job import pack_one_stream
+from prepack.engine.tokenizer import tokenizer_fingerprint
+from prepack.tools.verify import verify_pack
+from prepack.run.writer import Compression, write_json_atomic
+from schemas.config import load_config
+from schemas.location import resolve_location
+from schemas.manifest import MANIFEST_NAME, PACK_INFO_NAME, Manifest, checkpoint_file
+
+@pytest.fixture(scope="module")
+def pack(tmp_path_factory, tokenizer_and_special) -> str:
+    return build_pack(str(tmp_path_factory.mktemp("pack")), tokenizer_and_special)
+
+
+def manifest_of(out: str) -> Manifest:
+    return Manifest.from_json(open(os.path.join(out, MANIFEST_NAME)).read())
+
+
+def copy_pack(src: str, dst) -> str:
+    out = os.path.join(str(dst), "out")
+    shutil.copytree(src, out)
+    return out
+
+
+# -- verify ---------------------------------------------------------------------------------------
+def test_verify_passes_on_fresh_pack(pack):
+    man = manifest_of(pack)
+    shards = [sh for s in man.streams for sh in s.shards]
+    assert len(shards) >= 4 and any(len(sh.records) > 1 for sh in shards)
+    report = verify_pack(pack)
+    assert report.ok, "\n".join(report.lines())
+    for sh in shards:
+        rows = {r.check for r in report.rows if r.target == sh.file}
+        assert rows == {"file sha256", "schema metadata", "record digests"}
+    assert any(r.check == "lineage" and r.ok for r in report.rows)
+    assert main(["verify", pack]) == 0
+
+
+def record_byte_ranges(path: str, compression: str) -> list[tuple[int, int]]:
+    """[start, end) of each record batch message in an Arrow IPC file, computed independently of
+    the code under test: file magic (8 bytes), the schema message, then the batch messages."""
+    data = open(path, "rb").read()
+    reader = pa.ipc.open_file(pa.BufferReader(data))
+    opts = Compression.parse(compression).write_options()
+
+    def stream_len(batches) -> int:
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, reader.schema, options=opts) as w:
+            for b in batches:
+                w.write_batch(b)
+        return sink.getvalue().size
+
+    header = stream_len([]) - 8  # minus the end-of-stream marker
+    pos, ranges = 8 + header, []
+    for i in range(reader.num_record_batches):
+        n = stream_len([reader.get_batch(i)]) - header - 8
+        assert data[pos : pos + 4] == b"\xff\xff\xff\xff", "not at an IPC message start"
+        ranges.append((pos, pos + n))
+        pos += n
+    return ranges
+
+
+def test_verify_names_file_and_record_after_a_flipped_byte(pack, tmp_path, capsys):
+    out = copy_pack(pack, tmp_path)
+    man = manifest_of(out)
+    shard = next(sh for s in man.streams for sh in s.shards if len(sh.records) > 1 and sh.stream == 1)
+    path = os.path.join(out, shard.file)
+    ranges = record_byte_ranges(path, man.identity["config"]["prepack"]["compression"])
+    victim = len(ranges) - 1
+    a, b = ranges[victim]
+    data = bytearray(open(path, "rb").read())
+    data[(a + b) // 2] ^= 0x5A
+    open(path, "wb").write(bytes(data))
+
+    report = verify_pack(out)
+    assert not report.ok
+    failed = report.failures()
+    assert {r.target for r in failed} == {shard.file}
+    assert any(r.check == "file sha256" for r in failed)
+    record_rows = [r for r in failed if r.check == "record digest"]
+    assert len(record_rows) == 1 and record_rows[0].detail.startswith(f"record {victim} ")
+    assert f"stream record {shard.first_record + victim}" in record_rows[0].detail
+    # every other file still verifies
+    assert all(r.ok for r in report.rows if r.target != shard.file)
+    assert main(["verify", out]) == 1
+    text = capsys.readouterr().out
+    assert shard.file in text and f"record {victim} " in text and "FAIL" in text
+
+
+def test_verify_checks_identity_metadata_and_lineage(pack, tmp_path):
+    out = copy_pack(pack, tmp_path)
+    man = json.load(open(os.path.join(out, MANIFEST_NAME)))
+    man["identity"]["code_fingerprint"] = "0" * 16
+    write_json_atomic(out, MANIFEST_NAME, man)
+    table = pq.read_table(os.path.join(out, "lineage.parquet"))
+    pq.write_table(table.slice(1), os.path.join(out, "lineage.parquet"))
+    report = verify_pack(out)
+    failed = {(r.check, r.target) for r in report.failures()}
+    shards = {sh.file for s in manifest_of(out).streams for sh in s.shards}
+    assert failed == {("schema metadata", f) for f in shards} | {("lineage", "lineage.parquet"), ("pack.json", "pack.json")}
+    lineage_row = next(r for r in report.failures() if r.check == "lineage")
+    assert f"{table.num_rows - 1} rows" in lineage_row.detail
+
+
+# -- audit ----------------------------------------------------------------------------------------
+def test_config_from_identity_round_trips(pack):
+    identity = manifest_of(pack).identity
+    cfg = config_from_identity(identity)
+    assert cfg.content_hash() == identity["config_hash"]
+    assert cfg == load_config(identity["config_path"])
+
+
+def test_audit_passes_for_one_shard_every_shard_and_from_seeds(pack, tokenizer_and_special):
+    man = manifest_of(pack)
+    one = audit_pack(pack, stream=1, shard=1, tokenizer=tokenizer_and_special)
+    assert one.ok, "\n".join(one.lines())
+    assert [(r.check, r.target) for r in one.rows] == [("re-pack", man.streams[1].shards[1].file),
+                                                      ("checkpoint", checkpoint_file(1, 2))]
+    every = audit_pack(pack, tokenizer=tokenizer_and_special)
+    assert every.ok and sum(r.check == "re-pack" for r in every.rows) == sum(len(s.shards) for s in man.streams)
+    seeded = audit_pack(pack, all_streams=True, tokenizer=tokenizer_and_special)
+    assert seeded.ok, "\n".join(seeded.lines())
+    ckpts = [r.target for r in seeded.rows if r.check == "checkpoint"]
+    assert ckpts == [checkpoint_file(s.stream, k) for s in man.streams for k in range(len(s.shards) + 1)]
+    assert [r.target for r in seeded.rows if r.check == "budget"] == ["stream 0", "stream 1"]
+
+
+def _swap_words(text: str) -> str:
+    """Same words, two of them swapped: same token count, different token ids."""
+    words = text.split(" ")
+    j = next(j for j in range(2, len(words) - 1) if words[j] != words[1])
+    words[1], words[j] = words[j], words[1]
+    return " ".join(words)
+
+
+def _edit_t2i_row(path: str, row_group: int, row: int) -> None:
+    pf = pq.ParquetFile(path)
+    sizes = [pf.metadata.row_group(i).num_rows for i in range(pf.num_row_groups)]
+    rows = pf.read().to_pylist()
+    i = sum(sizes[:row_group]) + row
+    caps = json.loads(rows[i]["captions"])
+    rows[i]["captions"] = json.dumps({k: _swap_words(v) for k, v in caps.items()})
+    pq.write_table(pa.Table.from_pylist(rows, schema=pf.schema_arrow), path, row_group_size=sizes[0])
+
+
+def _edit_jsonl_line(path: str, line_no: int) -> None:
+    lines = open(path, "rb").read().split(b"\n")
+    item = json.loads(lines[line_no])
+    for turn in item["conversations"]:
+        if turn["from"] == "gpt":
+            turn["value"] = _swap_words(turn["value"])
+    lines[line_no] = json.dumps(item).encode()
+    open(path, "wb").write(b"\n".join(lines))
+
+
+def _buffered_at(out: str, stream: int, shard: int) -> set[tuple]:
+    doc = json.load(open(os.path.join(out, checkpoint_file(stream, shard))))
+    return {(s["origin"]["source_file"], s["origin"]["source_row_group"], s["origin"]["source_row"]) for s in doc["buffer"]}
+
+
+@pytest.mark.parametrize("group", ["t2i_pretrain", "vlm_sft"])
+def test_audit_names_record_and_field_after_a_source_row_is_edited(tmp_path, tokenizer_and_special, group):
+    out = build_pack(str(tmp_path), tokenizer_and_special, seed=1)
+    assert audit_pack(out, stream=0, tokenizer=tokenizer_and_special).ok
+    man = manifest_of(out)
+    lineage = pq.read_table(os.path.join(out, "lineage.parquet")).to_pylist()
+    # a row of the group, packed in stream 0 after its first shard, not carried over in a checkpoint buffer
+    shard_of = {sh.first_record + i: sh.shard for sh in man.streams[0].shards for i in range(len(sh.records))}
+    for row in lineage:
+        if row["stream"] != 0 or row["group"] != group or shard_of[row["record"]] == 0:
+            continue
+        key = (row["source_file"], row["source_row_group"], row["source_row"])
+        hits = batches_with_row(out, key[0], key[2], key[1])
+        first = hits.row(0, named=True)
+        if first["record"] == row["record"] and key not in _buffered_at(out, 0, shard_of[row["record"]]):
+            break
+    else:
+        pytest.fail("no suitable row in the test pack")
+    if group == "t2i_pretrain":
+        _edit_t2i_row(key[0], key[1], key[2])
+    else:
+        _edit_jsonl_line(key[0], key[2])
+    record = first["record"]
+    shard = man.streams[0].shards[shard_of[record]]
+
+    for report in (audit_pack(out, stream=0, tokenizer=tokenizer_and_special),
+                   audit_pack(out, stream=0, all_streams=True, tokenizer=tokenizer_and_special)):
+        failed = report.failures()
+        assert failed, "\n".join(report.lines())
+        assert failed[0].target == shard.file and failed[0].check == "re-pack"
+        assert failed[0].detail.startswith(f"stream 0 record {record} (#{record - shard.first_record} in shard): "
+                                           "differs first in packed_text_ids[")
+        # everything before the edited record still re-packs identically
+        before = report.rows[: report.rows.index(failed[0])]
+        assert before and all(r.ok for r in before)
+    # the other stream reads other files or lines and is unaffected... only if it never packed the row
+    if batches_with_row(out, key[0], key[2], key[1]).filter(stream=1).height == 0:
+        assert audit_pack(out, stream=1, tokenizer=tokenizer_and_special).ok
+
+
+def test_audit_reports_a_tampered_checkpoint(pack, tmp_path, tokenizer_and_special):
+    out = copy_pack(pack, tmp_path)
+    path = os.path.join(out, checkpoint_file(0, 2))
+    doc = json.load(open(path))
+    doc["counters"]["samples_read"]["t2i_pretrain"] += 1
+    write_json_atomic(out, checkpoint_file(0, 2), doc)
+    seeded = audit_pack(out, stream=0, all_streams=True, tokenizer=tokenizer_and_special)
+    assert [(r.check, r.target, r.detail) for r in seeded.failures()] == [
+        ("checkpoint", checkpoint_file(0, 2), f"state.counters.samples_read.t2i_pretrain: stored "
+         f"{doc['counters']['samples_read']['t2i_pretrain']}, re-packed {doc['counters']['samples_read']['t2i_pretrain'] - 1}")]
+    # re-packing shard 1 alone ends at the (tampered) ckpt-2 and notices too
+    assert not audit_pack(out, stream=0, shard=1, tokenizer=tokenizer_and_special).ok
+
+
+def test_audit_refuses_when_fingerprints_or_data_differ(pack, tmp_path, tokenizer_and_special, capsys):
+    out = copy_pack(pack, tmp_path)
+    man = json.load(open(os.path.join(out, MANIFEST_NAME)))
+    for key, expected in (("tokenizer_fingerprint", "the tokenizer differs"), ("code_fingerprint", "the packing code differs")):
+        changed = json.loads(json.dumps(man))
+        changed["identity"][key] = "f" * 16
+        write_json_atomic(out, MANIFEST_NAME, changed)
+        with pytest.raises(AuditRefused, match=expected):
+            audit_pack(out, tokenizer=tokenizer_and_special)
+    # source data moved away: refused before anything is re-packed (and before loading a tokenizer)
+    moved = copy.deepcopy(man)
+    moved["identity"]["config"]["groups"][0]["datasets"][0]["data_dir"] = str(tmp_path / "gone")
+    cfg = config_from_identity(moved["identity"])
+    moved["identity"]["config_hash"] = cfg.content_hash()
+    write_json_atomic(out, MANIFEST_NAME, moved)
+    with pytest.raises(AuditRefused, match="source data unreachable: t2i_pretrain/t2i data_dir"):
+        audit_pack(out, tokenizer=tokenizer_and_special)
+    assert main(["audit", out]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "source data unreachable" in err[0]
+    write_json_atomic(out, MANIFEST_NAME, man)
+    with pytest.raises(AuditRefused, match="no shard 99"):
+        audit_pack(out, stream=0, shard=99, tokenizer=tokenizer_and_special)
+    with pytest.raises(AuditRefused, match="takes no --shard"):
+        audit_pack(out, shard=0, all_streams=True, tokenizer=tokenizer_and_special)
+
+
+def test_first_difference_names_the_first_field_in_declaration_order():
+    a = make_batch(3)
+    assert first_difference(a, make_batch(3)) is None
+    b = make_batch(3)
+    b.packed_label_ids = b.packed_label_ids.copy()
+    b.packed_label_ids[-1] += 1
+    b.origins = [replace(o) for o in b.origins]
+    b.origins[-1].source_row += 1
+    n = len(b.packed_label_ids) - 1
+    assert first_difference(a, b) == f"packed_label_ids[{n}]: stored {int(a.packed_label_ids[n])}, re-packed {int(b.packed_label_ids[n])}"
+    b.packed_label_ids = a.packed_label_ids
+    assert first_difference(a, b).startswith(f"origins[{len(a.origins) - 1}].source_row: ")
+    b.packed_timesteps = np.append(a.packed_timesteps, np.float32(0))
+    assert first_difference(a, b).startswith("packed_timesteps: shape")
