@@ -27,8 +27,6 @@ batch is read exactly once overall.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -38,10 +36,10 @@ import torch
 
 from loader.batch import SimpleCustomBatch
 from loader.prefetch import Prefetcher
-from loader.reader import Pack
+from loader.reader import Follow, Pack
 from loader.stream import interleaved_batches
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
 def streams_for_rank(
@@ -64,17 +62,6 @@ def streams_for_rank(
     return list(range(rank, num_streams, world_size))
 
 
-def pack_fingerprint(pack: Pack) -> str:
-    """Identity of a pack's content (identity + every record digest), independent of timings."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(json.dumps(pack.manifest.identity, sort_keys=True, default=str).encode())
-    for stream in pack.manifest.streams:
-        for shard in stream.shards:
-            for rec in shard.records:
-                h.update(rec.digest.encode())
-    return h.hexdigest()
-
-
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return int(value) if value not in (None, "") else default
@@ -91,17 +78,21 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         *,
         verify: "bool | str" = True,
         prefetch: int = 2,
+        follow: bool = False,
+        poll_s: float = 1.0,
+        timeout_s: float | None = None,
         filesystem: pafs.FileSystem | None = None,
     ):
         super().__init__()
         self.pack = Pack.open(path, filesystem)
         self.rank = _env_int("RANK", 0) if rank is None else int(rank)
         self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else int(world_size)
-        m = self.pack.manifest
-        self.streams = streams_for_rank(m.num_streams, m.world_size, m.num_workers, self.rank, self.world_size)
+        p = self.pack
+        self.streams = streams_for_rank(p.num_streams, p.world_size, p.num_workers, self.rank, self.world_size)
         self.verify = verify
         self.prefetch = prefetch
-        self.fingerprint = pack_fingerprint(self.pack)
+        self.follow = Follow(poll_s, timeout_s) if follow else None
+        self.fingerprint = p.fingerprint
         self._split = (0, 1)
         self._cursor = 0
         self._positions = [0] * len(self.streams)
@@ -109,7 +100,8 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         self._pending: dict[str, Any] | None = None
 
     def num_batches(self) -> int:
-        """Batches this rank reads in one pass (all DataLoader workers together)."""
+        """Batches committed for this rank so far (all DataLoader workers together); final once the
+        pack is done."""
         return sum(self.pack.num_records(s) for s in self.streams)
 
     def _worker_streams(self) -> list[int]:
@@ -130,6 +122,7 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
             if state.get("kind") == "merged":
                 self._firsts = [int(state["positions"][str(s)]) for s in streams]
                 self._positions = list(self._firsts)
+                state = {**state, "last": [state["last"][str(s)] for s in streams]}
             else:
                 if (state["worker"], state["num_workers"]) != self._split or state["streams"] != streams:
                     raise ValueError(
@@ -139,7 +132,9 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
                     )
                 self._cursor, self._positions = int(state["cursor"]), [int(p) for p in state["positions"]]
                 self._firsts = [int(p) for p in state.get("firsts", self._firsts)]
-        source = interleaved_batches(self.pack, streams, self._cursor, verify=self.verify, firsts=self._firsts)
+            self._check_positions(streams, self._positions, state.get("last"))
+        source = interleaved_batches(self.pack, streams, self._cursor, verify=self.verify, firsts=self._firsts,
+                                     follow=self.follow)
         prefetcher = Prefetcher(source, self.prefetch, f"prefetch-rank{self.rank}-worker{self._split[0]}")
         return self._hand_out(prefetcher, streams)
 
@@ -152,6 +147,21 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
                 yield batch
         finally:
             prefetcher.close()
+
+    def _last_digests(self, streams: list[int], positions: list[int]) -> list[str]:
+        """Digest of the last record read per stream ("" before the first): ties a state to content."""
+        return [self.pack.index(s).record(p - 1).digest if p else "" for s, p in zip(streams, positions)]
+
+    def _check_positions(self, streams: list[int], positions: list[int], last: "list[str] | None") -> None:
+        """Refuse a state whose streams' last records differ from this pack's (another pack's state)."""
+        if last is None:
+            return
+        for s, p, digest in zip(streams, positions, last):
+            if p and not self.pack.wait_for(s, p - 1, self.follow):
+                raise ValueError(f"loader state is past the end of stream {s} ({p} records read, "
+                                 f"{self.pack.num_records(s)} committed): it belongs to a different pack")
+            if p and self.pack.index(s).record(p - 1).digest != digest:
+                raise ValueError(f"loader state belongs to a different pack (stream {s}, record {p - 1} differs)")
 
     def state_dict(self) -> dict[str, Any]:
         """Position after the last batch handed out by this (worker's) iterator."""
@@ -167,6 +177,7 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
             "cursor": self._cursor,
             "firsts": list(self._firsts),  # where this iteration started per stream (after a merge)
             "positions": list(self._positions),  # next record per stream
+            "last": self._last_digests(self._worker_streams(), self._positions),
         }
 
     @staticmethod
@@ -179,16 +190,18 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         if len(packs) != 1:
             raise ValueError("loader states belong to different packs")
         positions: dict[str, int] = {}
+        last: dict[str, str] = {}
         for st in states:
             if st.get("kind") == "merged":
-                items = [(int(k), v) for k, v in st["positions"].items()]
+                items = [(int(k), v, st["last"][k]) for k, v in st["positions"].items()]
             else:
-                items = list(zip(st["streams"], st["positions"]))
-            for stream, pos in items:
+                items = list(zip(st["streams"], st["positions"], st["last"]))
+            for stream, pos, digest in items:
                 if str(stream) in positions:
                     raise ValueError(f"stream {stream} appears in two loader states")
                 positions[str(stream)] = int(pos)
-        return {"version": STATE_VERSION, "kind": "merged", "pack": packs.pop(), "positions": positions}
+                last[str(stream)] = str(digest)
+        return {"version": STATE_VERSION, "kind": "merged", "pack": packs.pop(), "positions": positions, "last": last}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next ``iter()`` continue right after the batch ``state`` was taken at."""

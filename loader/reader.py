@@ -1,70 +1,217 @@
-"""Reading a pack: the manifest, and one stream's records in order, with integrity checks.
+"""Reading a pack: its identity, one stream's index, and its records in order, integrity-checked.
 
-Integrity is checked where it matters to training: every record's content digest is compared
-with the manifest's (``schemas.record.record_digest``, compression-independent), so corrupted
-bytes, a truncated or replaced file, and two shard files swapped (digests differ per position)
-all raise ``PackIntegrityError`` naming the file and the record, before the record reaches the
-model.  ``verify="file"`` also checks each shard file's sha256 (it must then read whole files);
-the default check covers every byte the model sees, not padding or file metadata.
+This is the one shard reader: the training loader and every tool (verify, audit, inspect, stats)
+read shards through ``read_shard``.  What it checks, before a record reaches anyone:
+
+- the shard file's size (and with ``verify="file"`` its sha256) against the stream index;
+- the identity stamped into the shard's schema (stream, shard number, config, tokenizer), so a
+  shard copied from another stream or pack is named as such;
+- every record's content digest (``schemas.record.record_digest``, compression-independent)
+  against the index, after validating its buffers, so corrupted bytes, a truncated or replaced
+  file and swapped shards all raise ``PackIntegrityError`` naming the file and the record.
+
+A pack is readable while it is written: a stream's committed shards are exactly the rows of its
+``index.arrow``, which is replaced atomically at each commit.  ``Follow`` makes a reader wait for
+the next commit (polling) until the stream's ``done.json`` says it has ended.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from schemas.errors import PackIntegrityError
+from schemas.errors import DamagedFile, NotAPack, PackIntegrityError, PrepackError, UsageError
 from schemas.location import PackLocation, resolve_location
-from schemas.manifest import MANIFEST_NAME, Manifest, ShardEntry, StreamEntry
-from schemas.record import RECORD_SCHEMA_VERSION, record_digest
+from schemas.manifest import (
+    PACK_INFO_NAME,
+    ShardEntry,
+    StreamIndex,
+    StreamSummary,
+    check_format,
+    done_file,
+    index_file,
+    load_checked,
+)
+from schemas.record import RECORD_SCHEMA, RECORD_SCHEMA_VERSION, record_digest
 
-_READ_OPTIONS = dict(use_threads=False)  # one core per reader; parallelism comes from streams
+_READ_OPTIONS = pa.ipc.IpcReadOptions(use_threads=False)  # one core per reader; parallelism comes from streams
+
+
+class FollowTimeout(PrepackError, TimeoutError):
+    """A followed stream got no new committed shard within the timeout."""
+
+
+@dataclass(frozen=True)
+class Follow:
+    """Wait for shards that are not committed yet: poll every ``poll_s`` seconds, give up after
+    ``timeout_s`` without a new commit (None: wait as long as the stream is not done)."""
+
+    poll_s: float = 1.0
+    timeout_s: float | None = None
+
+
+def identity_fingerprint(identity: dict) -> str:
+    """What a loader state is tied to: the pack's content identity, not its budget (an extended
+    pack keeps every record, so a state taken before the extension still applies)."""
+    keys = ("format_version", "config_hash", "tokenizer_fingerprint", "world_size", "num_workers", "stream_seeds")
+    blob = json.dumps({k: identity.get(k) for k in keys}, sort_keys=True, default=str)
+    return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
 
 
 @dataclass
 class Pack:
-    """An opened pack directory: where it is and its manifest."""
+    """An opened pack: where it is, its identity (pack.json) and the indexes of the streams read so far."""
 
     location: PackLocation
-    manifest: Manifest
+    identity: dict
+    _indexes: dict[int, StreamIndex] = field(default_factory=dict, repr=False)
+    _done: dict[int, StreamSummary] = field(default_factory=dict, repr=False)
 
     @classmethod
     def open(cls, path: "str | os.PathLike | PackLocation", filesystem: pafs.FileSystem | None = None) -> "Pack":
         loc = resolve_location(path, filesystem)
-        manifest = Manifest.from_json(loc.read_bytes(MANIFEST_NAME).decode())
-        if manifest.record_schema_version != RECORD_SCHEMA_VERSION:
-            raise ValueError(
-                f"{loc.path(MANIFEST_NAME)}: record schema version {manifest.record_schema_version}, "
-                f"this reader reads {RECORD_SCHEMA_VERSION}"
-            )
-        return cls(loc, manifest)
+        try:
+            raw = loc.read_bytes(PACK_INFO_NAME)
+        except FileNotFoundError:
+            raise NotAPack(f"{loc.path('')} is not a pack (no {PACK_INFO_NAME}); pack into it with 'prepack run'") from None
+        identity = check_format(load_checked(raw, loc.path(PACK_INFO_NAME)), loc.path(PACK_INFO_NAME))
+        if identity.get("record_schema_version") != RECORD_SCHEMA_VERSION:
+            raise DamagedFile(f"{loc.path(PACK_INFO_NAME)}: record schema version "
+                              f"{identity.get('record_schema_version')}, this reader reads {RECORD_SCHEMA_VERSION}")
+        return cls(loc, identity)
 
-    def stream(self, stream: int) -> StreamEntry:
-        for entry in self.manifest.streams:
-            if entry.stream == stream:
-                return entry
-        raise KeyError(f"stream {stream} is not in the manifest ({self.manifest.num_streams} streams)")
+    @property
+    def num_streams(self) -> int:
+        return int(self.identity["num_streams"])
+
+    @property
+    def world_size(self) -> int:
+        return int(self.identity["world_size"])
+
+    @property
+    def num_workers(self) -> int:
+        return int(self.identity["num_workers"])
+
+    @property
+    def fingerprint(self) -> str:
+        return identity_fingerprint(self.identity)
+
+    def check_stream(self, stream: int) -> None:
+        if not 0 <= stream < self.num_streams:
+            raise UsageError(f"stream {stream} is not in this pack ({self.num_streams} streams)")
+
+    def index(self, stream: int, *, refresh: bool = False) -> StreamIndex:
+        """The stream's committed shards (read once, or again with ``refresh``); empty before its first commit."""
+        if refresh or stream not in self._indexes:
+            self.check_stream(stream)
+            try:
+                data = self.location.read_bytes(index_file(stream))
+            except FileNotFoundError:
+                index = StreamIndex(stream, [])
+            else:
+                index = StreamIndex.from_bytes(data, stream, self.location.path(index_file(stream)))
+            old = self._indexes.get(stream)
+            if old is not None and index.num_records < old.num_records:
+                raise DamagedFile(f"{self.location.path(index_file(stream))}: the stream index shrank from "
+                                  f"{old.num_records} to {index.num_records} records")
+            self._indexes[stream] = index
+        return self._indexes[stream]
+
+    def forget(self, stream: int) -> None:
+        """Drop what was read of ``stream`` (tools that walk every stream keep one in memory)."""
+        self._indexes.pop(stream, None)
+        self._done.pop(stream, None)
+
+    def done(self, stream: int) -> StreamSummary | None:
+        """The stream's done.json if it has finished the pack's budget, else None."""
+        if stream not in self._done:
+            try:
+                data = self.location.read_bytes(done_file(stream))
+            except FileNotFoundError:
+                return None
+            summary = StreamSummary.from_json(data, self.location.path(done_file(stream)))
+            if summary.budget != self.identity.get("budget"):
+                return None  # finished an earlier, smaller budget: being extended
+            self._done[stream] = summary
+        return self._done[stream]
 
     def num_records(self, stream: int) -> int:
-        return sum(len(s.records) for s in self.stream(stream).shards)
+        """Records committed in ``stream`` as of the last read of its index."""
+        return self.index(stream).num_records
+
+    def wait_for(self, stream: int, record: int, follow: Follow | None) -> bool:
+        """Whether ``record`` of ``stream`` exists; with ``follow``, wait for it until the stream is done."""
+        if record < self.index(stream).num_records:
+            return True
+        if follow is None:
+            return False
+        last_change = time.monotonic()
+        seen = self.index(stream).num_records
+        while True:
+            done = self.done(stream)  # read before the index: done.json is written after the last commit
+            n = self.index(stream, refresh=True).num_records
+            if record < n:
+                return True
+            if done is not None:
+                return False
+            if n != seen:
+                seen, last_change = n, time.monotonic()
+            if follow.timeout_s is not None and time.monotonic() - last_change > follow.timeout_s:
+                raise FollowTimeout(f"stream {stream}: no new committed shard for {follow.timeout_s:g} s "
+                                    f"(waiting for record {record}; {n} committed)")
+            time.sleep(follow.poll_s)
 
 
 def iter_records(
-    pack: Pack, stream: int, start: int = 0, *, verify: "bool | str" = True
+    pack: Pack, stream: int, start: int = 0, *, verify: "bool | str" = True, follow: Follow | None = None
 ) -> Iterator[tuple[int, pa.RecordBatch]]:
-    """Yield ``(record index, record)`` of one stream from record ``start`` on."""
-    for shard in pack.stream(stream).shards:
-        n = len(shard.records)
-        if start < shard.first_record + n:
-            yield from _read_shard(pack.location, shard, max(start - shard.first_record, 0), verify)
+    """Yield ``(record index, record)`` of one stream from record ``start`` on (committed records only)."""
+    i = start
+    while pack.wait_for(stream, i, follow):
+        index = pack.index(stream)
+        shard = index.shards[_shard_of(index, i)]
+        yield from read_shard(pack, shard, i - shard.first_record, verify=verify)
+        i = shard.first_record + len(shard.records)
 
 
-def _read_shard(loc: PackLocation, shard: ShardEntry, first: int, verify) -> Iterator[tuple[int, pa.RecordBatch]]:
+def _shard_of(index: StreamIndex, record: int) -> int:
+    lo, hi = 0, len(index.shards) - 1
+    while lo < hi:  # last shard whose first record <= record
+        mid = (lo + hi + 1) // 2
+        if index.shards[mid].first_record <= record:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def expected_metadata(identity: dict, shard: ShardEntry) -> dict[str, str]:
+    """The identity every shard's schema metadata must carry."""
+    return {
+        "prepack.record_schema_version": str(RECORD_SCHEMA_VERSION),
+        "prepack.config_hash": str(identity.get("config_hash")),
+        "prepack.tokenizer_fingerprint": str(identity.get("tokenizer_fingerprint")),
+        "prepack.stream": str(shard.stream),
+        "prepack.shard": str(shard.shard),
+    }
+
+
+def read_shard(
+    pack: Pack, shard: ShardEntry, first: int = 0, *, verify: "bool | str" = True
+) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """Yield ``(stream record index, record)`` of one committed shard from its record ``first`` on.
+
+    ``verify``: False reads as is; True checks size, schema metadata and every record's digest;
+    ``"file"`` also the whole file's sha256 (reading the file whole first).
+    """
+    loc = pack.location
     path = loc.path(shard.file)
 
     def fail(i: int, reason: str) -> PackIntegrityError:
@@ -77,18 +224,26 @@ def _read_shard(loc: PackLocation, shard: ShardEntry, first: int, verify) -> Ite
     with source:
         size = source.size()
         if verify and size != shard.nbytes:
-            raise fail(first, f"shard file is {size} bytes, the manifest says {shard.nbytes} (truncated or replaced)")
+            raise fail(first, f"shard file is {size} bytes, the stream index says {shard.nbytes} (truncated or replaced)")
         if verify == "file":
             data = source.read_buffer()
             if hashlib.sha256(memoryview(data)).hexdigest() != shard.sha256:
-                raise fail(first, "shard file sha256 differs from the manifest")
+                raise fail(first, "shard file sha256 differs from the stream index")
             source = pa.BufferReader(data)
         try:
-            reader = pa.ipc.open_file(source, options=pa.ipc.IpcReadOptions(**_READ_OPTIONS))
+            reader = pa.ipc.open_file(source, options=_READ_OPTIONS)
         except (pa.ArrowException, OSError) as exc:
             raise fail(first, f"not a readable Arrow IPC file ({exc})") from exc
+        if verify:
+            meta = {k.decode(): v.decode() for k, v in (reader.schema.metadata or {}).items()}
+            wrong = [f"{k}={meta.get(k)!r} (expected {v!r})" for k, v in expected_metadata(pack.identity, shard).items()
+                     if meta.get(k) != v]
+            if reader.schema.remove_metadata() != RECORD_SCHEMA:
+                wrong.append("its columns differ from this reader's record schema")
+            if wrong:
+                raise fail(first, "shard belongs elsewhere: " + "; ".join(wrong))
         if reader.num_record_batches != len(shard.records):
-            raise fail(first, f"holds {reader.num_record_batches} records, the manifest says {len(shard.records)}")
+            raise fail(first, f"holds {reader.num_record_batches} records, the stream index says {len(shard.records)}")
         for i in range(first, len(shard.records)):
             try:
                 record = reader.get_batch(i)
@@ -98,5 +253,5 @@ def _read_shard(loc: PackLocation, shard: ShardEntry, first: int, verify) -> Ite
             except (pa.ArrowException, OSError, ValueError) as exc:
                 raise fail(i, f"cannot decode record ({exc})") from exc
             if verify and digest != shard.records[i].digest:
-                raise fail(i, "record content digest differs from the manifest (corrupted, or shard files swapped)")
+                raise fail(i, "record content digest differs from the stream index (corrupted, or shard files swapped)")
             yield shard.first_record + i, record

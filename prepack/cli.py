@@ -11,7 +11,7 @@ import logging
 import sys
 import textwrap
 
-from schemas.errors import NotAPack, PrepackError, UsageError
+from schemas.errors import PrepackError, UsageError
 
 EPILOG = textwrap.dedent(
     """\
@@ -51,7 +51,7 @@ def cmd_run(args) -> int:
     cfg = load_config(args.config)
     summary = run_pack(cfg, args.out, streams=_streams(args.streams), address=args.address,
                        progress=not args.no_progress and sys.stderr.isatty() or args.progress,
-                       num_cpus=args.num_cpus)
+                       num_cpus=args.num_cpus, inline=args.no_ray)
     for line in summary.lines():
         print(line)
     return 0
@@ -67,12 +67,10 @@ def cmd_demo_data(args) -> int:
 
 
 def _require_pack(path: str) -> None:
-    from schemas.location import resolve_location
-    from schemas.manifest import MANIFEST_NAME
+    """One line (NotAPack, PackFormatError) when DIR is no pack this version reads."""
+    from loader.reader import Pack
 
-    loc = resolve_location(path)
-    if loc.fs.get_file_info(loc.path(MANIFEST_NAME)).type.name != "File":
-        raise NotAPack(f"{path} is not a finished pack (no {MANIFEST_NAME}); run 'prepack run' to completion first")
+    Pack.open(path)
 
 
 def cmd_verify(args) -> int:
@@ -141,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--num-cpus", type=int, help="CPUs for the local Ray (default: all)")
     r.add_argument("--progress", action="store_true", help="force the progress bar (default: when stderr is a terminal)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--no-ray", action="store_true",
+                   help="pack in this process, one stream after another (debugging; same bytes as with Ray)")
     r.set_defaults(func=cmd_run)
 
     d = sub.add_parser("demo-data", help="write the small demo dataset configs/demo.yaml points at")
@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(func=cmd_demo_data)
 
-    v = sub.add_parser("verify", help="check every file and record digest against the manifest")
+    v = sub.add_parser("verify", help="check every file of a pack (shards, indexes, checkpoints, lineage) against its recorded digests")
     v.add_argument("dir")
     v.set_defaults(func=cmd_verify)
 
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--png", help="write a picture of the token layout and a sample's attention mask")
     i.set_defaults(func=cmd_inspect)
 
-    s = sub.add_parser("stats", help="fill ratio, group mix, drops, row reuse (polars over manifest + lineage)")
+    s = sub.add_parser("stats", help="fill ratio, group mix, drops, row reuse (polars over the indexes and lineage)")
     s.add_argument("dir")
     s.add_argument("--html", help="also write a self-contained HTML page with plots")
     s.set_defaults(func=cmd_stats)

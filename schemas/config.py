@@ -162,6 +162,14 @@ class PrepackSection:
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     max_consecutive_failures: int = 10000
 
+    def budget(self) -> dict[str, int]:
+        """The stream budget as ``{key: value}`` for the keys that are set (see ``BUDGET_KEYS``)."""
+        return {k: int(getattr(self, k)) for k in BUDGET_KEYS if getattr(self, k) is not None}
+
+
+# Where a stream stops; a pack can be extended by raising these, so they are not part of its identity.
+BUDGET_KEYS = ("batches_per_stream", "tokens_per_stream", "passes")
+
 
 @dataclass(frozen=True)
 class PrepackConfig:
@@ -201,8 +209,13 @@ class PrepackConfig:
         return d
 
     def content_hash(self) -> str:
-        """Hash of everything that shapes the output (paths included), for refusing mismatched resumes."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, default=list)
+        """Hash of everything that shapes the output (paths included) except the budget, for refusing
+        mismatched resumes; a larger budget extends a pack, since every stream is a prefix of an
+        endless one."""
+        d = self.to_dict()
+        for k in BUDGET_KEYS:
+            d["prepack"].pop(k, None)
+        blob = json.dumps(d, sort_keys=True, default=list)
         return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -373,6 +386,28 @@ def parse_config(raw: Mapping[str, Any], base_dir: str, *, config_path: str = ""
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
         raise ConfigError(f"dataloader.num_workers must be an integer >= 0, got {num_workers!r}")
 
+    pp = raw.get("prepack") or {}
+    if not isinstance(pp, Mapping):
+        raise ConfigError("prepack must be a mapping")
+    _check_keys("prepack", pp, _PREPACK_KEYS)
+    pkw = dict(pp)
+    for k, v in pkw.items():
+        if k in ("compression",):
+            _typed("prepack", v, str, k)
+        elif k == "strict":
+            _typed("prepack", v, bool, k)
+        elif v is not None:
+            _typed("prepack", v, int, k)
+            if v <= 0:
+                raise ConfigError(f"prepack.{k} must be positive, got {v!r}")
+    section = PrepackSection(**pkw)
+    try:
+        Compression.parse(section.compression)
+    except ValueError as e:
+        raise ConfigError(f"prepack.compression: {e}") from None
+    if section.batches_per_stream is None and section.tokens_per_stream is None and section.passes is None:
+        raise ConfigError("prepack needs a budget: batches_per_stream, tokens_per_stream or passes")
+
     ds = raw.get("dataset")
     if not isinstance(ds, Mapping):
         raise ConfigError("the config needs a 'dataset' mapping (the NeMo dataset block)")
@@ -397,28 +432,6 @@ def parse_config(raw: Mapping[str, Any], base_dir: str, *, config_path: str = ""
             raise ConfigError(f"dataset.{k} must be positive, got {getattr(knobs, k)!r}")
     if sum(g.weight for g in groups) <= 0:
         raise ConfigError("all group weights are zero: set a positive 'weight' on at least one group")
-
-    pp = raw.get("prepack") or {}
-    if not isinstance(pp, Mapping):
-        raise ConfigError("prepack must be a mapping")
-    _check_keys("prepack", pp, _PREPACK_KEYS)
-    pkw = dict(pp)
-    for k, v in pkw.items():
-        if k in ("compression",):
-            _typed("prepack", v, str, k)
-        elif k == "strict":
-            _typed("prepack", v, bool, k)
-        elif v is not None:
-            _typed("prepack", v, int, k)
-            if v <= 0:
-                raise ConfigError(f"prepack.{k} must be positive, got {v!r}")
-    section = PrepackSection(**pkw)
-    try:
-        Compression.parse(section.compression)
-    except ValueError as e:
-        raise ConfigError(f"prepack.compression: {e}") from None
-    if section.batches_per_stream is None and section.tokens_per_stream is None and section.passes is None:
-        raise ConfigError("prepack needs a budget: batches_per_stream, tokens_per_stream or passes")
 
     streams_per_rank = max(1, num_workers)
     need = section.world_size * streams_per_rank

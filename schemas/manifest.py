@@ -1,29 +1,48 @@
-"""Output layout and the manifest: what a finished pack holds and how to check it.
+"""The pack's layout and metadata documents, declared once and checked when read.
 
-Layout of a pack output directory (every name deterministic, no uuids or timestamps)::
+Layout of a pack (every name deterministic, no uuids or timestamps)::
 
-    OUT/pack.json                               run identity: config, fingerprints, W, K (at start)
-    OUT/stream-00003/shard-00000.arrow          Arrow IPC file, one record batch per packed batch
-    OUT/stream-00003/shard-00000.json           shard index: file digest + per-record digests
-    OUT/stream-00003/ckpt-00001.json (+.arrow)  stream state at the start of shard 1
-    OUT/stream-00003/done.json                  the stream finished its budget
-    OUT/manifest.json                           written last: every stream's shards, totals, drops
-    OUT/lineage.parquet                         one row per packed sample (see prepack.run.writer)
+    OUT/pack.json                                 identity: format, config, fingerprints, W, K, budget (first)
+    OUT/stream-00003/ckpt-00000.json (+ .arrow)   stream state at the start of shard 0
+    OUT/stream-00003/shard-00000.arrow            Arrow IPC file, one record batch per packed batch
+    OUT/stream-00003/shard-00000.lineage.parquet  one row per packed sample of the shard (until the stream is done)
+    OUT/stream-00003/ckpt-00001.json (+ .arrow)   stream state after shard 0 = at the start of shard 1
+    OUT/stream-00003/index.arrow                  the stream's index, one row per committed shard: THE commit marker
+    OUT/stream-00003/done.json                    the stream finished its budget: totals, drops, digest root
+    OUT/lineage/stream-00003.parquet              the stream's lineage once it is done (its shard files are then removed)
+    OUT/manifest.json                             a summary of every stream once all are done (O(streams))
 
-A shard index is written (atomically) only after its shard file is durable, and a checkpoint only
-after its shard index; so the set of shard indexes is always the set of committed shards.
+Per shard k the commit order is: shard file -> its lineage -> ``ckpt-(k+1)`` -> ``index.arrow``
+rewritten with shard k's row.  A shard exists exactly when the index lists it, on a local disk
+(atomic rename) and on an object store (atomic PUT) alike; everything after it is a leftover.  A
+reader needs ``pack.json`` and its own streams' ``index.arrow`` only, so opening a rank's share
+costs the same for a pack of 10^3 or 10^8 records.
+
+Every record digest is chained into a per-stream root (``chain_root``), stored per shard row: a
+loader state names the pack by its identity and each stream's position, and checks the digest of
+the last record it read, so a resume never needs to hash the whole pack.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+import types
+import typing
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-MANIFEST_VERSION = 1
+import numpy as np
+import pyarrow as pa
+
+from schemas.errors import DamagedFile, PackFormatError
+
+FORMAT_VERSION = 2  # of the whole layout above; pack.json names it
 MANIFEST_NAME = "manifest.json"
 PACK_INFO_NAME = "pack.json"
-LINEAGE_NAME = "lineage.parquet"
+LINEAGE_DIR = "lineage"
+INDEX_NAME = "index.arrow"
 
 
 def stream_dir(stream: int) -> str:
@@ -34,97 +53,319 @@ def shard_file(stream: int, shard: int) -> str:
     return f"{stream_dir(stream)}/shard-{shard:05d}.arrow"
 
 
-def shard_index_file(stream: int, shard: int) -> str:
-    return f"{stream_dir(stream)}/shard-{shard:05d}.json"
+def shard_lineage_file(stream: int, shard: int) -> str:
+    return f"{stream_dir(stream)}/shard-{shard:05d}.lineage.parquet"
+
+
+def stream_lineage_file(stream: int) -> str:
+    return f"{LINEAGE_DIR}/stream-{stream:05d}.parquet"
 
 
 def checkpoint_file(stream: int, shard: int, ext: str = "json") -> str:
     return f"{stream_dir(stream)}/ckpt-{shard:05d}.{ext}"
 
 
+def index_file(stream: int) -> str:
+    return f"{stream_dir(stream)}/{INDEX_NAME}"
+
+
 def done_file(stream: int) -> str:
     return f"{stream_dir(stream)}/done.json"
 
 
+def chain_root(previous: str, digests: "list[str]", *facts: "str | int") -> str:
+    """The stream's digest chain after appending ``digests`` (hex record digests) to ``previous``.
+
+    ``facts`` (the rest of an index row: file sizes and sha256s) are chained too, so any change to
+    a committed row shows as a broken chain."""
+    h = hashlib.blake2b(bytes.fromhex(previous) if previous else b"", digest_size=16)
+    for d in digests:
+        h.update(bytes.fromhex(d))
+    for f in facts:
+        h.update(f"|{f}".encode())
+    return h.hexdigest()
+
+
+CHECKSUM_KEY = "checksum"
+
+
+def dump_checked(d: dict) -> bytes:
+    """JSON bytes of ``d`` with a ``checksum`` of its own content, so a damaged file names itself."""
+    body = {k: v for k, v in d.items() if k != CHECKSUM_KEY}
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    return json.dumps({**body, CHECKSUM_KEY: digest}, indent=1, sort_keys=True).encode()
+
+
+def load_checked(data: "bytes | str", where: str) -> dict:
+    """The dict ``dump_checked`` wrote (without its checksum); DamagedFile when it does not match."""
+    try:
+        d = json.loads(data)
+    except ValueError as e:
+        raise DamagedFile(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise DamagedFile(f"{where}: not a JSON object")
+    if CHECKSUM_KEY not in d:
+        if d.get("format_version", FORMAT_VERSION) != FORMAT_VERSION or "manifest_version" in d:
+            return d  # an older format: check_format says what to do
+        raise DamagedFile(f"{where}: damaged (no checksum)")
+    body = {k: v for k, v in d.items() if k != CHECKSUM_KEY}
+    if hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest() != d[CHECKSUM_KEY]:
+        raise DamagedFile(f"{where}: damaged (its checksum does not match its content)")
+    return body
+
+
+def row_facts(s: "ShardEntry") -> tuple:
+    """The parts of an index row besides record digests that the chain covers."""
+    return (s.shard, s.nbytes, s.sha256, s.first_record, s.lineage_sha256, s.lineage_rows,
+            s.ckpt_json_sha256, s.ckpt_arrow_sha256, *(f"{r.num_tokens}/{r.num_samples}" for r in s.records))
+
+
+# -- typed JSON documents -------------------------------------------------------------------------
+def _check(value: Any, hint: Any, where: str) -> Any:
+    """``value`` if it has type ``hint`` (the subset of typing our documents use), else DamagedFile."""
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for arm in typing.get_args(hint):
+            try:
+                return _check(value, arm, where)
+            except DamagedFile:
+                pass
+        raise DamagedFile(f"{where}: {value!r} is not {hint}")
+    if hint is type(None):
+        if value is None:
+            return value
+    elif origin is list:
+        if isinstance(value, list):
+            (arm,) = typing.get_args(hint) or (Any,)
+            return [_check(v, arm, f"{where}[{i}]") for i, v in enumerate(value)]
+    elif origin is dict:
+        if isinstance(value, dict):
+            _, arm = typing.get_args(hint) or (str, Any)
+            return {str(k): _check(v, arm, f"{where}.{k}") for k, v in value.items()}
+    elif dataclasses.is_dataclass(hint):
+        if isinstance(value, dict):
+            return hint.from_dict(value, where)
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif isinstance(hint, type) and isinstance(value, hint):
+        return value
+    raise DamagedFile(f"{where}: {value!r} is not {getattr(hint, '__name__', hint)}")
+
+
+class Document:
+    """A dataclass saved as JSON: fields declared once, every field type-checked on read."""
+
+    def to_json(self) -> str:
+        return dump_checked(asdict(self)).decode()
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = ""):
+        where = where or cls.__name__
+        if not isinstance(d, dict):
+            raise DamagedFile(f"{where}: expected a JSON object")
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name in d:
+                kwargs[f.name] = _check(d[f.name], hints[f.name], f"{where}.{f.name}")
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise DamagedFile(f"{where}: missing field '{f.name}'")
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, text: "str | bytes", where: str = ""):
+        return cls.from_dict(load_checked(text, where or cls.__name__), where)
+
+
+@dataclass
+class StreamSummary(Document):
+    """``done.json``: a finished stream's totals and accounting (and the manifest's per-stream entry)."""
+
+    stream: int
+    rank: int
+    worker: int
+    seed: int
+    num_shards: int
+    num_records: int
+    num_tokens: int
+    num_samples: int
+    root: str  # chain_root over every record digest
+    budget: dict[str, int]  # the budget this stream finished (kind -> value)
+    lineage_sha256: str = ""  # of lineage/stream-SSSSS.parquet ("" when no sample)
+    lineage_rows: int = 0
+    drops: dict[str, int] = field(default_factory=dict)  # reason -> samples/rows dropped
+    warnings: dict[str, int] = field(default_factory=dict)  # kind -> damaged-but-packed count
+    group_samples: dict[str, int] = field(default_factory=dict)  # group -> samples packed
+    elapsed_s: float = 0.0  # packing time of the last run (informational, not digested)
+
+
+@dataclass
+class PackSummary(Document):
+    """``manifest.json``: written once every stream is done; O(streams), never O(records)."""
+
+    format_version: int
+    identity: dict[str, Any]
+    streams: list[StreamSummary]
+
+
+def check_format(identity: Any, where: str) -> dict:
+    """``identity`` (pack.json) if this code reads its format; else one line saying what to do."""
+    if not isinstance(identity, dict):
+        raise DamagedFile(f"{where}: not a JSON object")
+    version = identity.get("format_version")
+    if version != FORMAT_VERSION:
+        old = version if version is not None else f"1 (manifest_version {identity.get('manifest_version')})"
+        raise PackFormatError(
+            f"{where}: this pack has on-disk format {old}; this bagel-prepack reads format {FORMAT_VERSION}. "
+            "Re-pack it with 'prepack run' into a new --out (or read it with the bagel-prepack that wrote it)"
+        )
+    return identity
+
+
+# -- the per-stream index -------------------------------------------------------------------------
 @dataclass
 class RecordEntry:
     """One packed batch inside a shard."""
 
-    digest: str  # schemas.record.record_digest of the record
+    digest: str  # schemas.record.record_digest of the record (hex)
     num_tokens: int  # sequence_length (unpadded)
     num_samples: int
 
 
 @dataclass
 class ShardEntry:
+    """One committed shard: a row of the stream's index."""
+
     stream: int
     shard: int
-    file: str  # relative to OUT
     nbytes: int
-    sha256: str  # of the whole file's bytes
+    sha256: str  # of the whole shard file
     first_record: int  # index of this shard's first record within its stream
-    records: list[RecordEntry] = field(default_factory=list)
+    records: list[RecordEntry]
+    root: str = ""  # chain_root after this shard's records
+    lineage_sha256: str = ""  # of shard-k.lineage.parquet
+    lineage_rows: int = 0
+    ckpt_json_sha256: str = ""  # of ckpt-(k+1).json, the state after this shard
+    ckpt_arrow_sha256: str = ""
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+    @property
+    def file(self) -> str:
+        return shard_file(self.stream, self.shard)
 
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "ShardEntry":
-        d = dict(d)
-        d["records"] = [RecordEntry(**r) for r in d["records"]]
-        return cls(**d)
+    @property
+    def num_records(self) -> int:
+        return len(self.records)
+
+
+# One row per packed sample; written per shard, then per finished stream (see the layout above).
+LINEAGE_SCHEMA = pa.schema([
+    ("stream", pa.int32()), ("record", pa.int64()), ("sample", pa.int32()),
+    ("group", pa.string()), ("dataset", pa.string()), ("worker_id", pa.int32()),
+    ("data_indexes", pa.list_(pa.int64())), ("source_file", pa.string()),
+    ("source_row_group", pa.int64()), ("source_row", pa.int64()),
+    ("num_tokens", pa.int32()),
+])
+
+
+INDEX_SCHEMA = pa.schema([
+    ("shard", pa.int32()), ("nbytes", pa.int64()), ("sha256", pa.string()), ("first_record", pa.int64()),
+    ("record_digests", pa.list_(pa.string())), ("record_tokens", pa.list_(pa.int32())),
+    ("record_samples", pa.list_(pa.int32())), ("root", pa.string()),
+    ("lineage_sha256", pa.string()), ("lineage_rows", pa.int64()),
+    ("ckpt_json_sha256", pa.string()), ("ckpt_arrow_sha256", pa.string()),
+])
 
 
 @dataclass
-class StreamEntry:
+class StreamIndex:
+    """A stream's committed shards, plus the digests of its first checkpoint (``ckpt-00000``)."""
+
     stream: int
-    rank: int
-    worker: int
-    seed: int
-    shards: list[ShardEntry] = field(default_factory=list)
-    num_records: int = 0
-    num_tokens: int = 0
-    num_samples: int = 0
-    drops: dict[str, int] = field(default_factory=dict)  # reason -> samples/rows dropped
-    warnings: dict[str, int] = field(default_factory=dict)  # kind -> damaged-but-packed count
-    group_samples: dict[str, int] = field(default_factory=dict)  # group -> samples packed
-    elapsed_s: float = 0.0  # packing time (not digested; informational)
+    shards: list[ShardEntry]
+    ckpt0_json_sha256: str = ""
+    ckpt0_arrow_sha256: str = ""
+
+    @property
+    def num_records(self) -> int:
+        return self.shards[-1].first_record + len(self.shards[-1].records) if self.shards else 0
+
+    @property
+    def root(self) -> str:
+        return self.shards[-1].root if self.shards else ""
+
+    def append(self, entry: "ShardEntry") -> None:
+        """Add a committed shard's row, chaining it (write the index afterwards to commit it)."""
+        start = self.root or chain_root("", [], self.ckpt0_json_sha256, self.ckpt0_arrow_sha256)
+        entry.root = chain_root(start, [r.digest for r in entry.records], *row_facts(entry))
+        self.shards.append(entry)
+
+    def record(self, index: int) -> RecordEntry:
+        """Entry of record ``index`` of the stream (binary search over shards)."""
+        starts = [s.first_record for s in self.shards]
+        k = int(np.searchsorted(starts, index, side="right")) - 1
+        if k < 0 or index >= self.num_records:
+            raise IndexError(f"stream {self.stream} has {self.num_records} records, not record {index}")
+        return self.shards[k].records[index - self.shards[k].first_record]
+
+    def to_bytes(self) -> bytes:
+        cols: dict[str, list] = {f.name: [] for f in INDEX_SCHEMA}
+        for s in self.shards:
+            cols["shard"].append(s.shard)
+            cols["nbytes"].append(s.nbytes)
+            cols["sha256"].append(s.sha256)
+            cols["first_record"].append(s.first_record)
+            cols["record_digests"].append([r.digest for r in s.records])
+            cols["record_tokens"].append([r.num_tokens for r in s.records])
+            cols["record_samples"].append([r.num_samples for r in s.records])
+            for name in ("root", "lineage_sha256", "lineage_rows", "ckpt_json_sha256", "ckpt_arrow_sha256"):
+                cols[name].append(getattr(s, name))
+        meta = {"prepack.format_version": str(FORMAT_VERSION), "prepack.stream": str(self.stream),
+                "prepack.ckpt0_json_sha256": self.ckpt0_json_sha256,
+                "prepack.ckpt0_arrow_sha256": self.ckpt0_arrow_sha256}
+        table = pa.Table.from_pydict(cols, schema=INDEX_SCHEMA.with_metadata(meta))
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_file(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as w:
+            w.write_table(table)
+        return sink.getvalue().to_pybytes()
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "StreamEntry":
-        d = dict(d)
-        d["shards"] = [ShardEntry.from_json(s) for s in d["shards"]]
-        return cls(**d)
-
-
-@dataclass
-class Manifest:
-    """Everything a reader and an auditor need; ``identity`` is pack.json's content."""
-
-    version: int
-    record_schema_version: int
-    identity: dict[str, Any]
-    streams: list[StreamEntry]
-
-    @property
-    def world_size(self) -> int:
-        return int(self.identity["world_size"])
-
-    @property
-    def num_workers(self) -> int:
-        return int(self.identity["num_workers"])
-
-    @property
-    def num_streams(self) -> int:
-        return len(self.streams)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> "Manifest":
-        d = json.loads(text)
-        if d.get("version") != MANIFEST_VERSION:
-            raise ValueError(f"unsupported manifest version {d.get('version')!r} (this reader: {MANIFEST_VERSION})")
-        d["streams"] = [StreamEntry.from_json(s) for s in d["streams"]]
-        return cls(**d)
+    def from_bytes(cls, data: bytes, stream: int, where: str) -> "StreamIndex":
+        """Parse and check an index: schema, stream, contiguous shards and records, digest chain."""
+        try:
+            reader = pa.ipc.open_file(pa.BufferReader(data))
+            table = reader.read_all()
+        except (pa.ArrowException, OSError) as e:
+            raise DamagedFile(f"{where}: not a readable stream index ({e})") from None
+        meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+        if meta.get("prepack.format_version") != str(FORMAT_VERSION):
+            raise PackFormatError(f"{where}: index of format {meta.get('prepack.format_version')!r}, "
+                                  f"this bagel-prepack reads {FORMAT_VERSION}")
+        if table.schema.remove_metadata() != INDEX_SCHEMA:
+            raise DamagedFile(f"{where}: unexpected index columns")
+        if meta.get("prepack.stream") != str(stream):
+            raise DamagedFile(f"{where}: index of stream {meta.get('prepack.stream')}, expected {stream}")
+        c = table.to_pydict()
+        shards, next_record, root = [], 0, ""
+        ckpt0 = chain_root("", [], meta.get("prepack.ckpt0_json_sha256", ""), meta.get("prepack.ckpt0_arrow_sha256", ""))
+        for i in range(table.num_rows):
+            digests, tokens, samples = c["record_digests"][i], c["record_tokens"][i], c["record_samples"][i]
+            if c["shard"][i] != i or c["first_record"][i] != next_record or not (len(digests) == len(tokens) == len(samples)):
+                raise DamagedFile(f"{where}: row {i} does not continue the stream (shard {c['shard'][i]}, "
+                                  f"first record {c['first_record'][i]}, expected {i} / {next_record})")
+            entry = ShardEntry(
+                stream=stream, shard=i, nbytes=c["nbytes"][i], sha256=c["sha256"][i], first_record=next_record,
+                records=[RecordEntry(d, t, n) for d, t, n in zip(digests, tokens, samples)], root=c["root"][i],
+                lineage_sha256=c["lineage_sha256"][i], lineage_rows=c["lineage_rows"][i],
+                ckpt_json_sha256=c["ckpt_json_sha256"][i], ckpt_arrow_sha256=c["ckpt_arrow_sha256"][i])
+            root = chain_root(root or ckpt0, digests, *row_facts(entry))
+            if root != entry.root:
+                raise DamagedFile(f"{where}: shard {i}: the row does not chain to its stored root (damaged index)")
+            shards.append(entry)
+            next_record += len(digests)
+        return cls(stream, shards, meta.get("prepack.ckpt0_json_sha256", ""), meta.get("prepack.ckpt0_arrow_sha256", ""))

@@ -7,7 +7,7 @@ Reports, for the batches read:
 - batches/s and MB/s of record bytes (uncompressed Arrow buffers) per core: process CPU seconds,
   all threads, so the prefetch thread's decompression counts;
 - time to first batch (open -> first batch in hand);
-- bytes on disk per packed token (whole pack, from the manifest);
+- bytes on disk per packed token (whole pack, from the stream indexes);
 - floor ratio: loader CPU time / (read + zstd decompress + one memcpy of the same bytes), i.e.
   how far the loader is from the least work any reader of these files must do;
 - the digest check's share (verify on vs off).
@@ -103,8 +103,8 @@ def loader_run(pack_dir: str, selection, nbytes: int, verify, prefetch: int) -> 
 
 
 def disk_bytes_per_token(pack: Pack) -> float:
-    disk = sum(sh.nbytes for st in pack.manifest.streams for sh in st.shards)
-    tokens = sum(r.num_tokens for st in pack.manifest.streams for sh in st.shards for r in sh.records)
+    disk = sum(sh.nbytes for st in range(pack.num_streams) for sh in pack.index(st).shards)
+    tokens = sum(r.num_tokens for st in range(pack.num_streams) for sh in pack.index(st).shards for r in sh.records)
     return disk / tokens if tokens else float("nan")
 
 
@@ -113,13 +113,11 @@ def build_pack(tmp: str, batches: int):
     import bench_pack
 
     from prepack.run.driver import finalize
-    from prepack.run.identity import pack_identity, record_metadata
+    from prepack.run.identity import pack_identity, record_metadata, write_identity
     from prepack.run.stream_job import pack_one_stream
     from prepack.engine.tokenizer import load_tokenizer, special_token_ids, tokenizer_fingerprint
-    from prepack.run.writer import write_json_atomic
     from schemas.config import load_config
     from schemas.location import resolve_location
-    from schemas.manifest import PACK_INFO_NAME
 
     ds = bench_pack.make_data(os.path.join(tmp, "data"))
     knobs = dict(expected_num_tokens=32768, max_num_tokens=36864, max_num_tokens_per_sample=16384,
@@ -131,7 +129,7 @@ def build_pack(tmp: str, batches: int):
     out = os.path.join(tmp, "pack")
     loc = resolve_location(out)
     loc.fs.create_dir(loc.base, recursive=True)
-    write_json_atomic(loc, PACK_INFO_NAME, identity)
+    write_identity(loc, identity)
     for s in range(cfg.num_streams):
         pack_one_stream(cfg, out, s, tok, special, record_metadata(identity))
     finalize(loc, cfg, identity)
@@ -209,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
 
         cfg, tok, args.pack = build_pack(tempfile.mkdtemp(prefix="bench-loader-"), args.batches)
     pack = Pack.open(args.pack)
-    streams = [int(s) for s in args.streams.split(",") if s] or [st.stream for st in pack.manifest.streams]
+    streams = [int(s) for s in args.streams.split(",") if s] or list(range(pack.num_streams))
     selection = _selection(pack, streams, args.limit)
     nbytes = record_bytes(pack, selection)  # also warms the page cache for fair comparisons
     verify = {"0": False, "1": True, "file": "file"}[args.verify]
@@ -224,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info(
         "pack %s: %d streams, %.1f bytes on disk per packed token",
         args.pack,
-        pack.manifest.num_streams,
+        pack.num_streams,
         disk_bytes_per_token(pack),
     )
     log.info(
@@ -246,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     if cfg is not None:
         reference, ref_bytes = reference_benchmark(cfg, tok, selection)
         log.info(reference.line())
-        disk = sum(sh.nbytes for st in pack.manifest.streams for sh in st.shards)
-        records = sum(len(sh.records) for st in pack.manifest.streams for sh in st.shards)
+        disk = sum(sh.nbytes for st in range(pack.num_streams) for sh in pack.index(st).shards)
+        records = sum(len(sh.records) for st in range(pack.num_streams) for sh in pack.index(st).shards)
         per_batch_ref = reference.cpu_s / reference.batches
         per_batch_ours = main_run.cpu_s / main_run.batches
         log.info("speed-up per core over the reference producing the batch: %.1fx (target >= 20x)",

@@ -37,14 +37,14 @@ def packed_batches(args):
 
         pack = Pack.open(args.pack)
         count = 0
-        for stream in pack.manifest.streams:
-            for _, rec in iter_records(pack, stream.stream):
+        for stream in range(pack.num_streams):
+            for _, rec in iter_records(pack, stream):
                 yield record_to_batch(rec)
                 count += 1
                 if count >= args.batches:
                     return
         return
-    from fakepack import BatchSpec, make_batch
+    from tests.helpers.fakepack import BatchSpec, make_batch
 
     for i in range(args.batches):
         spec = BatchSpec(use_flex=bool(i % 2), n_samples=4 + i % 5, max_side=args.max_side, vae_targets=i % 4 != 3)

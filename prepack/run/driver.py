@@ -16,17 +16,21 @@ import socket
 import time
 from dataclasses import dataclass, field
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
-from prepack.run.identity import identity_mismatch, pack_identity, record_metadata
-from prepack.run.stream_job import lineage_file
-from prepack.run.writer import write_bytes_atomic
+from prepack.run.identity import budget_change, identity_mismatch, pack_identity, record_metadata, write_identity
+from prepack.run.stream_job import read_done
+from prepack.run.writer import read_index, write_bytes_atomic
 from schemas.config import PrepackConfig
 from schemas.errors import PackRefused, StreamFailed
-from schemas.location import resolve_location
-from schemas.manifest import LINEAGE_NAME, MANIFEST_NAME, MANIFEST_VERSION, PACK_INFO_NAME, Manifest, StreamEntry
-from schemas.record import RECORD_SCHEMA_VERSION
+from schemas.location import PackLocation, resolve_location
+from schemas.manifest import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    PACK_INFO_NAME,
+    PackSummary,
+    StreamSummary,
+    check_format,
+    load_checked,
+)
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +41,7 @@ LOG_EVERY_S = 30.0
 @dataclass
 class RunSummary:
     out: str
-    streams: list[StreamEntry]
+    streams: list[StreamSummary]
     manifest_written: bool
     elapsed_s: float
     already_done: bool = False
@@ -75,7 +79,8 @@ class RunSummary:
         if warns:
             out.append("damaged input packed as the reference does: " + ", ".join(f"{k}={v}" for k, v in sorted(warns.items())))
         if not self.manifest_written:
-            out.append("manifest not written yet: some streams of this config are still unpacked")
+            out.append("manifest not written yet: some streams of this config are still unpacked "
+                       "(their committed shards are readable now)")
         return out
 
 
@@ -201,51 +206,31 @@ def _make_remote(ray):
     return Progress, stream_task
 
 
-# -- manifest ---------------------------------------------------------------------------------
-def _read_json(loc, rel: str) -> dict | None:
-    if loc.fs.get_file_info(loc.path(rel)).type.name != "File":
-        return None
-    return json.loads(loc.read_bytes(rel))
+# -- pack metadata -----------------------------------------------------------------------------
+def finalize(loc: PackLocation, cfg: PrepackConfig, identity: dict) -> tuple[bool, list[StreamSummary]]:
+    """Write manifest.json (a summary per stream) once every stream has finished this budget.
 
-
-def finalize(loc, cfg: PrepackConfig, identity: dict) -> tuple[bool, list[StreamEntry]]:
-    """Write manifest.json and lineage.parquet once every stream is done."""
-    from schemas.manifest import done_file
-
+    Reads one ``done.json`` per stream: memory and time O(streams), never O(records); lineage
+    stays per stream (``lineage/``), so nothing is merged here.
+    """
+    budget = cfg.prepack.budget()
     entries = []
     for s in range(cfg.num_streams):
-        d = _read_json(loc, done_file(s))
-        if d is None:
+        done = read_done(loc, s)
+        if done is None or done.budget != budget:
             return False, entries
-        entries.append(StreamEntry.from_json(d))
-    tables = []
-    for e in entries:
-        for sh in e.shards:
-            tables.append(pq.read_table(loc.fs.open_input_file(loc.path(lineage_file(e.stream, sh.shard)))))
-    if tables:
-        sink = pa.BufferOutputStream()
-        pq.write_table(pa.concat_tables(tables), sink, compression="zstd")
-        write_bytes_atomic(loc, LINEAGE_NAME, sink.getvalue().to_pybytes())  # a driver killed here leaves no torn file
-    manifest = Manifest(version=MANIFEST_VERSION, record_schema_version=RECORD_SCHEMA_VERSION,
-                        identity=identity, streams=entries)
-    from prepack.run.writer import write_json_atomic
-
-    write_json_atomic(loc, MANIFEST_NAME, manifest.to_json())
+        entries.append(done)
+    summary = PackSummary(format_version=FORMAT_VERSION, identity=identity, streams=entries)
+    write_bytes_atomic(loc, MANIFEST_NAME, summary.to_json().encode())
     return True, entries
 
 
 def _committed_totals(loc, stream: int) -> tuple[int, int]:
-    """(records, tokens) in the stream's committed shards (indexes contiguous from 0)."""
-    from schemas.manifest import ShardEntry, shard_index_file
-
-    recs = toks = 0
-    k = 0
-    while (d := _read_json(loc, shard_index_file(stream, k))) is not None:
-        entry = ShardEntry.from_json(d)
-        recs += len(entry.records)
-        toks += sum(r.num_tokens for r in entry.records)
-        k += 1
-    return recs, toks
+    """(records, tokens) in the stream's committed shards."""
+    index = read_index(loc, stream)
+    if index is None:
+        return 0, 0
+    return index.num_records, sum(r.num_tokens for sh in index.shards for r in sh.records)
 
 
 def output_bytes(loc) -> int:
@@ -254,14 +239,46 @@ def output_bytes(loc) -> int:
     return sum(i.size or 0 for i in loc.fs.get_file_info(FileSelector(loc.base, recursive=True)) if i.type.name == "File")
 
 
+def _settle_identity(loc: PackLocation, out: str, identity: dict) -> tuple[dict, bool]:
+    """The identity to pack under, and whether this run extends the budget of an existing pack.
+
+    A new output gets ``identity`` in pack.json.  An existing one must hold this format, config
+    and tokenizer; a larger budget of the same kind is written into its pack.json (an extension).
+    """
+    try:
+        existing = load_checked(loc.read_bytes(PACK_INFO_NAME), loc.path(PACK_INFO_NAME))
+    except FileNotFoundError:
+        write_identity(loc, identity)
+        return identity, False
+    check_format(existing, loc.path(PACK_INFO_NAME))
+    why = identity_mismatch(existing, identity) or budget_change(existing, identity)
+    if why:
+        raise PackRefused(f"{out}: {why}; use a new --out or the original config")
+    if existing["budget"] == identity["budget"]:
+        return existing, False  # keep the original identity (code fingerprint of the first run)
+    extended = {**existing, "budget": identity["budget"], "config": identity["config"]}
+    try:
+        loc.fs.delete_file(loc.path(MANIFEST_NAME))  # no longer complete; rewritten when it is
+    except FileNotFoundError:
+        pass
+    write_identity(loc, extended)
+    log.info("extending %s from %s to %s", out, existing["budget"], identity["budget"])
+    return extended, True
+
+
 # -- run --------------------------------------------------------------------------------------
 def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, address: str | None = None,
-             progress: bool = True, num_cpus: int | None = None) -> RunSummary:
+             progress: bool = True, num_cpus: int | None = None, inline: bool = False,
+             tokenizer=None) -> RunSummary:
+    """Pack ``streams`` (default: all) of ``cfg`` into ``out``: new, resumed or extended.
+
+    ``inline`` packs the streams one after another in this process, without Ray (debugging,
+    tests); ``tokenizer`` is an already loaded ``(tokenizer, special)`` pair to use.
+    """
     from prepack.engine.tokenizer import load_tokenizer, special_token_ids, tokenizer_fingerprint
-    from prepack.run.writer import write_json_atomic
 
     start = time.perf_counter()
-    tokenizer, special = special_token_ids(load_tokenizer(cfg.tokenizer))
+    tokenizer, special = tokenizer or special_token_ids(load_tokenizer(cfg.tokenizer))
     identity = pack_identity(cfg, tokenizer_fingerprint(tokenizer), special)
     wanted = list(range(cfg.num_streams)) if streams is None else sorted(set(streams))
     for s in wanted:
@@ -270,34 +287,30 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
     loc.fs.create_dir(loc.base, recursive=True)
     acquire_lock(loc)
     try:
-        existing = _read_json(loc, PACK_INFO_NAME)
-        if existing is not None:
-            why = identity_mismatch(existing, identity)
-            if why:
-                raise PackRefused(f"{out}: {why}; use a new --out or the original config")
-            identity = existing  # keep the original identity (code fingerprint of the first run)
-        else:
-            write_json_atomic(loc, PACK_INFO_NAME, identity)
-        if _read_json(loc, MANIFEST_NAME) is not None:
-            man = Manifest.from_json(loc.read_bytes(MANIFEST_NAME).decode())
-            return RunSummary(out, man.streams, True, 0.0, already_done=True,
+        identity, _ = _settle_identity(loc, out, identity)
+        budget = cfg.prepack.budget()
+        dones = {s: read_done(loc, s) for s in wanted}
+        todo = [s for s in wanted if dones[s] is None or dones[s].budget != budget]
+        if not todo:
+            written, _ = finalize(loc, cfg, identity)
+            return RunSummary(out, [dones[s] for s in wanted], written, 0.0, already_done=True,
                               max_num_tokens=cfg.knobs.max_num_tokens, output_bytes=output_bytes(loc))
-        metadata = record_metadata(identity)
-        from schemas.manifest import done_file
+        before = [_committed_totals(loc, s) for s in todo]  # shards an earlier run already committed
+        if inline:
+            from prepack.run.stream_job import pack_one_stream
 
-        todo = [s for s in wanted if _read_json(loc, done_file(s)) is None]
-        before = [_committed_totals(loc, s) for s in todo]  # shards a killed run already committed
-        if todo:
-            _run_tasks(cfg, out, todo, metadata, address, progress, num_cpus)
-        written, entries = finalize(loc, cfg, identity)
-        if not written:
-            entries = [StreamEntry.from_json(_read_json(loc, done_file(s))) for s in wanted]
+            for s in todo:
+                pack_one_stream(cfg, out, s, tokenizer, special, record_metadata(identity))
+        else:
+            _run_tasks(cfg, out, todo, record_metadata(identity), address, progress, num_cpus)
+        written, _ = finalize(loc, cfg, identity)
+        entries = [read_done(loc, s) for s in wanted]
         now = [e for e in entries if e.stream in todo]
         packed_now = (sum(e.num_records for e in now) - sum(b[0] for b in before),
                       sum(e.num_tokens for e in now) - sum(b[1] for b in before))
         return RunSummary(out, entries, written, time.perf_counter() - start,
-                          already_done=not todo, max_num_tokens=cfg.knobs.max_num_tokens,
-                          output_bytes=output_bytes(loc), packed_now=packed_now)
+                          max_num_tokens=cfg.knobs.max_num_tokens, output_bytes=output_bytes(loc),
+                          packed_now=packed_now)
     finally:
         release_lock(loc)
 

@@ -8,12 +8,21 @@ differently.
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 from prepack import __version__
-from schemas.config import PrepackConfig
-from schemas.manifest import MANIFEST_VERSION
+from typing import Any
+
+from schemas.config import (
+    DatasetInfo,
+    FrameSamplerArgs,
+    GroupConfig,
+    PackingKnobs,
+    PrepackConfig,
+    PrepackSection,
+    TransformArgs,
+)
+from schemas.manifest import FORMAT_VERSION, PACK_INFO_NAME, dump_checked
 from schemas.record import RECORD_SCHEMA_VERSION
 
 
@@ -37,7 +46,7 @@ def code_fingerprint() -> str:
 
 def pack_identity(cfg: PrepackConfig, tokenizer_fp: str, special) -> dict:
     return {
-        "manifest_version": MANIFEST_VERSION,
+        "format_version": FORMAT_VERSION,
         "record_schema_version": RECORD_SCHEMA_VERSION,
         "prepack_version": __version__,
         "code_fingerprint": code_fingerprint(),
@@ -52,6 +61,7 @@ def pack_identity(cfg: PrepackConfig, tokenizer_fp: str, special) -> dict:
         "use_flex": cfg.knobs.use_flex,
         "max_num_tokens": cfg.knobs.max_num_tokens,
         "stream_seeds": [cfg.stream_seed(s) for s in range(cfg.num_streams)],
+        "budget": cfg.prepack.budget(),
     }
 
 
@@ -67,6 +77,34 @@ def identity_mismatch(existing: dict, new: dict, *, check_code: bool = False) ->
     return None
 
 
+def budget_change(existing: dict, new: dict) -> str | None:
+    """Why the new budget cannot continue the packed one (smaller, or another kind), or None.
+
+    Every packed stream is a prefix of the reference's endless stream, so a budget of the same
+    kind that is at least as large continues it; anything else would have to rewrite packed bytes.
+    """
+    old, want = existing.get("budget") or {}, new["budget"]
+    if set(old) != set(want):
+        return (f"the budget changed kind ({_fmt(old)} -> {_fmt(want)}); a pack can only be extended with a "
+                "larger value of the same budget")
+    smaller = [k for k in want if want[k] < old[k]]
+    if smaller:
+        return (f"the config's budget {_fmt({k: want[k] for k in smaller})} is smaller than the "
+                f"{_fmt({k: old[k] for k in smaller})} already packed; use a new --out for a smaller pack")
+    return None
+
+
+def _fmt(budget: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(budget.items())) or "none"
+
+
+def write_identity(out, identity: dict) -> None:
+    """Write ``pack.json`` (with its checksum), atomically."""
+    from prepack.run.writer import write_bytes_atomic
+
+    write_bytes_atomic(out, PACK_INFO_NAME, dump_checked(identity))
+
+
 def record_metadata(identity: dict) -> dict[str, str]:
     """Self-describing metadata written into every shard's schema."""
     return {
@@ -77,10 +115,34 @@ def record_metadata(identity: dict) -> dict[str, str]:
     }
 
 
-def default_cache_env() -> dict[str, str]:
-    """Environment Ray workers need to find the same tokenizer cache as the driver."""
-    env = {}
-    for key in ("BAGEL_PREPACK_CACHE", "HF_HOME", "TRANSFORMERS_OFFLINE", "HF_HUB_OFFLINE"):
-        if key in os.environ:
-            env[key] = os.environ[key]
-    return env
+def _transform(d: dict | None) -> TransformArgs | None:
+    if d is None:
+        return None
+    return TransformArgs(**{**d, "image_mean": tuple(d["image_mean"]), "image_std": tuple(d["image_std"])})
+
+
+def config_from_identity(identity: dict[str, Any]) -> PrepackConfig:
+    """Rebuild the ``PrepackConfig`` a pack was made with from pack.json's stored ``config``.
+
+    Why not re-read the YAML: it may have changed or moved since; the identity is what was used.
+    The caller should check ``content_hash()`` against the identity's ``config_hash``.
+    """
+    d = identity["config"]
+    groups = tuple(
+        GroupConfig(**{
+            **g,
+            "datasets": tuple(DatasetInfo(**x) for x in g["datasets"]),
+            "num_used_data": tuple(g["num_used_data"]),
+            "image_transform": _transform(g["image_transform"]),
+            "vit_image_transform": _transform(g["vit_image_transform"]),
+            "frame_sampler": FrameSamplerArgs(**g["frame_sampler"]) if g["frame_sampler"] else None,
+        })
+        for g in d["groups"]
+    )
+    return PrepackConfig(**{
+        **d,
+        "groups": groups,
+        "knobs": PackingKnobs(**d["knobs"]),
+        "prepack": PrepackSection(**d["prepack"]),
+        "config_path": identity.get("config_path") or "",
+    })

@@ -1,9 +1,12 @@
-"""Pack one stream into its shard directory, resumably: the body of one Ray task.
+"""Pack one stream into its directory, resumably and extendably: the body of one Ray task.
 
 Per shard k the commit order is: shard file (atomic) -> ``shard-k.lineage.parquet`` ->
-``ckpt-(k+1)`` (state after the shard's last record) -> ``shard-k.json`` (the commit marker).  A
-crash anywhere leaves a committed prefix; ``recover_stream`` removes the rest, and the stream
-restarts from the checkpoint of its first uncommitted shard, producing the same bytes.
+``ckpt-(k+1)`` (state after the shard's last record) -> ``index.arrow`` listing shard k (the
+commit).  A crash anywhere leaves a committed prefix; ``recover_stream`` removes the rest, and the
+stream restarts from the checkpoint of its first uncommitted shard, producing the same bytes.
+Checkpoints are read back only after their sha256 matches the index.  When the budget is reached
+the shard lineage files are compacted into ``lineage/stream-S.parquet`` and ``done.json`` is
+written; a later run with a larger budget continues from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -18,25 +21,26 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from prepack.engine.checkpoint import state_from_payload, state_to_payload
-from prepack.engine.packer import StreamPacker
-from prepack.run.writer import StreamWriter, recover_stream, write_bytes_atomic, write_json_atomic
+from prepack.engine.packer import StreamPacker, StreamState
+from prepack.run.writer import StreamWriter, recover_stream, sha256_hex, write_bytes_atomic, write_index
 from schemas.config import PrepackConfig
-from schemas.location import resolve_location
-from schemas.manifest import StreamEntry, checkpoint_file, done_file, shard_index_file, stream_dir
+from schemas.errors import DamagedFile
+from schemas.location import PackLocation, resolve_location
+from schemas.manifest import (
+    LINEAGE_DIR,
+    LINEAGE_SCHEMA,
+    ShardEntry,
+    StreamIndex,
+    StreamSummary,
+    checkpoint_file,
+    done_file,
+    shard_lineage_file,
+    stream_dir,
+    stream_lineage_file,
+)
 
 log = logging.getLogger(__name__)
 
-LINEAGE_SCHEMA = pa.schema([
-    ("stream", pa.int32()), ("record", pa.int64()), ("sample", pa.int32()),
-    ("group", pa.string()), ("dataset", pa.string()), ("worker_id", pa.int32()),
-    ("data_indexes", pa.list_(pa.int64())), ("source_file", pa.string()),
-    ("source_row_group", pa.int64()), ("source_row", pa.int64()),
-    ("num_tokens", pa.int32()),
-])
-
-
-def lineage_file(stream: int, shard: int) -> str:
-    return f"{stream_dir(stream)}/shard-{shard:05d}.lineage.parquet"
 
 
 @dataclass
@@ -67,50 +71,118 @@ def _lineage_rows(stream: int, first_record: int, batches: list[tuple[list, list
     return pa.Table.from_pydict(cols, schema=LINEAGE_SCHEMA)
 
 
-def write_checkpoint(out, stream: int, shard: int, packer: StreamPacker) -> None:
+def write_checkpoint(loc: PackLocation, stream: int, shard: int, packer: StreamPacker) -> tuple[str, str]:
+    """Save the packer's state as ``ckpt-shard``; returns the sha256 of its (json, arrow) files."""
     doc, pixels = state_to_payload(packer.state())
-    loc = resolve_location(out)
+    text = json.dumps(doc, indent=1, sort_keys=True).encode()
     write_bytes_atomic(loc, checkpoint_file(stream, shard, "arrow"), pixels)
-    write_json_atomic(loc, checkpoint_file(stream, shard, "json"), doc)
+    write_bytes_atomic(loc, checkpoint_file(stream, shard, "json"), text)
+    return sha256_hex(text), sha256_hex(pixels)
 
 
-def read_checkpoint(out, stream: int, shard: int):
-    loc = resolve_location(out)
-    doc = json.loads(loc.read_bytes(checkpoint_file(stream, shard, "json")))
-    return state_from_payload(doc, loc.read_bytes(checkpoint_file(stream, shard, "arrow")))
+def checkpoint_digests(index: StreamIndex, shard: int) -> tuple[str, str]:
+    """The recorded sha256 of ``ckpt-shard`` (json, arrow): the start checkpoint or a shard's end."""
+    if shard == 0:
+        return index.ckpt0_json_sha256, index.ckpt0_arrow_sha256
+    row = index.shards[shard - 1]
+    return row.ckpt_json_sha256, row.ckpt_arrow_sha256
 
 
-def _write_lineage(loc, stream: int, shard: int, table: pa.Table) -> None:
+def read_checkpoint_files(loc: PackLocation, index: StreamIndex, shard: int) -> tuple[bytes, bytes]:
+    """The (json, arrow) bytes of ``ckpt-shard``, each checked against the digest the index recorded."""
+    out = []
+    for ext, sha in zip(("json", "arrow"), checkpoint_digests(index, shard)):
+        rel = checkpoint_file(index.stream, shard, ext)
+        try:
+            data = loc.read_bytes(rel)
+        except FileNotFoundError:
+            raise DamagedFile(f"{loc.path(rel)}: checkpoint is missing") from None
+        if sha256_hex(data) != sha:
+            raise DamagedFile(f"{loc.path(rel)}: checkpoint is damaged (sha256 differs from the stream index)")
+        out.append(data)
+    return out[0], out[1]
+
+
+def read_checkpoint(loc: PackLocation, stream: int, shard: int, index: StreamIndex) -> StreamState:
+    """Load ``ckpt-shard`` after checking both files against the digests the index recorded."""
+    text, pixels = read_checkpoint_files(loc, index, shard)
+    try:
+        return state_from_payload(json.loads(text), pixels)
+    except (ValueError, KeyError, TypeError) as e:
+        raise DamagedFile(f"{loc.path(checkpoint_file(stream, shard))}: checkpoint does not load ({e})") from None
+
+
+def _parquet_bytes(table: pa.Table) -> bytes:
     sink = pa.BufferOutputStream()
     pq.write_table(table, sink, compression="zstd")
-    write_bytes_atomic(loc, lineage_file(stream, shard), sink.getvalue().to_pybytes())
+    return sink.getvalue().to_pybytes()
 
 
-def pack_one_stream(cfg: PrepackConfig, out: str, stream: int, tokenizer, special, metadata: dict[str, str],
-                    report: Callable[[ProgressEvent], None] | None = None) -> StreamEntry:
-    """Pack (or finish packing) stream ``stream`` into ``out``; returns its manifest entry."""
+def compact_lineage(loc: PackLocation, index: StreamIndex) -> tuple[str, int]:
+    """Write ``lineage/stream-S.parquet`` from the shard lineage files (one row group per shard).
+
+    Memory is one shard's lineage at a time.  A stream extended after it was done appends its new
+    shards to the rows of its earlier lineage file.  Returns (sha256, rows).
+    """
+    stream = index.stream
+    rel = stream_lineage_file(stream)
+    sink = pa.BufferOutputStream()
+    rows = 0
+    with pq.ParquetWriter(sink, LINEAGE_SCHEMA, compression="zstd") as w:
+        done_before = 0
+        try:
+            previous = pq.ParquetFile(pa.BufferReader(loc.read_bytes(rel)))
+            for g in range(previous.num_row_groups):
+                table = previous.read_row_group(g)
+                w.write_table(table)
+                rows += table.num_rows
+            done_before = previous.num_row_groups
+        except FileNotFoundError:
+            pass
+        for entry in index.shards[done_before:]:
+            table = pq.read_table(pa.BufferReader(loc.read_bytes(shard_lineage_file(stream, entry.shard))))
+            if table.num_rows:
+                w.write_table(table.cast(LINEAGE_SCHEMA))
+            rows += table.num_rows
+    data = sink.getvalue().to_pybytes()
+    loc.fs.create_dir(loc.path(LINEAGE_DIR), recursive=True)
+    write_bytes_atomic(loc, rel, data)
+    return sha256_hex(data), rows
+
+
+def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, tokenizer, special,
+                    metadata: dict[str, str], report: Callable[[ProgressEvent], None] | None = None) -> StreamSummary:
+    """Pack (or continue, or extend) stream ``stream`` into ``out``; returns its summary (done.json)."""
     loc = resolve_location(out)
     rank, worker = cfg.stream_rank_worker(stream)
-    if loc.fs.get_file_info(loc.path(done_file(stream))).type.name == "File":
-        return StreamEntry.from_json(json.loads(loc.read_bytes(done_file(stream))))
+    budget = cfg.prepack.budget()
+    previous = read_done(loc, stream)
+    if previous is not None and previous.budget == budget:
+        return previous
     loc.fs.create_dir(loc.path(stream_dir(stream)), recursive=True)
-    next_shard, next_record, committed = recover_stream(loc, stream)
+    if previous is not None:  # extending a finished stream: it is no longer done
+        log.info("stream %d: extending from %s to %s", stream, previous.budget, budget)
+        loc.fs.delete_file(loc.path(done_file(stream)))
+    index = recover_stream(loc, stream)
+    next_shard, next_record = len(index.shards), index.num_records
     if next_shard == 0:
         packer = StreamPacker(cfg, stream, tokenizer, special)
-        write_checkpoint(loc, stream, 0, packer)
+        index.ckpt0_json_sha256, index.ckpt0_arrow_sha256 = write_checkpoint(loc, stream, 0, packer)
     else:
-        packer = StreamPacker(cfg, stream, tokenizer, special, state=read_checkpoint(loc, stream, next_shard))
-        log.info("stream %d: resuming at shard %d (record %d)", stream, next_shard, next_record)
+        packer = StreamPacker(cfg, stream, tokenizer, special, state=read_checkpoint(loc, stream, next_shard, index))
+        log.info("stream %d: continuing at shard %d (record %d)", stream, next_shard, next_record)
     writer = StreamWriter(loc, stream, shard_bytes=cfg.prepack.shard_bytes, compression=cfg.prepack.compression,
                           metadata=metadata, start_shard=next_shard, start_record=next_record)
     pending: list[tuple[list, list[int]]] = []  # lineage of the open shard (not its pixels)
     start = time.perf_counter()
 
-    def commit(entry) -> None:
-        _write_lineage(loc, stream, entry.shard, _lineage_rows(stream, entry.first_record, pending))
-        write_checkpoint(loc, stream, entry.shard + 1, packer)
-        write_json_atomic(loc, shard_index_file(stream, entry.shard), entry)
-        committed.append(entry)
+    def commit(entry: ShardEntry) -> None:
+        lineage = _parquet_bytes(_lineage_rows(stream, entry.first_record, pending))
+        write_bytes_atomic(loc, shard_lineage_file(stream, entry.shard), lineage)
+        entry.lineage_sha256, entry.lineage_rows = sha256_hex(lineage), sum(len(o) for o, _ in pending)
+        entry.ckpt_json_sha256, entry.ckpt_arrow_sha256 = write_checkpoint(loc, stream, entry.shard + 1, packer)
+        index.append(entry)
+        write_index(loc, index)  # the commit
         pending.clear()
 
     try:
@@ -124,19 +196,37 @@ def pack_one_stream(cfg: PrepackConfig, out: str, stream: int, tokenizer, specia
         entry = writer.finish()
         if entry is not None:
             commit(entry)
+        elif not index.shards:
+            write_index(loc, index)  # no record at all: still record ckpt-0's digests
     except BaseException:
         writer.abort()
         raise
+    lineage_sha, lineage_rows = compact_lineage(loc, index) if index.shards else ("", 0)
     counters = packer.final_counters()
-    result = StreamEntry(
-        stream=stream, rank=rank, worker=worker, seed=cfg.stream_seed(stream), shards=committed,
-        num_records=sum(len(s.records) for s in committed),
-        num_tokens=sum(r.num_tokens for s in committed for r in s.records),
-        num_samples=sum(r.num_samples for s in committed for r in s.records),
+    records = [r for s in index.shards for r in s.records]
+    result = StreamSummary(
+        stream=stream, rank=rank, worker=worker, seed=cfg.stream_seed(stream), num_shards=len(index.shards),
+        num_records=len(records), num_tokens=sum(r.num_tokens for r in records),
+        num_samples=sum(r.num_samples for r in records), root=index.root, budget=budget,
+        lineage_sha256=lineage_sha, lineage_rows=lineage_rows,
         drops=counters.drops, warnings=counters.warnings, group_samples=counters.samples_packed,
         elapsed_s=round(time.perf_counter() - start, 3),
     )
-    write_json_atomic(loc, done_file(stream), result)
+    write_bytes_atomic(loc, done_file(stream), result.to_json().encode())
+    for entry in index.shards:  # the stream's lineage file now holds these rows
+        try:
+            loc.fs.delete_file(loc.path(shard_lineage_file(stream, entry.shard)))
+        except FileNotFoundError:
+            pass
     if report is not None:
         report(ProgressEvent(stream, packer.batches, packer.tokens, done=True))
     return result
+
+
+def read_done(loc: PackLocation, stream: int) -> StreamSummary | None:
+    """The stream's ``done.json``, or None while it is not finished."""
+    try:
+        data = loc.read_bytes(done_file(stream))
+    except FileNotFoundError:
+        return None
+    return StreamSummary.from_json(data, loc.path(done_file(stream)))

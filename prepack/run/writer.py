@@ -1,10 +1,11 @@
-"""Shard writer for one stream: PackedBatch -> Arrow IPC files, committed crash-safely.
+"""Shard writer for one stream: PackedBatch -> Arrow IPC files, and the stream index that commits them.
 
 Why this shape: a stream is the unit of resume, so its output must always be a clean prefix of
-committed shards.  A shard is written under a temporary name, made durable, then renamed; its
-*index* (``shard-k.json``, written by the driver through ``write_json_atomic`` after the stream
-checkpoint ``ckpt-(k+1)``) is the commit marker.  ``recover_stream`` turns whatever a crash left
-behind back into that clean prefix.
+committed shards.  A shard file is written under a temporary name, made durable, then renamed
+(on an object store, where an upload appears whole or not at all, under its final name).  It is
+*committed* only when the stream's ``index.arrow`` lists it, and the index is written last (by
+``prepack.run.stream_job``, after the shard's lineage and checkpoint).  ``recover_stream`` turns
+whatever a crash left behind back into that clean prefix.
 
 Output bytes depend only on the batches, the compression and the metadata: no timestamps, no
 uuids; the sha256 of a shard is computed from the bytes as they are written, never read back.
@@ -25,7 +26,8 @@ import pyarrow.fs as pafs
 
 from schemas.compression import Compression
 from schemas.location import PackLocation, resolve_location
-from schemas.manifest import RecordEntry, ShardEntry, shard_file, shard_index_file, stream_dir
+from schemas.errors import DamagedFile
+from schemas.manifest import RecordEntry, ShardEntry, StreamIndex, index_file, shard_file, stream_dir
 from schemas.record import RECORD_SCHEMA, RECORD_SCHEMA_VERSION, PackedBatch, batch_to_record, record_digest
 
 log = logging.getLogger(__name__)
@@ -228,14 +230,13 @@ class StreamWriter:
         entry = ShardEntry(
             stream=self.stream,
             shard=self.next_shard,
-            file=shard_file(self.stream, self.next_shard),
             nbytes=self._sink.nbytes,
             sha256=self._sink.sha256.hexdigest(),
             first_record=self.next_record,
             records=self._records,
         )
         log.debug(
-            "stream %d: committed %s (%d records, %d bytes)", self.stream, entry.file, len(entry.records), entry.nbytes
+            "stream %d: wrote %s (%d records, %d bytes)", self.stream, entry.file, len(entry.records), entry.nbytes
         )
         self.next_shard += 1
         self.next_record += len(self._records)
@@ -244,49 +245,54 @@ class StreamWriter:
         return entry
 
 
-_STREAM_FILE = re.compile(r"(shard|ckpt)-(\d+)\.(arrow|json)")
+_STREAM_FILE = re.compile(r"(shard|ckpt)-(\d+)\.(arrow|json|lineage\.parquet)")
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_index(loc: PackLocation, stream: int) -> StreamIndex | None:
+    """The stream's committed index, or None when nothing is committed yet."""
+    path = loc.path(index_file(stream))
+    try:
+        data = loc.read_bytes(index_file(stream))
+    except FileNotFoundError:
+        return None
+    return StreamIndex.from_bytes(data, stream, path)
+
+
+def write_index(loc: PackLocation, index: StreamIndex) -> None:
+    """Commit: publish the index that lists every committed shard (atomic replace / PUT)."""
+    write_bytes_atomic(loc, index_file(index.stream), index.to_bytes())
 
 
 def recover_stream(
     out: "str | os.PathLike | PackLocation", stream: int, filesystem: pafs.FileSystem | None = None
-) -> tuple[int, int, list[ShardEntry]]:
-    """Bring a stream's directory back to its committed prefix after a crash.
+) -> StreamIndex:
+    """Bring a stream's directory back to its committed prefix after a crash; return its index.
 
-    Returns ``(next_shard, next_record, committed)``.  Committed shards are those with a shard
-    index, contiguous from 0.  Deleted: every ``.tmp`` file, shard files numbered at or beyond
-    ``next_shard`` and checkpoints beyond ``next_shard`` (``ckpt-next_shard`` is the state to
-    resume from, so it stays).  A gap in the indexes, or an index whose shard file is missing or
-    has the wrong size, is damage a restart must not paper over: ``RuntimeError``.
+    Committed shards are the rows of ``index.arrow``.  Deleted: every ``.tmp`` file, shard files
+    and shard lineage files numbered at or beyond the next shard, and checkpoints beyond it
+    (``ckpt-next`` is the state to resume from, so it stays).  A committed shard file that is
+    missing or has the wrong size is damage a restart must not paper over: ``DamagedFile``.
     """
     loc = resolve_location(out, filesystem)
     sdir = loc.path(stream_dir(stream))
     infos = loc.fs.get_file_info(pafs.FileSelector(sdir, allow_not_found=True))
     sizes = {i.base_name: i.size for i in infos if i.type == pafs.FileType.File}
-
-    index_numbers = sorted(
-        int(m[2]) for n in sizes if (m := _STREAM_FILE.fullmatch(n)) and m[1] == "shard" and m[3] == "json"
-    )
-    if index_numbers != list(range(len(index_numbers))):
-        raise RuntimeError(f"{sdir}: shard indexes are not contiguous from 0: {index_numbers}")
-    committed: list[ShardEntry] = []
-    next_record = 0
-    for k in index_numbers:
-        entry = ShardEntry.from_json(json.loads(loc.read_bytes(shard_index_file(stream, k))))
-        name = shard_file(stream, k).rsplit("/", 1)[1]
-        if (entry.stream, entry.shard, entry.first_record) != (stream, k, next_record):
-            raise RuntimeError(f"{sdir}/{name}: shard index does not continue the stream at record {next_record}")
+    index = read_index(loc, stream) or StreamIndex(stream, [])
+    for entry in index.shards:
+        name = shard_file(stream, entry.shard).rsplit("/", 1)[1]
         if sizes.get(name) != entry.nbytes:
-            raise RuntimeError(f"{sdir}/{name}: committed shard file missing or not {entry.nbytes} bytes")
-        committed.append(entry)
-        next_record += len(entry.records)
-    next_shard = len(committed)
-
+            raise DamagedFile(f"{sdir}/{name}: committed shard file missing or not {entry.nbytes} bytes")
+    next_shard = len(index.shards)
     for name in sorted(sizes):
         m = _STREAM_FILE.fullmatch(name)
         stale = name.endswith(TMP_SUFFIX)
-        stale |= bool(m) and m[1] == "shard" and m[3] == "arrow" and int(m[2]) >= next_shard
+        stale |= bool(m) and m[1] == "shard" and int(m[2]) >= next_shard
         stale |= bool(m) and m[1] == "ckpt" and int(m[2]) > next_shard
         if stale:
             log.warning("stream %d: removing crash leftover %s", stream, name)
             loc.fs.delete_file(f"{sdir}/{name}")
-    return next_shard, next_record, committed
+    return index

@@ -21,66 +21,29 @@ from typing import Any, Iterator
 import numpy as np
 import pyarrow as pa
 
-from prepack.tools.verify import CheckReport, load_manifest
-from schemas.config import (
-    DatasetInfo,
-    FrameSamplerArgs,
-    GroupConfig,
-    PackingKnobs,
-    PrepackConfig,
-    PrepackSection,
-    TransformArgs,
-)
-from schemas.errors import AuditRefused
-from schemas.location import PackLocation, resolve_location
-from schemas.manifest import Manifest, ShardEntry, StreamEntry, checkpoint_file
+from loader.reader import Pack, read_shard
+from prepack.run.identity import config_from_identity
+from prepack.tools.report import CheckReport
+from schemas.config import PrepackConfig
+from schemas.errors import AuditRefused, PrepackError
+from schemas.location import PackLocation
+from schemas.manifest import ShardEntry, StreamIndex, checkpoint_file
 from schemas.record import PackedBatch, SampleOrigin, batch_fields, batch_to_record, record_digest, record_to_batch
 
 log = logging.getLogger(__name__)
 
 
-# -- config ---------------------------------------------------------------------------------------
-def _transform(d: dict | None) -> TransformArgs | None:
-    if d is None:
-        return None
-    return TransformArgs(**{**d, "image_mean": tuple(d["image_mean"]), "image_std": tuple(d["image_std"])})
-
-
-def config_from_identity(identity: dict[str, Any]) -> PrepackConfig:
-    """Rebuild the ``PrepackConfig`` a pack was made with from pack.json's stored ``config``.
-
-    Why not re-read the YAML: it may have changed or moved since; the identity is what was used.
-    The caller should check ``content_hash()`` against the identity's ``config_hash``.
-    """
-    d = identity["config"]
-    groups = tuple(
-        GroupConfig(**{
-            **g,
-            "datasets": tuple(DatasetInfo(**x) for x in g["datasets"]),
-            "num_used_data": tuple(g["num_used_data"]),
-            "image_transform": _transform(g["image_transform"]),
-            "vit_image_transform": _transform(g["vit_image_transform"]),
-            "frame_sampler": FrameSamplerArgs(**g["frame_sampler"]) if g["frame_sampler"] else None,
-        })
-        for g in d["groups"]
-    )
-    return PrepackConfig(**{
-        **d,
-        "groups": groups,
-        "knobs": PackingKnobs(**d["knobs"]),
-        "prepack": PrepackSection(**d["prepack"]),
-        "config_path": identity.get("config_path") or "",
-    })
-
-
 # -- preconditions --------------------------------------------------------------------------------
 @dataclass
 class AuditContext:
-    loc: PackLocation
-    manifest: Manifest
+    pack: Pack
     cfg: PrepackConfig
     tokenizer: Any
     special: Any
+
+    @property
+    def loc(self) -> PackLocation:
+        return self.pack.location
 
 
 def _reachable(path: str, directory: bool) -> bool:
@@ -105,19 +68,15 @@ def unreachable_source(cfg: PrepackConfig) -> str | None:
 
 
 def prepare(out, tokenizer=None) -> AuditContext:
-    """Load the manifest and the pack's config and tokenizer; refuse when re-packing cannot match.
+    """Open the pack and rebuild its config and tokenizer; refuse when re-packing cannot match.
 
     ``tokenizer`` is an optional ``(tokenizer, special_tokens)`` pair already loaded (tests).
     """
     from prepack.run.identity import identity_mismatch, pack_identity
     from prepack.engine.tokenizer import load_tokenizer, special_token_ids, tokenizer_fingerprint
 
-    loc = resolve_location(out)
-    try:
-        manifest = load_manifest(loc)
-    except (OSError, ValueError) as e:
-        raise AuditRefused(f"cannot audit {loc.base}: no readable manifest ({e}); audit a finished pack") from None
-    identity = manifest.identity
+    pack = Pack.open(out)
+    loc, identity = pack.location, pack.identity
     try:
         cfg = config_from_identity(identity)
     except (KeyError, TypeError) as e:
@@ -136,7 +95,7 @@ def prepare(out, tokenizer=None) -> AuditContext:
     why = identity_mismatch(identity, pack_identity(cfg, tokenizer_fingerprint(tok), special), check_code=True)
     if why:
         raise AuditRefused(f"cannot audit {loc.base}: {why}")
-    return AuditContext(loc, manifest, cfg, tok, special)
+    return AuditContext(pack, cfg, tok, special)
 
 
 # -- comparisons ----------------------------------------------------------------------------------
@@ -194,18 +153,20 @@ def _json_difference(a: Any, b: Any, path: str = "") -> str | None:
     return None if a == b else f"{path or '.'}: stored {a!r}, re-packed {b!r}"
 
 
-def state_difference(ctx: AuditContext, stream: int, shard: int, packer) -> str | None:
-    """How the packer's state differs from the stored checkpoint at the start of ``shard``, or None."""
+def state_difference(ctx: AuditContext, index: StreamIndex, shard: int, packer) -> str | None:
+    """How the packer's state differs from the stored checkpoint at the start of ``shard``, or None.
+
+    The stored files are checked against the digests the index recorded first (DamagedFile)."""
     from prepack.engine.checkpoint import state_to_payload
+    from prepack.run.stream_job import read_checkpoint_files
     from schemas.checkpoint import decode_pixels
 
     doc, pixels = state_to_payload(packer.state())
     doc = json.loads(json.dumps(doc))  # tuples -> lists, as stored
-    stored = json.loads(ctx.loc.read_bytes(checkpoint_file(stream, shard, "json")))
-    diff = _json_difference(stored, doc)
+    stored_json, stored_pixels = read_checkpoint_files(ctx.loc, index, shard)
+    diff = _json_difference(json.loads(stored_json), doc)
     if diff:
         return f"state{diff}"
-    stored_pixels = ctx.loc.read_bytes(checkpoint_file(stream, shard, "arrow"))
     if stored_pixels != pixels:
         a, b = decode_pixels(stored_pixels), decode_pixels(pixels)
         if len(a) != len(b):
@@ -228,8 +189,7 @@ def _plural(n: int, word: str) -> str:
 
 
 def _stored_record(ctx: AuditContext, shard: ShardEntry, i: int) -> pa.RecordBatch:
-    with ctx.loc.fs.open_input_file(ctx.loc.path(shard.file)) as f:
-        return pa.ipc.open_file(f).get_batch(i)
+    return next(read_shard(ctx.pack, shard, i, verify=False))[1]
 
 
 def _compare_shard(ctx: AuditContext, batches: Iterator[PackedBatch], shard: ShardEntry, rep: CheckReport) -> bool:
@@ -262,51 +222,56 @@ def _compare_shard(ctx: AuditContext, batches: Iterator[PackedBatch], shard: Sha
     return rep.add("re-pack", target, True, f"{_plural(len(shard.records), 'record')} identical")
 
 
-def _check_state(ctx: AuditContext, stream: int, shard: int, packer, rep: CheckReport) -> bool:
-    rel = checkpoint_file(stream, shard, "json")
+def _check_state(ctx: AuditContext, index: StreamIndex, shard: int, packer, rep: CheckReport) -> bool:
+    rel = checkpoint_file(index.stream, shard, "json")
     try:
-        diff = state_difference(ctx, stream, shard, packer)
-    except FileNotFoundError:
-        return rep.add("checkpoint", rel, False, "missing")
+        diff = state_difference(ctx, index, shard, packer)
+    except PrepackError as e:
+        return rep.add("checkpoint", rel, False, str(e))
     return rep.add("checkpoint", rel, diff is None, diff or "state equal")
 
 
-def audit_shard(ctx: AuditContext, stream: StreamEntry, shard: ShardEntry, rep: CheckReport) -> None:
+def audit_shard(ctx: AuditContext, index: StreamIndex, shard: ShardEntry, rep: CheckReport) -> None:
     """Re-pack one shard from its start checkpoint; also compare the end state with the next one."""
     from prepack.engine.packer import StreamPacker
     from prepack.run.stream_job import read_checkpoint
 
     try:
-        state = read_checkpoint(ctx.loc, stream.stream, shard.shard)
-        packer = StreamPacker(ctx.cfg, stream.stream, ctx.tokenizer, ctx.special, state=state)
-    except Exception as e:  # a missing or damaged checkpoint, or sources that no longer fit it
-        rep.add("checkpoint", checkpoint_file(stream.stream, shard.shard), False,
+        state = read_checkpoint(ctx.loc, index.stream, shard.shard, index)
+    except PrepackError as e:  # a missing or damaged checkpoint: one line naming it
+        rep.add("checkpoint", checkpoint_file(index.stream, shard.shard), False, str(e))
+        return
+    try:
+        packer = StreamPacker(ctx.cfg, index.stream, ctx.tokenizer, ctx.special, state=state)
+    except Exception as e:  # sources that no longer fit the checkpoint
+        rep.add("checkpoint", checkpoint_file(index.stream, shard.shard), False,
                 f"cannot start shard {shard.shard} from it: {type(e).__name__}: {_first_line(e)}")
         return
-    log.info("auditing %s from %s", shard.file, checkpoint_file(stream.stream, shard.shard))
+    log.info("auditing %s from %s", shard.file, checkpoint_file(index.stream, shard.shard))
     if _compare_shard(ctx, iter(packer), shard, rep):
-        _check_state(ctx, stream.stream, shard.shard + 1, packer, rep)
+        _check_state(ctx, index, shard.shard + 1, packer, rep)
 
 
-def audit_stream_from_seed(ctx: AuditContext, stream: StreamEntry, rep: CheckReport) -> None:
+def audit_stream_from_seed(ctx: AuditContext, index: StreamIndex, rep: CheckReport) -> None:
     """Re-pack a whole stream from its seed, checking each shard and each boundary's checkpoint."""
     from prepack.engine.packer import StreamPacker
 
     try:
-        packer = StreamPacker(ctx.cfg, stream.stream, ctx.tokenizer, ctx.special)
+        packer = StreamPacker(ctx.cfg, index.stream, ctx.tokenizer, ctx.special)
     except Exception as e:  # sources that no longer open the way they did
-        rep.add("re-pack", f"stream {stream.stream}", False, f"cannot start: {type(e).__name__}: {_first_line(e)}")
+        rep.add("re-pack", f"stream {index.stream}", False, f"cannot start: {type(e).__name__}: {_first_line(e)}")
         return
-    log.info("auditing stream %d from its seed", stream.stream)
-    _check_state(ctx, stream.stream, 0, packer, rep)
+    log.info("auditing stream %d from its seed", index.stream)
+    _check_state(ctx, index, 0, packer, rep)
     batches = iter(packer)
-    for shard in stream.shards:
+    for shard in index.shards:
         if not _compare_shard(ctx, batches, shard, rep):
             return  # later shards would only repeat the divergence
-        _check_state(ctx, stream.stream, shard.shard + 1, packer, rep)
-    rep.add("budget", f"stream {stream.stream}", packer.budget_spent(),
-            "stream ends where its budget ends" if packer.budget_spent() else
-            f"the budget is not spent after {packer.batches} batches: records are missing from the pack")
+        _check_state(ctx, index, shard.shard + 1, packer, rep)
+    if ctx.pack.done(index.stream) is not None:
+        rep.add("budget", f"stream {index.stream}", packer.budget_spent(),
+                "stream ends where its budget ends" if packer.budget_spent() else
+                f"the budget is not spent after {packer.batches} batches: records are missing from the pack")
 
 
 def audit_pack(out, *, stream: int | None = None, shard: int | None = None, all_streams: bool = False,
@@ -315,28 +280,27 @@ def audit_pack(out, *, stream: int | None = None, shard: int | None = None, all_
     if all_streams and shard is not None:
         raise AuditRefused("--all re-packs whole streams from their seeds; it takes no --shard")
     ctx = prepare(out, tokenizer)
-    streams = ctx.manifest.streams
-    if stream is not None:
-        streams = [s for s in streams if s.stream == stream]
-        if not streams:
-            raise AuditRefused(f"stream {stream} is not in the manifest ({ctx.manifest.num_streams} streams)")
+    if stream is not None and not 0 <= stream < ctx.pack.num_streams:
+        raise AuditRefused(f"stream {stream} is not in this pack ({ctx.pack.num_streams} streams)")
+    ids = [stream] if stream is not None else list(range(ctx.pack.num_streams))
     mode = "from seeds" if all_streams else "from checkpoints"
     rep = CheckReport(f"audit {ctx.loc.base} ({mode})")
     from tqdm import tqdm
 
-    todo = [(s, [sh for sh in s.shards if all_streams or shard is None or sh.shard == shard]) for s in streams]
-    bar = tqdm(total=sum(len(r.records) for _, shs in todo for r in shs), unit="batch", desc="re-packing",
-               disable=not progress)
-    for s, shards in todo:
+    bar = tqdm(unit="batch", desc="re-packing", disable=not progress)
+    for s in ids:  # one stream's index in memory at a time
+        index = ctx.pack.index(s)
         if all_streams:
-            audit_stream_from_seed(ctx, s, rep)
-            bar.update(sum(len(sh.records) for sh in shards))
-            continue
-        if shard is not None and not shards and stream is not None:
-            raise AuditRefused(f"stream {s.stream} has no shard {shard} (it has {len(s.shards)})")
-        for sh in shards:
-            audit_shard(ctx, s, sh, rep)
-            bar.update(len(sh.records))
+            audit_stream_from_seed(ctx, index, rep)
+            bar.update(index.num_records)
+        else:
+            shards = [sh for sh in index.shards if shard is None or sh.shard == shard]
+            if shard is not None and not shards and stream is not None:
+                raise AuditRefused(f"stream {s} has no committed shard {shard} (it has {len(index.shards)})")
+            for sh in shards:
+                audit_shard(ctx, index, sh, rep)
+                bar.update(len(sh.records))
+        ctx.pack.forget(s)
     bar.close()
     if not rep.rows:
         raise AuditRefused(f"nothing to audit: no stream has shard {shard}")

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from schemas.location import resolve_location
+from loader.reader import Pack, read_shard
+from schemas.errors import UsageError
 from schemas.manifest import ShardEntry
 from schemas.record import PackedBatch, SampleOrigin, record_digest, record_to_batch
 
@@ -350,28 +351,22 @@ def _load_tokenizer(identity: dict):
 
 
 def read_record(out, stream: int, record: int) -> tuple[ShardEntry, int, pa.RecordBatch, dict]:
-    """One stored record: (its shard entry, index in the shard, the record, the pack identity)."""
-    from prepack.tools.verify import load_manifest
-
-    loc = resolve_location(out)
-    manifest = load_manifest(loc)
-    entry = next((s for s in manifest.streams if s.stream == stream), None)
-    if entry is None:
-        raise ValueError(f"stream {stream} is not in the manifest ({manifest.num_streams} streams)")
-    for shard in entry.shards:
-        if shard.first_record <= record < shard.first_record + len(shard.records):
-            i = record - shard.first_record
-            with loc.fs.open_input_file(loc.path(shard.file)) as f:
-                rec = pa.ipc.open_file(f).get_batch(i)
-            return shard, i, rec, manifest.identity
-    raise ValueError(f"stream {stream} has no record {record} (it has {entry.num_records})")
+    """One committed record: (its shard entry, index in the shard, the record, the pack identity)."""
+    pack = Pack.open(out)
+    pack.check_stream(stream)
+    index = pack.index(stream)
+    if not 0 <= record < index.num_records:
+        raise UsageError(f"stream {stream} has no record {record} ({index.num_records} committed)")
+    shard = next(sh for sh in index.shards if record < sh.first_record + len(sh.records))
+    i = record - shard.first_record
+    return shard, i, next(read_shard(pack, shard, i, verify=False))[1], pack.identity
 
 
 def inspect_record(out, *, stream: int, record: int, png: str | None = None, tokenizer=None) -> str:
     """Text account of record ``record`` of ``stream``; with ``png``, also the picture."""
     shard, i, rec, identity = read_record(out, stream, record)
     digest = record_digest(rec)
-    check = "matches the manifest" if digest == shard.records[i].digest else "DIFFERS from the manifest (run verify)"
+    check = "matches the stream index" if digest == shard.records[i].digest else "DIFFERS from the stream index (run verify)"
     batch = record_to_batch(rec)
     title = f"stream {stream}, record {record}: {shard.file} #{i}, digest {digest[:12]}.. {check}"
     text = describe(batch, tokenizer if tokenizer is not None else _load_tokenizer(identity), title)

@@ -1,4 +1,4 @@
-"""``prepack stats``: what a pack holds, from the manifest and the lineage (polars).
+"""``prepack stats``: what a pack holds, from the stream indexes and summaries and the lineage (polars).
 
 Why: packing is lossy by design (greedy fill, overflow buffer, drops) and weighted-random by
 design (group mix); these numbers say whether the knobs did what was meant.  Fill ratio per
@@ -7,14 +7,18 @@ how often each source row was used, and per-stream throughput.  Image counts com
 tiny columns of each shard (a projected read: pixels are not read).  ``--html`` renders the same
 tables with plots into one self-contained page (inline SVG).
 
-The two lineage questions (``batches_with_row``, ``rows_of_batch``) are plain polars queries over
-lineage.parquet; they are here so that tests and users share one spelling of them.
+The lineage is a dataset of parquet files, never merged: ``lineage/stream-SSSSS.parquet`` per
+finished stream and ``stream-SSSSS/shard-KKKKK.lineage.parquet`` per committed shard of a stream
+still packing.  ``scan_lineage`` scans them lazily; the two lineage questions
+(``batches_with_row``, ``rows_of_batch``) are plain polars queries over it, here so that tests
+and users share one spelling of them.
 """
 
 from __future__ import annotations
 
 import html as html_lib
 import io
+import re
 import logging
 import os
 from dataclasses import dataclass
@@ -23,8 +27,9 @@ import numpy as np
 import polars as pl
 import pyarrow as pa
 
+from loader.reader import Pack
 from schemas.location import PackLocation, resolve_location
-from schemas.manifest import LINEAGE_NAME, Manifest
+from schemas.manifest import LINEAGE_DIR, StreamSummary
 from schemas.record import RECORD_SCHEMA
 
 log = logging.getLogger(__name__)
@@ -35,11 +40,36 @@ _ROW_KEY = ["source_file", "source_row_group", "source_row"]
 
 
 # -- lineage queries ------------------------------------------------------------------------------
-def scan_lineage(out) -> pl.LazyFrame:
+_SHARD_LINEAGE = re.compile(r"stream-\d{5}/shard-\d{5}\.lineage\.parquet")
+
+
+def lineage_files(out) -> list[str]:
+    """Filesystem paths of every lineage file of a pack (finished streams, then shards of the rest)."""
+    import pyarrow.fs as pafs
+
     loc = resolve_location(out)
+    infos = loc.fs.get_file_info(pafs.FileSelector(loc.base, recursive=True, allow_not_found=True))
+    base = loc.base.rstrip("/") + "/"
+    rel = sorted(i.path[len(base):] for i in infos if i.type == pafs.FileType.File and i.path.startswith(base))
+    done = [r for r in rel if r.startswith(LINEAGE_DIR + "/stream-") and r.endswith(".parquet")]
+    finished = {r[len(LINEAGE_DIR) + 1:len(LINEAGE_DIR) + 13] for r in done}  # "stream-SSSSS"
+    shards = [r for r in rel if _SHARD_LINEAGE.fullmatch(r) and r.split("/")[0] not in finished]
+    return [loc.path(r) for r in done + shards]
+
+
+def scan_lineage(out) -> pl.LazyFrame:
+    """The whole lineage as one lazy frame (no merge, no read until ``collect``)."""
+    from schemas.manifest import LINEAGE_SCHEMA
+
+    loc = resolve_location(out)
+    files = lineage_files(loc)
+    if not files:
+        return pl.from_arrow(LINEAGE_SCHEMA.empty_table()).lazy()
     if loc.is_local:
-        return pl.scan_parquet(loc.path(LINEAGE_NAME))
-    return pl.read_parquet(io.BytesIO(loc.read_bytes(LINEAGE_NAME))).lazy()
+        return pl.scan_parquet(files)
+    import pyarrow.dataset as pads
+
+    return pl.scan_pyarrow_dataset(pads.dataset(files, filesystem=loc.fs, format="parquet", schema=LINEAGE_SCHEMA))
 
 
 def batches_with_row(out, source_file: str, source_row: int, source_row_group: int | None = None) -> pl.DataFrame:
@@ -72,27 +102,25 @@ class PackStats:
     streams: pl.DataFrame  # stream, rank, worker, records, tokens, samples, elapsed_s, tokens_per_s, records_per_s
 
 
-def _image_counts(loc: PackLocation, manifest: Manifest) -> dict[tuple[int, int], tuple[int, int, int]]:
-    """(stream, record) -> (stored images, ViT uses, VAE uses), reading only three small columns."""
+def _stream_records(pack: Pack, stream: int) -> list[tuple]:
+    """One row per record of ``stream`` with its image counts, reading three small columns of each shard."""
     fields = [RECORD_SCHEMA.get_field_index(n) for n in _IMAGE_COLUMNS]
     options = pa.ipc.IpcReadOptions(included_fields=fields, use_threads=False)
-    out = {}
-    for s in manifest.streams:
-        for sh in s.shards:
-            with loc.fs.open_input_file(loc.path(sh.file)) as f:
-                reader = pa.ipc.open_file(f, options=options)
-                for i in range(reader.num_record_batches):
-                    b = reader.get_batch(i)
-                    out[(s.stream, sh.first_record + i)] = tuple(len(b.column(n)[0]) for n in _IMAGE_COLUMNS)
-    return out
+    loc = pack.location
+    rows = []
+    for sh in pack.index(stream).shards:
+        with loc.fs.open_input_file(loc.path(sh.file)) as f:
+            reader = pa.ipc.open_file(f, options=options)
+            for i, r in enumerate(sh.records):
+                b = reader.get_batch(i)
+                rows.append((stream, sh.shard, sh.first_record + i, r.num_tokens, r.num_samples)
+                            + tuple(len(b.column(n)[0]) for n in _IMAGE_COLUMNS))
+    pack.forget(stream)
+    return rows
 
 
-def _records(loc: PackLocation, manifest: Manifest, max_tokens: int) -> pl.DataFrame:
-    images = _image_counts(loc, manifest)
-    rows = [
-        (s.stream, sh.shard, sh.first_record + i, r.num_tokens, r.num_samples) + images[(s.stream, sh.first_record + i)]
-        for s in manifest.streams for sh in s.shards for i, r in enumerate(sh.records)
-    ]
+def _records(pack: Pack, max_tokens: int) -> pl.DataFrame:
+    rows = [row for s in range(pack.num_streams) for row in _stream_records(pack, s)]
     schema = {"stream": pl.Int32, "shard": pl.Int32, "record": pl.Int64, "num_tokens": pl.Int64,
               "num_samples": pl.Int64, "images": pl.Int64, "vit_uses": pl.Int64, "vae_uses": pl.Int64}
     df = pl.DataFrame(rows, schema=schema, orient="row")
@@ -113,16 +141,16 @@ def _group_mix(identity: dict, lineage: pl.DataFrame) -> pl.DataFrame:
          "weight": [float(g.get("weight", 0.0)) for g in groups]},
         schema={"group": pl.String, "mandatory": pl.Boolean, "weight": pl.Float64},
     ).with_columns((pl.col("weight") / pl.col("weight").sum()).alias("configured_share"))
-    achieved = lineage.group_by("group").agg(pl.len().cast(pl.Int64).alias("samples"))
+    achieved = lineage
     return (configured.join(achieved, on="group", how="full", coalesce=True)
             .with_columns(pl.col("samples").fill_null(0))
             .with_columns((pl.col("samples") / pl.col("samples").sum()).alias("share"))
             .sort("group"))
 
 
-def _drops(manifest: Manifest) -> pl.DataFrame:
+def _drops(summaries: list[StreamSummary]) -> pl.DataFrame:
     rows: dict[tuple[str, str], int] = {}
-    for s in manifest.streams:
+    for s in summaries:
         for kind, d in (("drop", s.drops), ("warning", s.warnings)):
             for reason, n in d.items():
                 rows[(kind, reason)] = rows.get((kind, reason), 0) + int(n)
@@ -130,9 +158,9 @@ def _drops(manifest: Manifest) -> pl.DataFrame:
                         schema={"kind": pl.String, "reason": pl.String, "count": pl.Int64}, orient="row")
 
 
-def _streams(manifest: Manifest) -> pl.DataFrame:
+def _streams(summaries: list[StreamSummary]) -> pl.DataFrame:
     df = pl.DataFrame(
-        [(s.stream, s.rank, s.worker, s.num_records, s.num_tokens, s.num_samples, float(s.elapsed_s)) for s in manifest.streams],
+        [(s.stream, s.rank, s.worker, s.num_records, s.num_tokens, s.num_samples, float(s.elapsed_s)) for s in summaries],
         schema={"stream": pl.Int32, "rank": pl.Int32, "worker": pl.Int32, "records": pl.Int64, "tokens": pl.Int64,
                 "samples": pl.Int64, "elapsed_s": pl.Float64}, orient="row",
     )
@@ -142,25 +170,25 @@ def _streams(manifest: Manifest) -> pl.DataFrame:
 
 
 def compute_stats(out) -> PackStats:
-    """All statistics of a finished pack (manifest.json + lineage.parquet + projected shard reads)."""
-    from prepack.tools.verify import load_manifest
-
-    loc = resolve_location(out)
-    manifest = load_manifest(loc)
-    max_tokens = int(manifest.identity.get("max_num_tokens") or 0)
-    lineage = scan_lineage(loc).select("group", *_ROW_KEY).collect()
-    records = _records(loc, manifest, max_tokens)
-    per_row = lineage.group_by("group", *_ROW_KEY).agg(pl.len().cast(pl.Int64).alias("uses"))
+    """All statistics of a pack's committed records (indexes, done.json, lineage, projected shard reads)."""
+    pack = Pack.open(out)
+    loc = pack.location
+    max_tokens = int(pack.identity.get("max_num_tokens") or 0)
+    summaries = [d for d in (pack.done(s) for s in range(pack.num_streams)) if d is not None]
+    lazy = scan_lineage(loc)
+    groups = lazy.group_by("group").agg(pl.len().cast(pl.Int64).alias("samples")).collect()
+    records = _records(pack, max_tokens)
+    per_row = lazy.group_by("group", *_ROW_KEY).agg(pl.len().cast(pl.Int64).alias("uses")).collect()
     return PackStats(
         title=f"pack {loc.base}",
         max_num_tokens=max_tokens,
         records=records,
         fill_hist=_fill_hist(records),
-        group_mix=_group_mix(manifest.identity, lineage),
-        drops=_drops(manifest),
+        group_mix=_group_mix(pack.identity, groups),
+        drops=_drops(summaries),
         row_use=per_row.group_by("uses").agg(pl.len().cast(pl.Int64).alias("rows")).sort("uses"),
         top_rows=per_row.sort(["uses", *_ROW_KEY], descending=[True, False, False, False]).head(10),
-        streams=_streams(manifest),
+        streams=_streams(summaries),
     )
 
 

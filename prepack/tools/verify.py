@@ -1,277 +1,233 @@
-"""``prepack verify``: is every byte of a pack what its manifest says?
+"""``prepack verify``: is every file of a pack what its indexes say?
 
-Checks, in one read of each shard file: the file's sha256 and size, its schema and the identity
-stamped into its metadata (record schema version, config / tokenizer / code fingerprints, stream
-and shard), and every record's content digest, length and sample count, in order.  Then the
-identity itself (the stored config rebuilds to its hash, pack.json agrees) and the lineage (one
-row per packed sample).  Why one read: a pack is hundreds of GiB; the file is hashed while it is
-read into memory and the Arrow IPC file is parsed from that same buffer.
-
-``CheckReport`` (a plain-text table) is shared with ``prepack.tools.audit``.
+Per stream, in memory bounded by that stream: the index (schema, contiguity, digest chain), the
+start checkpoint and every shard's end checkpoint (sha256 recorded at commit), every shard (size,
+sha256, schema identity and each record's digest, through the loader's own ``read_shard``), the
+lineage (sha256 and one row per packed sample of each record) and ``done.json`` (totals and root
+agree with the index).  Then the pack: ``pack.json`` (format, stored config hashes to its
+config_hash) and ``manifest.json`` (each stream's summary equals its ``done.json``).  A file that
+is damaged or missing fails with its path named; nothing is repaired.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
-import json
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from loader.reader import Pack, read_shard
+from prepack.tools.report import CheckReport
+from schemas.errors import PrepackError
 from schemas.location import PackLocation, resolve_location
-from schemas.manifest import LINEAGE_NAME, MANIFEST_NAME, PACK_INFO_NAME, Manifest, ShardEntry, StreamEntry
-from schemas.record import RECORD_SCHEMA, RECORD_SCHEMA_VERSION, record_digest
+from schemas.manifest import (
+    LINEAGE_SCHEMA,
+    MANIFEST_NAME,
+    PACK_INFO_NAME,
+    PackSummary,
+    ShardEntry,
+    StreamIndex,
+    StreamSummary,
+    checkpoint_file,
+    done_file,
+    index_file,
+    shard_file,
+    shard_lineage_file,
+    stream_lineage_file,
+)
 
 log = logging.getLogger(__name__)
 
-_CHUNK = 8 * 2**20
-_MAX_RECORD_ROWS = 20  # failing records listed per shard; the rest are counted
 _IDENTITY_KEYS = ("config_hash", "tokenizer_fingerprint", "code_fingerprint", "record_schema_version", "config")
 
 
-# -- report ---------------------------------------------------------------------------------------
-@dataclass
-class CheckRow:
-    """One line of a report: what was checked, on what, and the outcome."""
-
-    check: str
-    target: str
-    ok: bool
-    detail: str = ""
-
-
-@dataclass
-class CheckReport:
-    """Rows of checks; ``ok`` only when every row passed.  ``lines()`` renders a plain-text table."""
-
-    title: str
-    rows: list[CheckRow] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return bool(self.rows) and all(r.ok for r in self.rows)
-
-    def add(self, check: str, target: str, ok: bool, detail: str = "") -> bool:
-        self.rows.append(CheckRow(check, target, ok, detail))
-        return ok
-
-    def failures(self) -> list[CheckRow]:
-        return [r for r in self.rows if not r.ok]
-
-    def lines(self) -> list[str]:
-        wc = max([len("CHECK")] + [len(r.check) for r in self.rows])
-        wt = max([len("TARGET")] + [len(r.target) for r in self.rows])
-        out = [self.title, f"{'CHECK':<{wc}}  {'TARGET':<{wt}}  RESULT  DETAIL"]
-        for r in self.rows:
-            out.append(f"{r.check:<{wc}}  {r.target:<{wt}}  {'ok' if r.ok else 'FAIL':<6}  {r.detail}".rstrip())
-        bad = self.failures()
-        verdict = "OK" if self.ok else "FAILED"
-        out.append(f"{verdict}: {len(self.rows) - len(bad)} of {len(self.rows)} checks passed")
-        return out
+def _sha256(loc: PackLocation, relpath: str) -> tuple[bytes | None, str]:
+    """(bytes, sha256) of a file, or (None, why) when it cannot be read."""
+    try:
+        data = loc.read_bytes(relpath)
+    except FileNotFoundError:
+        return None, "missing"
+    except OSError as e:
+        return None, f"unreadable: {e}"
+    return data, hashlib.sha256(data).hexdigest()
 
 
-# -- reading --------------------------------------------------------------------------------------
-def load_manifest(loc: PackLocation) -> Manifest:
-    return Manifest.from_json(loc.read_bytes(MANIFEST_NAME).decode())
+def _check_file(loc: PackLocation, rep: CheckReport, check: str, relpath: str, want: str) -> bytes | None:
+    """One row: the file's sha256 equals the recorded one.  Returns its bytes when it does."""
+    data, sha = _sha256(loc, relpath)
+    if data is None:
+        rep.add(check, relpath, False, sha)
+        return None
+    ok = sha == want
+    rep.add(check, relpath, ok, f"{len(data):,} bytes" if ok else f"sha256 {sha[:16]}.. != recorded {want[:16]}..")
+    return data if ok else None
 
 
-def read_hashed(loc: PackLocation, relpath: str) -> tuple[pa.Buffer, str]:
-    """The whole file as one Arrow buffer plus its sha256, hashed chunk by chunk as it arrives."""
-    h = hashlib.sha256()
-    with loc.fs.open_input_file(loc.path(relpath)) as f:
-        size = f.size()
-        data = bytearray(size)
-        view = memoryview(data)
-        pos = 0
-        while pos < size:
-            n = f.readinto(view[pos : pos + _CHUNK])
-            if not n:
-                raise OSError(f"{relpath}: file ended at byte {pos} of {size}")
-            h.update(view[pos : pos + n])
-            pos += n
-    return pa.py_buffer(data), h.hexdigest()
-
-
-def _exists(loc: PackLocation, relpath: str) -> bool:
-    return loc.fs.get_file_info(loc.path(relpath)).type.name == "File"
-
-
-# -- checks ---------------------------------------------------------------------------------------
-def _expected_metadata(manifest: Manifest, shard: ShardEntry) -> dict[str, str]:
-    ident = manifest.identity
-    return {
-        "prepack.record_schema_version": str(manifest.record_schema_version),
-        "prepack.config_hash": str(ident.get("config_hash")),
-        "prepack.tokenizer_fingerprint": str(ident.get("tokenizer_fingerprint")),
-        "prepack.code_fingerprint": str(ident.get("code_fingerprint")),
-        "prepack.stream": str(shard.stream),
-        "prepack.shard": str(shard.shard),
-    }
-
-
-def check_shard(loc: PackLocation, manifest: Manifest, shard: ShardEntry) -> list[CheckRow]:
-    """Rows for one shard: file bytes, schema metadata, then each record in order."""
+def check_shard(pack: Pack, shard: ShardEntry) -> list:
+    """Rows for one shard file: bytes, schema identity, every record digest (the loader's reader)."""
     rep = CheckReport("")
-    target = shard.file
     try:
-        data, sha = read_hashed(loc, shard.file)
-    except (OSError, FileNotFoundError) as e:
-        rep.add("file", target, False, f"unreadable: {e}")
-        return rep.rows
-    size_ok = data.size == shard.nbytes
-    sha_ok = sha == shard.sha256
-    rep.add("file sha256", target, size_ok and sha_ok,
-            f"{data.size:,} bytes" if size_ok and sha_ok else
-            (f"{data.size:,} bytes, manifest says {shard.nbytes:,}" if not size_ok else
-             f"sha256 {sha[:16]}.. != manifest {shard.sha256[:16]}.."))
-    try:
-        reader = pa.ipc.open_file(pa.BufferReader(data), options=pa.ipc.IpcReadOptions(use_threads=False))
-    except (pa.ArrowException, OSError) as e:
-        rep.add("records", target, False, f"not a readable Arrow IPC file ({e}): none of its "
-                f"{len(shard.records)} records can be checked")
-        return rep.rows
-    meta = {k.decode(): v.decode() for k, v in (reader.schema.metadata or {}).items()}
-    wrong = [f"{k}={meta.get(k)!r} (expected {v!r})" for k, v in _expected_metadata(manifest, shard).items() if meta.get(k) != v]
-    if reader.schema.remove_metadata() != RECORD_SCHEMA:
-        wrong.append("column schema differs from this reader's RECORD_SCHEMA")
-    rep.add("schema metadata", target, not wrong, "; ".join(wrong) or "schema, version and fingerprints match")
-    n, expected = reader.num_record_batches, len(shard.records)
-    if n != expected:
-        rep.add("records", target, False, f"record {min(n, expected)}: file holds {n} records, manifest says {expected}")
-    bad = 0
-    for i in range(min(n, expected)):
-        why = _check_record(reader, i, shard)
-        if why:
-            bad += 1
-            if bad <= _MAX_RECORD_ROWS:
-                rep.add("record digest", target, False, f"record {i} (stream record {shard.first_record + i}): {why}")
-    if bad > _MAX_RECORD_ROWS:
-        rep.add("record digest", target, False, f"... and {bad - _MAX_RECORD_ROWS} more failing records")
-    if not bad and n == expected:
-        rep.add("record digests", target, True, f"{n} record{'' if n == 1 else 's'}")
+        n = sum(1 for _ in read_shard(pack, shard, verify="file"))
+    except PrepackError as e:
+        rep.add("shard", shard.file, False, str(e))
+    else:
+        rep.add("shard", shard.file, True, f"{shard.nbytes:,} bytes, {n} record{'' if n == 1 else 's'}")
     return rep.rows
 
 
-def _check_record(reader, i: int, shard: ShardEntry) -> str:
-    """Why record i does not match its manifest entry, or ''."""
-    entry = shard.records[i]
+def _lineage_counts(data: bytes) -> dict[int, int]:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(pa.BufferReader(data), columns=["record"])
+    counts: dict[int, int] = {}
+    for r in table.column("record").to_pylist():
+        counts[r] = counts.get(r, 0) + 1
+    return counts
+
+
+def check_lineage_rows(data: bytes, shards: list[ShardEntry], rel: str, rep: CheckReport) -> None:
+    """The lineage file holds exactly one row per packed sample of each record of ``shards``."""
+    import pyarrow.parquet as pq
+
     try:
-        record = reader.get_batch(i)
-        record.validate(full=True)  # damaged offsets must not make the digest read out of bounds
-        digest = record_digest(record)
-        length = record.column("sequence_length")[0].as_py()
-        samples = len(record.column("sample_lens")[0])
-    except Exception as e:  # any failure to decode is a finding about this record, not a crash
-        return f"cannot decode ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    if digest != entry.digest:
-        return f"content digest {digest} != manifest {entry.digest}"
-    if (length, samples) != (entry.num_tokens, entry.num_samples):
-        return f"{length} tokens / {samples} samples, manifest says {entry.num_tokens} / {entry.num_samples}"
-    return ""
+        schema = pq.read_schema(pa.BufferReader(data))
+        counts = _lineage_counts(data)
+    except (pa.ArrowException, OSError) as e:
+        rep.add("lineage rows", rel, False, f"not a readable parquet file ({e})")
+        return
+    if not schema.remove_metadata().equals(LINEAGE_SCHEMA):
+        rep.add("lineage rows", rel, False, "columns differ from the lineage schema")
+        return
+    want = {sh.first_record + i: r.num_samples for sh in shards for i, r in enumerate(sh.records) if r.num_samples}
+    bad = sorted(k for k in set(want) | set(counts) if want.get(k, 0) != counts.get(k, 0))
+    if bad:
+        r = bad[0]
+        rep.add("lineage rows", rel, False, f"{len(bad)} records disagree; first: record {r} has {counts.get(r, 0)} "
+                f"lineage rows, the index says {want.get(r, 0)} samples")
+    else:
+        rep.add("lineage rows", rel, True, f"{sum(counts.values())} rows = samples of every record")
 
 
-def check_identity(loc: PackLocation, manifest: Manifest, rep: CheckReport) -> None:
-    """Versions and fingerprints present; stored config rebuilds to its hash; pack.json agrees."""
-    ident = manifest.identity
+def check_stream(pack: Pack, stream: int, rep: CheckReport, pool: ThreadPoolExecutor, bar) -> StreamSummary | None:
+    """Every file of one stream; returns its done.json summary (None while it is still packing)."""
+    loc = pack.location
+    try:
+        index = pack.index(stream, refresh=True)
+    except PrepackError as e:
+        rep.add("stream index", index_file(stream), False, str(e))
+        return None
+    if not index.shards and loc.fs.get_file_info(loc.path(index_file(stream))).type.name != "File":
+        started = loc.fs.get_file_info(loc.path(done_file(stream))).type.name == "File" or \
+            loc.fs.get_file_info(loc.path(shard_file(stream, 0))).type.name == "File"
+        rep.add("stream index", index_file(stream), not started,
+                "missing, but the stream has shards or done.json" if started else "nothing committed yet")
+        if started:
+            return None
+    rep.add("stream index", index_file(stream), True,
+            f"{len(index.shards)} shards, {index.num_records} records, digest chain ok")
+    if index.ckpt0_json_sha256:
+        for ext, sha in (("json", index.ckpt0_json_sha256), ("arrow", index.ckpt0_arrow_sha256)):
+            _check_file(loc, rep, "checkpoint", checkpoint_file(stream, 0, ext), sha)
+    for sh, rows in zip(index.shards, pool.map(lambda sh: check_shard(pack, sh), index.shards)):
+        rep.rows.extend(rows)
+        bar.update(sh.nbytes)
+    for sh in index.shards:
+        for ext, sha in (("json", sh.ckpt_json_sha256), ("arrow", sh.ckpt_arrow_sha256)):
+            _check_file(loc, rep, "checkpoint", checkpoint_file(stream, sh.shard + 1, ext), sha)
+    done = _check_done(pack, index, rep)
+    if done is not None and done.lineage_sha256:
+        data = _check_file(loc, rep, "lineage", stream_lineage_file(stream), done.lineage_sha256)
+        if data is not None:
+            check_lineage_rows(data, index.shards, stream_lineage_file(stream), rep)
+    elif done is None:  # still packing: lineage is per shard
+        for sh in index.shards:
+            data = _check_file(loc, rep, "lineage", shard_lineage_file(stream, sh.shard), sh.lineage_sha256)
+            if data is not None:
+                check_lineage_rows(data, [sh], shard_lineage_file(stream, sh.shard), rep)
+    return done
+
+
+def _check_done(pack: Pack, index: StreamIndex, rep: CheckReport) -> StreamSummary | None:
+    rel = done_file(index.stream)
+    try:
+        raw = pack.location.read_bytes(rel)
+    except FileNotFoundError:
+        finished = pack.location.fs.get_file_info(pack.location.path(MANIFEST_NAME)).type.name == "File"
+        rep.add("stream done", rel, not finished, "missing, but manifest.json says every stream is done" if finished
+                else "not done yet (still packing, or packed by another job)")
+        return None
+    try:
+        done = StreamSummary.from_json(raw, rel)
+    except PrepackError as e:
+        rep.add("stream done", rel, False, str(e))
+        return None
+    recs = [r for sh in index.shards for r in sh.records]
+    got = (done.num_shards, done.num_records, done.num_tokens, done.num_samples, done.root)
+    want = (len(index.shards), len(recs), sum(r.num_tokens for r in recs), sum(r.num_samples for r in recs), index.root)
+    ok = got == want and done.stream == index.stream
+    rep.add("stream done", rel, ok, f"{done.num_records} records, {done.num_tokens:,} tokens" if ok else
+            f"shards/records/tokens/samples/root {got} != index {want}")
+    return done
+
+
+def check_identity(pack: Pack, rep: CheckReport) -> None:
+    """Fingerprints present; the stored config rebuilds and hashes to its config_hash."""
+    from prepack.run.identity import config_from_identity
+
+    ident = pack.identity
     missing = [k for k in _IDENTITY_KEYS if k not in ident]
-    rep.add("identity", MANIFEST_NAME, not missing, f"missing {', '.join(missing)}" if missing else
-            f"config {ident['config_hash'][:12]}.., tokenizer {ident['tokenizer_fingerprint'][:12]}.., "
-            f"code {ident['code_fingerprint']}")
-    versions = {manifest.record_schema_version, ident.get("record_schema_version")}
-    rep.add("schema version", MANIFEST_NAME, versions == {RECORD_SCHEMA_VERSION},
-            f"record schema {sorted(versions, key=str)} (this reader: {RECORD_SCHEMA_VERSION})")
+    rep.add("identity", PACK_INFO_NAME, not missing, f"missing {', '.join(missing)}" if missing else
+            f"format {ident['format_version']}, config {ident['config_hash'][:12]}.., "
+            f"tokenizer {ident['tokenizer_fingerprint'][:12]}.., code {ident['code_fingerprint']}")
     if "config" in ident and "config_hash" in ident:
-        from prepack.tools.audit import config_from_identity
-
         try:
             ok = config_from_identity(ident).content_hash() == ident["config_hash"]
             detail = "stored config hashes to config_hash" if ok else "stored config does not hash to config_hash"
         except (KeyError, TypeError, ValueError) as e:
             ok, detail = False, f"stored config does not rebuild: {e}"
-        rep.add("config hash", MANIFEST_NAME, ok, detail)
-    if _exists(loc, PACK_INFO_NAME):
-        same = json.loads(loc.read_bytes(PACK_INFO_NAME)) == ident
-        rep.add("pack.json", PACK_INFO_NAME, same, "same identity as the manifest" if same else "differs from the manifest's identity")
-    else:
-        rep.add("pack.json", PACK_INFO_NAME, False, "missing")
-    seeds = ident.get("stream_seeds")
-    streams = [s.stream for s in manifest.streams]
-    ok = streams == list(range(len(streams))) and (seeds is None or [s.seed for s in manifest.streams] == seeds)
-    rep.add("streams", MANIFEST_NAME, ok, f"{len(streams)} streams" if ok else f"streams {streams} / seeds disagree with the identity")
+        rep.add("config hash", PACK_INFO_NAME, ok, detail)
 
 
-def check_stream_totals(stream: StreamEntry, rep: CheckReport) -> None:
-    """A stream's totals and record numbering agree with its shards."""
-    first, problems = 0, []
-    for sh in stream.shards:
-        if sh.first_record != first:
-            problems.append(f"{sh.file} starts at record {sh.first_record}, expected {first}")
-        first += len(sh.records)
-    recs = [r for sh in stream.shards for r in sh.records]
-    totals = (len(recs), sum(r.num_tokens for r in recs), sum(r.num_samples for r in recs))
-    if totals != (stream.num_records, stream.num_tokens, stream.num_samples):
-        problems.append(f"records/tokens/samples {totals} != stream totals "
-                        f"{(stream.num_records, stream.num_tokens, stream.num_samples)}")
-    if not problems:
-        rep.add("stream totals", f"stream {stream.stream}", True, f"{totals[0]} records, {totals[1]:,} tokens")
-    for p in problems:
-        rep.add("stream totals", f"stream {stream.stream}", False, p)
-
-
-def check_lineage(loc: PackLocation, manifest: Manifest, rep: CheckReport) -> None:
-    """lineage.parquet has exactly one row per packed sample of every record."""
-    import polars as pl
-
-    expected = sum(s.num_samples for s in manifest.streams)
-    if not _exists(loc, LINEAGE_NAME):
-        rep.add("lineage", LINEAGE_NAME, expected == 0, "missing" if expected else "no samples, no lineage")
+def check_summary(pack: Pack, dones: dict[int, StreamSummary | None], rep: CheckReport) -> None:
+    """manifest.json, when present, lists exactly each stream's done.json."""
+    try:
+        raw = pack.location.read_bytes(MANIFEST_NAME)
+    except FileNotFoundError:
+        unfinished = sum(1 for d in dones.values() if d is None)
+        rep.add("manifest", MANIFEST_NAME, True, f"not written: {unfinished} streams still packing")
         return
-    lin = pl.read_parquet(io.BytesIO(loc.read_bytes(LINEAGE_NAME)), columns=["stream", "record", "sample"])
-    if lin.height != expected:
-        rep.add("lineage", LINEAGE_NAME, False, f"{lin.height} rows, manifest counts {expected} samples")
+    try:
+        summary = PackSummary.from_json(raw, MANIFEST_NAME)
+    except PrepackError as e:
+        rep.add("manifest", MANIFEST_NAME, False, str(e))
         return
-    per_record = lin.group_by("stream", "record").agg(pl.len().alias("n"))
-    want = pl.DataFrame(
-        [(s.stream, sh.first_record + i, r.num_samples) for s in manifest.streams for sh in s.shards
-         for i, r in enumerate(sh.records)],
-        schema={"stream": pl.Int32, "record": pl.Int64, "n": pl.UInt32}, orient="row",
-    )
-    diff = want.join(per_record, on=["stream", "record"], how="full", coalesce=True, suffix="_lineage").filter(
-        pl.col("n").ne_missing(pl.col("n_lineage")))
-    if diff.height:
-        first = diff.sort("stream", "record").row(0, named=True)
-        rep.add("lineage", LINEAGE_NAME, False, f"{diff.height} records disagree; first: stream {first['stream']} "
-                f"record {first['record']} has {first['n_lineage']} lineage rows, manifest says {first['n']} samples")
-    else:
-        rep.add("lineage", LINEAGE_NAME, True, f"{lin.height} rows = samples of every record")
+    wrong = [s.stream for s in summary.streams if dones.get(s.stream) != s]
+    ok = not wrong and len(summary.streams) == pack.num_streams and summary.identity == pack.identity
+    rep.add("manifest", MANIFEST_NAME, ok, f"{len(summary.streams)} streams = their done.json" if ok else
+            f"streams {wrong[:5]} differ from their done.json, or the identity from pack.json")
 
 
 def verify_pack(out: "str | os.PathLike | PackLocation", *, threads: int | None = None,
                 progress: bool = False) -> CheckReport:
-    """Check every shard byte, record digest, identity field and lineage row against the manifest."""
+    """Check every file of a pack, one stream at a time (see the module doc)."""
     loc = resolve_location(out)
     rep = CheckReport(f"verify {loc.base}")
     try:
-        manifest = load_manifest(loc)
-    except (OSError, FileNotFoundError, ValueError, KeyError, TypeError) as e:
-        rep.add("manifest", MANIFEST_NAME, False, f"unreadable: {e}")
+        pack = Pack.open(loc)
+    except PrepackError as e:
+        rep.add("pack.json", PACK_INFO_NAME, False, str(e))
         return rep
-    check_identity(loc, manifest, rep)
-    shards = [sh for s in manifest.streams for sh in s.shards]
-    workers = max(1, min(threads or min(4, os.cpu_count() or 1), len(shards) or 1))
+    check_identity(pack, rep)
+    workers = max(1, threads or min(4, os.cpu_count() or 1))
     from tqdm import tqdm
 
+    dones = {}
     with ThreadPoolExecutor(workers, thread_name_prefix="verify") as pool, \
-            tqdm(total=sum(sh.nbytes for sh in shards), unit="B", unit_scale=True, desc="verifying",
-                 disable=not progress) as bar:
-        for sh, rows in zip(shards, pool.map(lambda sh: check_shard(loc, manifest, sh), shards)):
-            rep.rows.extend(rows)
-            bar.update(sh.nbytes)
-    for s in manifest.streams:
-        check_stream_totals(s, rep)
-    check_lineage(loc, manifest, rep)
+            tqdm(unit="B", unit_scale=True, desc="verifying", disable=not progress) as bar:
+        for s in range(pack.num_streams):
+            dones[s] = check_stream(pack, s, rep, pool, bar)
+            pack.forget(s)  # memory bounded by one stream
+    check_summary(pack, dones, rep)
     return rep

@@ -5,21 +5,22 @@ text, start/end markers around ViT patches and VAE latents, one rope id per imag
 splits, full ViT/condition splits, noise VAE-target splits, timesteps per latent slot, loss
 indexes and weights) from random content: images of several sizes divisible by the patch
 sizes, several normalisations.  ``write_pack`` writes batches with ``prepack.run.writer`` into the
-real output layout (shards, shard indexes, manifest.json), so loader tests read what a real
-pack run would leave.
+real output layout (pack.json, shards, stream indexes, done.json), so loader tests read what a
+real pack run would leave.
 """
 
 from __future__ import annotations
 
 import hashlib
-
+import json
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from prepack.run.writer import StreamWriter, write_json_atomic
-from schemas.manifest import MANIFEST_NAME, MANIFEST_VERSION, Manifest, StreamEntry, shard_index_file
+from prepack.run.writer import StreamWriter, write_bytes_atomic, write_index
+from schemas.location import resolve_location
+from schemas.manifest import FORMAT_VERSION, PACK_INFO_NAME, StreamIndex, StreamSummary, done_file, dump_checked
 from schemas.record import ATTN_MODE_CODES, RECORD_SCHEMA_VERSION, PackedBatch, SampleOrigin, image_table
 
 NORMS = [
@@ -230,38 +231,59 @@ def write_pack(
     num_workers: int,
     shard_bytes: int = 64 * 1024,
     compression: str = "zstd:3",
-) -> Manifest:
-    """Write a complete pack (shards, shard indexes, manifest.json) with the real writer."""
-    per_rank = max(num_workers, 1)
-    streams = []
+    done: bool = True,
+) -> dict:
+    """Write a pack (pack.json, shards, stream indexes, done.json) with the real writer; returns its identity.
+
+    ``done=False`` leaves the streams unfinished (no done.json), as while a pack is being written.
+    """
+    identity = fake_identity(world_size, num_workers, max(len(b) for b in batches.values()))
+    loc = resolve_location(out)
+    loc.fs.create_dir(loc.base, recursive=True)
+    write_bytes_atomic(loc, PACK_INFO_NAME, dump_checked(identity))
     for s in sorted(batches):
-        writer = StreamWriter(out, s, shard_bytes=shard_bytes, compression=compression, metadata={"test": "fakepack"})
+        writer = StreamWriter(out, s, shard_bytes=shard_bytes, compression=compression,
+                              metadata=fake_metadata(identity))
+        index = StreamIndex(s, [])
         entries = [e for e in (writer.append(b) for b in batches[s]) if e is not None]
         last = writer.finish()
-        entries += [last] if last is not None else []
-        for e in entries:
-            write_json_atomic(out, shard_index_file(s, e.shard), e)
-        streams.append(
-            StreamEntry(
-                stream=s,
-                rank=s // per_rank,
-                worker=s % per_rank,
-                seed=s,
-                shards=entries,
-                num_records=len(batches[s]),
-                num_tokens=sum(int(b.sequence_length) for b in batches[s]),
-                num_samples=sum(b.num_samples for b in batches[s]),
-            )
-        )
-    identity = {"world_size": world_size, "num_workers": num_workers, "config_hash": "fake", "tokenizer": "fake"}
-    manifest = Manifest(
-        version=MANIFEST_VERSION, record_schema_version=RECORD_SCHEMA_VERSION, identity=identity, streams=streams
-    )
-    write_json_atomic(out, MANIFEST_NAME, manifest)
-    return manifest
+        for e in entries + ([last] if last is not None else []):
+            commit_entry(loc, index, e)
+        if done:
+            mark_done(loc, identity, index, num_workers)
+    return identity
 
 
-def make_pack(out: str, *, world_size: int, num_workers: int, lengths: list[int] | None = None, **kwargs) -> Manifest:
+def fake_identity(world_size: int, num_workers: int, batches_per_stream: int) -> dict:
+    return {"format_version": FORMAT_VERSION, "record_schema_version": RECORD_SCHEMA_VERSION,
+            "world_size": world_size, "num_workers": num_workers,
+            "num_streams": world_size * max(num_workers, 1), "config_hash": "fake",
+            "tokenizer_fingerprint": "fake", "stream_seeds": list(range(world_size * max(num_workers, 1))),
+            "budget": {"batches_per_stream": batches_per_stream}}
+
+
+def fake_metadata(identity: dict) -> dict[str, str]:
+    return {"prepack.config_hash": identity["config_hash"],
+            "prepack.tokenizer_fingerprint": identity["tokenizer_fingerprint"], "test": "fakepack"}
+
+
+def commit_entry(loc, index: StreamIndex, entry) -> None:
+    """Commit one written shard the way a stream job does (minus lineage and checkpoints)."""
+    index.append(entry)
+    write_index(loc, index)
+
+
+def mark_done(loc, identity: dict, index: StreamIndex, num_workers: int) -> None:
+    records = [r for sh in index.shards for r in sh.records]
+    per_rank = max(num_workers, 1)
+    summary = StreamSummary(
+        stream=index.stream, rank=index.stream // per_rank, worker=index.stream % per_rank, seed=index.stream,
+        num_shards=len(index.shards), num_records=len(records), num_tokens=sum(r.num_tokens for r in records),
+        num_samples=sum(r.num_samples for r in records), root=index.root, budget=identity["budget"])
+    write_bytes_atomic(loc, done_file(index.stream), summary.to_json().encode())
+
+
+def make_pack(out: str, *, world_size: int, num_workers: int, lengths: list[int] | None = None, **kwargs) -> dict:
     """A fake pack with W*max(K,1) streams; stream s has ``lengths[s]`` batches (default 3 + s % 3)."""
     n = world_size * max(num_workers, 1)
     lengths = lengths or [3 + s % 3 for s in range(n)]

@@ -1,4 +1,4 @@
-"""A small real pack built in-process (pack_one_stream + finalize, no Ray), for tool tests."""
+"""Small real packs built in-process (``run_pack(inline=True)``: the driver without Ray), for tests."""
 
 from __future__ import annotations
 
@@ -6,14 +6,8 @@ import os
 
 import numpy as np
 
-from prepack.engine.tokenizer import tokenizer_fingerprint
-from prepack.run.driver import finalize
-from prepack.run.identity import pack_identity, record_metadata
-from prepack.run.stream_job import pack_one_stream
-from prepack.run.writer import write_json_atomic
+from prepack.run.driver import run_pack
 from schemas.config import load_config
-from schemas.location import resolve_location
-from schemas.manifest import PACK_INFO_NAME
 from tests.helpers import datagen as dg
 
 KNOBS = dict(expected_num_tokens=700, max_num_tokens=900, max_num_tokens_per_sample=700, prefer_buffer_before=500,
@@ -21,11 +15,9 @@ KNOBS = dict(expected_num_tokens=700, max_num_tokens=900, max_num_tokens_per_sam
              vae_cond_dropout_prob=0.0)
 
 
-def build_pack(root: str, tokenizer_and_special, *, batches: int = 6, shard_bytes: int = 300_000, seed: int = 0,
-               edit: bool = False) -> str:
-    """A small real pack (t2i + sft [+ edit], 2 streams, several shards each) under ``root``; returns OUT."""
-    tok, special = tokenizer_and_special
-    data, out = os.path.join(root, "data"), os.path.join(root, "out")
+def make_dataset(root: str, *, seed: int = 0, edit: bool = False) -> dg.Dataset:
+    """Small real data under ``root``/data: t2i + sft [+ edit]."""
+    data = os.path.join(root, "data")
     os.makedirs(data)
     rs = np.random.RandomState(seed)
     ds = dg.Dataset(data)
@@ -34,13 +26,20 @@ def build_pack(root: str, tokenizer_and_special, *, batches: int = 6, shard_byte
     dg.add_sft(ds, lines, files)
     if edit:
         dg.add_edit(ds, [dg.good_edit_rows(rs, 2, i * 2) for i in range(2)])
-    cfg = load_config(ds.config(knobs=KNOBS, num_workers=2, prepack={"batches_per_stream": batches,
-                                                                      "shard_bytes": shard_bytes}))
-    identity = pack_identity(cfg, tokenizer_fingerprint(tok), special)
-    loc = resolve_location(out)
-    loc.fs.create_dir(loc.base, recursive=True)
-    write_json_atomic(loc, PACK_INFO_NAME, identity)
-    for s in range(cfg.num_streams):
-        pack_one_stream(cfg, out, s, tok, special, record_metadata(identity))
-    assert finalize(loc, cfg, identity)[0]
+    return ds
+
+
+def small_config(ds: dg.Dataset, *, shard_bytes: int = 300_000, **budget):
+    """2 streams (W=1, K=2) over ``ds`` with the small knobs; ``budget`` e.g. batches_per_stream=6."""
+    return load_config(ds.config(knobs=KNOBS, num_workers=2, prepack={"shard_bytes": shard_bytes, **budget}))
+
+
+def build_pack(root: str, tokenizer_and_special, *, batches: int = 6, shard_bytes: int = 300_000, seed: int = 0,
+               edit: bool = False) -> str:
+    """A small real pack (2 streams, several shards each) under ``root``, packed in-process; returns OUT."""
+    ds = make_dataset(root, seed=seed, edit=edit)
+    out = os.path.join(root, "out")
+    summary = run_pack(small_config(ds, shard_bytes=shard_bytes, batches_per_stream=batches), out, inline=True,
+                       tokenizer=tokenizer_and_special, progress=False)
+    assert summary.manifest_written
     return out

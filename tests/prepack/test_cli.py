@@ -30,8 +30,8 @@ def test_no_subcommand_prints_help_and_fails():
 @pytest.mark.parametrize("args, code, text", [
     (["run", "missing.yaml", "--out", "x"], 2, "config file not found"),
     (["run", "configs/demo.yaml", "--out", "x", "--streams", "a,b"], 2, None),
-    (["verify", "/nonexistent/pack"], 1, "not a finished pack"),
-    (["stats", "/nonexistent/pack"], 1, "not a finished pack"),
+    (["verify", "/nonexistent/pack"], 1, "is not a pack (no pack.json)"),
+    (["stats", "/nonexistent/pack"], 1, "is not a pack (no pack.json)"),
 ])
 def test_errors_are_one_line_on_stderr(args, code, text, tmp_path):
     import os
@@ -59,3 +59,31 @@ def test_progress_postfix_shows_each_stream_or_the_spread():
     assert "9,000 tok" in few and "4,500 tok/s" in few and "s0:3/6 s1:6/6" in few and "done 1/2" in few
     many = progress_postfix({s: (s, 10, False) for s in range(10)}, list(range(10)), None, 0.0)
     assert "per stream 0..9" in many and "done 0/10" in many
+
+
+def test_a_bug_prints_its_traceback_and_says_so(monkeypatch, capsys):
+    from prepack import cli
+
+    def broken(args):
+        raise KeyError("internal")
+
+    monkeypatch.setattr(cli, "cmd_verify", broken)
+    assert cli.main(["verify", "somewhere"]) == 70
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "KeyError: 'internal'" in err
+    assert "internal error (a bug in prepack" in err.strip().splitlines()[-1]
+
+
+def test_config_mistakes_are_caught_before_anything_is_written(tmp_path, capsys):
+    from prepack.cli import main
+    from tests.helpers.paths import REPO
+
+    cfg = tmp_path / "bad.yaml"
+    text = open(f"{REPO}/configs/demo.yaml").read()
+    assert 'compression: "zstd:1"' in text
+    cfg.write_text(text.replace('compression: "zstd:1"', 'compression: "zstd:99"'))
+    out = tmp_path / "out"
+    assert main(["run", str(cfg), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "prepack.compression" in err[0] and "zstd level" in err[0]
+    assert not out.exists()

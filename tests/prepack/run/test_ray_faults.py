@@ -20,11 +20,13 @@ import subprocess
 import sys
 import time
 
-import pyarrow.parquet as pq
 import pytest
+
+from prepack.tools.stats import scan_lineage
 from tests.helpers.ray_helpers import (
     RayRun,
     check_stream_contiguity,
+    committed_shards,
     cmdline,
     leftovers,
     load_manifest,
@@ -58,7 +60,7 @@ def reference(config, tokenizer_and_special, tmp_path_factory):
     from prepack.run.identity import pack_identity, record_metadata
     from prepack.run.stream_job import pack_one_stream
     from prepack.engine.tokenizer import tokenizer_fingerprint
-    from prepack.run.writer import write_json_atomic
+    from prepack.run.identity import write_identity
     from schemas.config import load_config
     from schemas.location import resolve_location
 
@@ -69,7 +71,7 @@ def reference(config, tokenizer_and_special, tmp_path_factory):
     for s in range(cfg.num_streams):
         pack_one_stream(cfg, out, s, tok, special, record_metadata(identity))
     loc = resolve_location(out)
-    write_json_atomic(loc, "pack.json", identity)
+    write_identity(loc, identity)
     assert finalize(loc, cfg, identity)[0]
     man = load_manifest(out)
     assert all(s["num_records"] == BATCHES and len(s["shards"]) >= 4 for s in man["streams"]), \
@@ -79,13 +81,6 @@ def reference(config, tokenizer_and_special, tmp_path_factory):
 
 def exists(out: str, stream: int, name: str) -> bool:
     return os.path.exists(os.path.join(out, f"stream-{stream:05d}", name))
-
-
-def committed_shards(out: str, stream: int) -> list[int]:
-    d = os.path.join(out, f"stream-{stream:05d}")
-    if not os.path.isdir(d):
-        return []
-    return sorted(int(n[6:11]) for n in os.listdir(d) if n.startswith("shard-") and n.endswith(".json"))
 
 
 def shard_mtimes(out: str) -> dict[str, int]:
@@ -103,7 +98,7 @@ def check_final(out: str, reference_manifest: dict) -> None:
     same_streams(man, reference_manifest)
     check_stream_contiguity(man)
     assert leftovers(out) == [], leftovers(out)
-    lineage = pq.read_table(os.path.join(out, "lineage.parquet")).select(["stream", "record"]).to_pylist()
+    lineage = scan_lineage(out).select("stream", "record").collect().to_dicts()
     for s in man["streams"]:
         seen = sorted({r["record"] for r in lineage if r["stream"] == s["stream"]})
         assert seen == list(range(s["num_records"])), f"stream {s['stream']}: lineage records {seen}"
@@ -122,7 +117,7 @@ def test_driver_sigkill_then_rerun(point, config, reference, tmp_path):
     with RayRun() as rr:
         if point == "first_shard":
             # both streams running; kill as soon as any shard is committed
-            args, cond = [], lambda: exists(out, 0, "shard-00000.json") or exists(out, 1, "shard-00000.json")
+            args, cond = [], lambda: bool(committed_shards(out, 0) or committed_shards(out, 1))
         else:
             # one CPU: stream 0 finishes, then stream 1 runs; kill right after stream 0 is done
             args, cond = ["--num-cpus", "1"], lambda: exists(out, 0, "done.json")
@@ -163,7 +158,7 @@ def test_worker_sigkill_task_retried(config, reference, tmp_path):
     out = str(tmp_path / "out")
     with RayRun() as rr:
         driver = rr.popen(prepack("run", config, "--out", out, "--num-cpus", "1"), str(tmp_path / "run"))
-        wait_until(lambda: exists(out, 0, "shard-00001.json"), 240, "stream 0's second shard", driver)
+        wait_until(lambda: len(committed_shards(out, 0)) >= 2, 240, "stream 0's second shard", driver)
         workers = [p for p in rr.pids() if cmdline(p).startswith("ray::stream_task")]
         assert len(workers) == 1, [cmdline(p) for p in rr.pids()]
         kept = shard_mtimes(out)

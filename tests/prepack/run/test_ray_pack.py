@@ -86,7 +86,7 @@ def test_pack_demo_reads_back(packed):
     assert all(s["num_records"] == 6 for s in man["streams"])
     check_stream_contiguity(man)
     assert leftovers(out) == []
-    assert os.path.exists(os.path.join(out, "lineage.parquet"))
+    assert os.path.exists(os.path.join(out, "lineage", "stream-00000.parquet"))
 
     counts = read_back(out, man, decode=2)
     assert counts == {s["stream"]: s["num_records"] for s in man["streams"]}
@@ -151,7 +151,7 @@ def test_streams_subset_then_rest_with_file_uri(packed, tmp_path):
         assert os.path.exists(os.path.join(out, "stream-00000", "done.json"))
         assert not os.path.exists(os.path.join(out, "stream-00001"))
         assert not os.path.exists(os.path.join(out, "manifest.json"))
-        assert not os.path.exists(os.path.join(out, "lineage.parquet"))
+        assert not os.path.exists(os.path.join(out, "lineage", "stream-00001.parquet"))
         assert leftovers(out) == []
 
         r0again = rr.run(prepack("run", packed["config"], "--out", uri, "--streams", "0"), timeout=180)

@@ -12,8 +12,11 @@ import pyarrow.fs as pafs
 import pytest
 from tests.helpers.fakepack import BatchSpec, make_batch, stream_batches
 
-from prepack.run.writer import Compression, StreamWriter, recover_stream, write_json_atomic
-from schemas.manifest import ShardEntry, checkpoint_file, shard_index_file
+from prepack.run.writer import Compression, StreamWriter, read_index, recover_stream, write_json_atomic
+from schemas.errors import DamagedFile
+from schemas.location import resolve_location
+from schemas.manifest import RecordEntry, ShardEntry, StreamIndex, chain_root, checkpoint_file, row_facts
+from tests.helpers.fakepack import commit_entry
 from schemas.record import batch_fields, record_digest, record_to_batch
 
 META = {"config_hash": "abc", "tokenizer": "qwen2"}
@@ -100,7 +103,7 @@ def test_deterministic_bytes(tmp_path):
     batches = stream_batches(1, 5)
     a, _ = write_stream(str(tmp_path / "a"), batches)
     b, _ = write_stream(str(tmp_path / "b"), stream_batches(1, 5))
-    assert [e.to_json() for e in a] == [e.to_json() for e in b]
+    assert a == b
     for e in a:
         assert (tmp_path / "a" / e.file).read_bytes() == (tmp_path / "b" / e.file).read_bytes()
 
@@ -134,20 +137,45 @@ def test_uri_and_filesystem_outputs(tmp_path):
     (tmp_path / "c").mkdir()
     other, _ = write_stream("", batches, filesystem=sub)
     for x in (uri, other):
-        assert [e.to_json() for e in x] == [e.to_json() for e in local]
+        assert x == local
     assert (tmp_path / "c" / local[0].file).read_bytes() == (tmp_path / "a" / local[0].file).read_bytes()
     write_json_atomic(f"file://{tmp_path}/b", "stream-00000/x.json", {"b": 1, "a": [1, 2]})
     assert json.loads((tmp_path / "b/stream-00000/x.json").read_text()) == {"a": [1, 2], "b": 1}
 
 
-def test_write_json_atomic(tmp_path):
-    e = write_stream(str(tmp_path), stream_batches(0, 2), shard_bytes=10**9)[0][0]
-    write_json_atomic(str(tmp_path), shard_index_file(0, 0), e)
-    text = (tmp_path / shard_index_file(0, 0)).read_text()
-    assert ShardEntry.from_json(json.loads(text)) == e
-    write_json_atomic(str(tmp_path), shard_index_file(0, 0), e)
-    assert (tmp_path / shard_index_file(0, 0)).read_text() == text
-    assert sorted(os.listdir(tmp_path / "stream-00000")) == ["shard-00000.arrow", "shard-00000.json"]
+def test_stream_index_round_trip_and_chain(tmp_path):
+    entries = write_stream(str(tmp_path), stream_batches(0, 6), shard_bytes=20_000)[0]
+    index = StreamIndex(0, [])
+    for e in entries:
+        commit_entry(resolve_location(str(tmp_path)), index, e)
+    back = read_index(resolve_location(str(tmp_path)), 0)
+    root = chain_root("", [], "", "")
+    for e in entries:
+        root = chain_root(root, [r.digest for r in e.records], *row_facts(e))
+    assert back == index and back.num_records == 6 and back.root == root and len(entries) > 1
+    assert back.record(5).digest == entries[-1].records[-1].digest
+    with pytest.raises(IndexError):
+        back.record(6)
+    assert sorted(os.listdir(tmp_path / "stream-00000")) == ["index.arrow"] + [f"shard-0000{k}.arrow" for k in range(len(entries))]
+
+
+def test_damaged_index_is_refused_naming_it(tmp_path):
+    out = str(tmp_path)
+    entries = write_stream(out, stream_batches(0, 6), shard_bytes=20_000)[0]
+    index = StreamIndex(0, [])
+    for e in entries:
+        commit_entry(resolve_location(out), index, e)
+    path = tmp_path / "stream-00000" / "index.arrow"
+    good = path.read_bytes()
+    path.write_bytes(good[: len(good) // 2])
+    with pytest.raises(DamagedFile, match=r"stream-00000/index\.arrow: not a readable stream index"):
+        read_index(resolve_location(out), 0)
+    first = index.shards[0]
+    forged = [RecordEntry("0" * 32, r.num_tokens, r.num_samples) for r in first.records]
+    tampered = StreamIndex(0, [ShardEntry(**{**vars(first), "records": forged})] + index.shards[1:])
+    path.write_bytes(tampered.to_bytes())
+    with pytest.raises(DamagedFile, match="does not chain to its stored root"):
+        read_index(resolve_location(out), 0)
 
 
 def test_abort_leaves_nothing(tmp_path):
@@ -159,11 +187,6 @@ def test_abort_leaves_nothing(tmp_path):
     assert w.finish() is None
 
 
-def _commit(out, entry, stream=0):
-    write_json_atomic(out, checkpoint_file(stream, entry.shard + 1), {"state": entry.shard + 1})
-    write_json_atomic(out, shard_index_file(stream, entry.shard), entry)
-
-
 def test_recover_after_crash_then_resume_gives_identical_output(tmp_path):
     batches = stream_batches(4, 10)
     clean = str(tmp_path / "clean")
@@ -171,55 +194,51 @@ def test_recover_after_crash_then_resume_gives_identical_output(tmp_path):
     assert len(full) >= 4
 
     out = str(tmp_path / "crash")
+    loc = resolve_location(out)
     w = StreamWriter(out, 4, shard_bytes=30_000, compression="zstd:3", metadata=META)
-    done, i = [], 0
+    index, done, i = StreamIndex(4, []), [], 0
     while len(done) < 3:
         e = w.append(batches[i])
         i += 1
         if e is not None:
             done.append(e)
+            write_json_atomic(out, checkpoint_file(4, e.shard + 1), {"state": e.shard + 1})
             if len(done) < 3:
-                _commit(out, e, 4)
-            else:  # crash after the shard file rename and ckpt, before its index
-                write_json_atomic(out, checkpoint_file(4, e.shard + 1), {"state": "x"})
+                commit_entry(loc, index, e)
+            # else: crash after the shard file rename and its ckpt, before the index lists it
     w.append(batches[i])  # a partial shard in progress ...
     sdir = tmp_path / "crash" / "stream-00004"
     (sdir / "ckpt-00003.arrow").write_bytes(b"x")
-    (sdir / "shard-00001.json.tmp").write_text("{")
+    (sdir / "index.arrow.tmp").write_bytes(b"{")
     # ... and the process dies here (no finish, no abort)
 
-    next_shard, next_record, committed = recover_stream(out, 4)
-    assert next_shard == 2 and next_record == full[2].first_record
-    assert [c.to_json() for c in committed] == [e.to_json() for e in full[:2]]
-    kept = ["ckpt-00001.json", "ckpt-00002.json"] + [
-        f"shard-0000{k}.{ext}" for k in (0, 1) for ext in ("arrow", "json")
-    ]
+    recovered = recover_stream(out, 4)
+    assert len(recovered.shards) == 2 and recovered.num_records == full[2].first_record
+    assert [c.records for c in recovered.shards] == [e.records for e in full[:2]]
+    kept = ["ckpt-00001.json", "ckpt-00002.json", "index.arrow", "shard-00000.arrow", "shard-00001.arrow"]
     assert sorted(os.listdir(sdir)) == kept
-    assert recover_stream(out, 4) == (next_shard, next_record, committed)  # idempotent
+    assert recover_stream(out, 4) == recovered  # idempotent
 
-    rest, _ = write_stream(
-        out, batches[next_record:], stream=4, shard_bytes=30_000, start_shard=next_shard, start_record=next_record
-    )
-    assert [e.to_json() for e in committed + rest] == [e.to_json() for e in full]
+    rest, _ = write_stream(out, batches[recovered.num_records:], stream=4, shard_bytes=30_000,
+                           start_shard=len(recovered.shards), start_record=recovered.num_records)
+    assert [(e.shard, e.first_record, e.records, e.sha256) for e in recovered.shards + rest] == \
+        [(e.shard, e.first_record, e.records, e.sha256) for e in full]
     for e in full:
         assert (tmp_path / "crash" / e.file).read_bytes() == (tmp_path / "clean" / e.file).read_bytes()
 
 
 def test_recover_empty_and_damaged_streams(tmp_path):
     out = str(tmp_path)
-    assert recover_stream(out, 7) == (0, 0, [])
+    assert recover_stream(out, 7) == StreamIndex(7, [])
     entries, _ = write_stream(out, stream_batches(0, 6), shard_bytes=20_000)
     assert len(entries) >= 3
+    index = StreamIndex(0, [])
     for e in entries:
-        write_json_atomic(out, shard_index_file(0, e.shard), e)
-    assert recover_stream(out, 0)[0] == len(entries)
-    os.remove(tmp_path / shard_index_file(0, 1))
-    with pytest.raises(RuntimeError, match="not contiguous"):
-        recover_stream(out, 0)
-    write_json_atomic(out, shard_index_file(0, 1), entries[1])
+        commit_entry(resolve_location(out), index, e)
+    assert len(recover_stream(out, 0).shards) == len(entries)
     with open(tmp_path / entries[2].file, "r+b") as f:
         f.truncate(100)
-    with pytest.raises(RuntimeError, match="shard-00002.arrow: committed shard file missing or not"):
+    with pytest.raises(DamagedFile, match="shard-00002.arrow: committed shard file missing or not"):
         recover_stream(out, 0)
 
 

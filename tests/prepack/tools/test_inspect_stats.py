@@ -12,10 +12,11 @@ import pytest
 from PIL import Image
 
 from tests.helpers.fakepack import BOS, EOI, EOS, SOI, write_pack
+from loader.reader import Pack
 from prepack.cli import main
 from prepack.tools.inspect_record import attention_mask, inspect_record
 from prepack.tools.stats import batches_with_row, compute_stats, pack_stats, rows_of_batch
-from schemas.manifest import MANIFEST_NAME, Manifest
+from schemas.manifest import MANIFEST_NAME, PackSummary
 from schemas.record import ATTN_MODE_CODES, PackedBatch, SampleOrigin, image_table, record_to_batch
 from tests.helpers.packs import build_pack
 
@@ -78,7 +79,7 @@ def test_inspect_explains_a_hand_built_record(tmp_path, tokenizer_and_special):
     s0, seq = n_cap + 2 + 8, batch.sequence_length
     expected = [
         "stream 0, record 1: stream-00000/shard-00000.arrow #1",
-        "matches the manifest",
+        "matches the stream index",
         f"{seq:,} of {seq + 10:,} tokens",
         "flex attention, 2 samples, 2 images stored (1 ViT uses, 1 VAE uses)",
         f"tokens text {n_cap + 2 + 4 + n_ans + 2:,}  ViT 4  VAE 6  padding 10",
@@ -122,11 +123,12 @@ def pack(tmp_path_factory, tokenizer_and_special) -> str:
     return build_pack(str(tmp_path_factory.mktemp("pack")), tokenizer_and_special, batches=8, edit=True)
 
 
-def all_batches(out: str) -> tuple[Manifest, dict[tuple[int, int], PackedBatch]]:
-    man = Manifest.from_json(open(os.path.join(out, MANIFEST_NAME)).read())
+def all_batches(out: str) -> tuple[PackSummary, dict[tuple[int, int], PackedBatch]]:
+    man = PackSummary.from_json(open(os.path.join(out, MANIFEST_NAME)).read())
+    pack = Pack.open(out)
     found = {}
     for s in man.streams:
-        for sh in s.shards:
+        for sh in pack.index(s.stream).shards:
             with pa.OSFile(os.path.join(out, sh.file)) as f:
                 reader = pa.ipc.open_file(f)
                 for i in range(reader.num_record_batches):

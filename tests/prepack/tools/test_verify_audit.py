@@ -21,7 +21,13 @@ import pytest
 from tests.helpers import datagen as dg
 from tests.helpers.fakepack import make_batch
 from tests.helpers.packs import KNOBS, build_pack
-from prepack.tools.audit import AuditRefused, audit_pack, config_from_identity, first_difference
+from loader import open_stream
+from loader.reader import Pack, read_shard
+from prepack.run.identity import config_from_identity
+from prepack.run.stream_job import read_checkpoint
+from prepack.tools.audit import AuditRefused, audit_pack, first_difference
+from prepack.tools.stats import scan_lineage
+from schemas.errors import DamagedFile, PackFormatError, PackIntegrityError
 from prepack.cli import main
 from prepack.run.driver import finalize
 from prepack.run.identity import pack_identity, record_metadata
@@ -29,18 +35,37 @@ from prepack.tools.stats import batches_with_row
 from prepack.run.stream_job import pack_one_stream
 from prepack.engine.tokenizer import tokenizer_fingerprint
 from prepack.tools.verify import verify_pack
-from prepack.run.writer import Compression, write_json_atomic
+from prepack.run.writer import Compression, write_bytes_atomic, write_json_atomic
 from schemas.config import load_config
 from schemas.location import resolve_location
-from schemas.manifest import MANIFEST_NAME, PACK_INFO_NAME, Manifest, checkpoint_file
+from schemas.manifest import (
+    MANIFEST_NAME,
+    PACK_INFO_NAME,
+    StreamIndex,
+    checkpoint_file,
+    done_file,
+    dump_checked,
+    load_checked,
+    index_file,
+    stream_lineage_file,
+)
 
 @pytest.fixture(scope="module")
 def pack(tmp_path_factory, tokenizer_and_special) -> str:
     return build_pack(str(tmp_path_factory.mktemp("pack")), tokenizer_and_special)
 
 
-def manifest_of(out: str) -> Manifest:
-    return Manifest.from_json(open(os.path.join(out, MANIFEST_NAME)).read())
+def indexes_of(out: str) -> list[StreamIndex]:
+    pack = Pack.open(out)
+    return [pack.index(s) for s in range(pack.num_streams)]
+
+
+def identity_of(out: str) -> dict:
+    return load_checked(open(os.path.join(out, PACK_INFO_NAME), "rb").read(), PACK_INFO_NAME)
+
+
+def write_checked(out: str, rel: str, d: dict) -> None:
+    write_bytes_atomic(out, rel, dump_checked(d))
 
 
 def copy_pack(src: str, dst) -> str:
@@ -51,16 +76,43 @@ def copy_pack(src: str, dst) -> str:
 
 # -- verify ---------------------------------------------------------------------------------------
 def test_verify_passes_on_fresh_pack(pack):
-    man = manifest_of(pack)
-    shards = [sh for s in man.streams for sh in s.shards]
+    indexes = indexes_of(pack)
+    shards = [sh for ix in indexes for sh in ix.shards]
     assert len(shards) >= 4 and any(len(sh.records) > 1 for sh in shards)
     report = verify_pack(pack)
     assert report.ok, "\n".join(report.lines())
-    for sh in shards:
-        rows = {r.check for r in report.rows if r.target == sh.file}
-        assert rows == {"file sha256", "schema metadata", "record digests"}
-    assert any(r.check == "lineage" and r.ok for r in report.rows)
+    targets = {(r.check, r.target) for r in report.rows}
+    for ix in indexes:
+        s = ix.stream
+        assert {("shard", sh.file) for sh in ix.shards} <= targets
+        assert {("checkpoint", checkpoint_file(s, k, ext)) for k in range(len(ix.shards) + 1) for ext in ("json", "arrow")} <= targets
+        assert {("stream index", index_file(s)), ("stream done", done_file(s)), ("lineage", stream_lineage_file(s)),
+                ("lineage rows", stream_lineage_file(s))} <= targets
+    assert ("manifest", MANIFEST_NAME) in targets and ("config hash", PACK_INFO_NAME) in targets
     assert main(["verify", pack]) == 0
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+@pytest.mark.parametrize("victim", ["ckpt-json", "ckpt-arrow", "index", "lineage", "done", "pack"])
+def test_verify_fails_naming_any_damaged_metadata_file(pack, tmp_path, victim, damage):
+    out = copy_pack(pack, tmp_path)
+    rel = {"ckpt-json": checkpoint_file(1, 1, "json"), "ckpt-arrow": checkpoint_file(1, 2, "arrow"),
+           "index": index_file(1), "lineage": stream_lineage_file(0), "done": done_file(1),
+           "pack": PACK_INFO_NAME}[victim]
+    path = os.path.join(out, rel)
+    data = bytearray(open(path, "rb").read())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x01
+        open(path, "wb").write(bytes(data))
+    elif damage == "truncate":
+        open(path, "wb").write(bytes(data[: len(data) // 2]))
+    else:
+        os.remove(path)
+    report = verify_pack(out)
+    assert not report.ok
+    named = [r for r in report.failures() if rel in r.target or rel in r.detail]
+    assert named, "\n".join(report.lines())
+    assert main(["verify", out]) == 1
 
 
 def record_byte_ranges(path: str, compression: str) -> list[tuple[int, int]]:
@@ -89,10 +141,9 @@ def record_byte_ranges(path: str, compression: str) -> list[tuple[int, int]]:
 
 def test_verify_names_file_and_record_after_a_flipped_byte(pack, tmp_path, capsys):
     out = copy_pack(pack, tmp_path)
-    man = manifest_of(out)
-    shard = next(sh for s in man.streams for sh in s.shards if len(sh.records) > 1 and sh.stream == 1)
+    shard = next(sh for sh in indexes_of(out)[1].shards if len(sh.records) > 1)
     path = os.path.join(out, shard.file)
-    ranges = record_byte_ranges(path, man.identity["config"]["prepack"]["compression"])
+    ranges = record_byte_ranges(path, identity_of(out)["config"]["prepack"]["compression"])
     victim = len(ranges) - 1
     a, b = ranges[victim]
     data = bytearray(open(path, "rb").read())
@@ -102,53 +153,69 @@ def test_verify_names_file_and_record_after_a_flipped_byte(pack, tmp_path, capsy
     report = verify_pack(out)
     assert not report.ok
     failed = report.failures()
-    assert {r.target for r in failed} == {shard.file}
-    assert any(r.check == "file sha256" for r in failed)
-    record_rows = [r for r in failed if r.check == "record digest"]
-    assert len(record_rows) == 1 and record_rows[0].detail.startswith(f"record {victim} ")
-    assert f"stream record {shard.first_record + victim}" in record_rows[0].detail
+    assert [r.target for r in failed] == [shard.file]
+    assert "sha256" in failed[0].detail and f"stream 1, record {shard.first_record}" in failed[0].detail
+    # the loader (default check) names the very record
+    with pytest.raises(PackIntegrityError, match=f"stream 1, record {shard.first_record + victim}: record content digest"):
+        list(read_shard(Pack.open(out), shard))
     # every other file still verifies
     assert all(r.ok for r in report.rows if r.target != shard.file)
     assert main(["verify", out]) == 1
     text = capsys.readouterr().out
-    assert shard.file in text and f"record {victim} " in text and "FAIL" in text
+    assert shard.file in text and "FAIL" in text
 
 
 def test_verify_checks_identity_metadata_and_lineage(pack, tmp_path):
     out = copy_pack(pack, tmp_path)
-    man = json.load(open(os.path.join(out, MANIFEST_NAME)))
-    man["identity"]["code_fingerprint"] = "0" * 16
-    write_json_atomic(out, MANIFEST_NAME, man)
-    table = pq.read_table(os.path.join(out, "lineage.parquet"))
-    pq.write_table(table.slice(1), os.path.join(out, "lineage.parquet"))
+    ident = identity_of(out)
+    ident["code_fingerprint"] = "0" * 16
+    ident["config_hash"] = "f" * 64
+    write_checked(out, PACK_INFO_NAME, ident)
+    lineage = os.path.join(out, stream_lineage_file(1))
+    table = pq.read_table(lineage)
+    pq.write_table(table.slice(1), lineage)
     report = verify_pack(out)
     failed = {(r.check, r.target) for r in report.failures()}
-    shards = {sh.file for s in manifest_of(out).streams for sh in s.shards}
-    assert failed == {("schema metadata", f) for f in shards} | {("lineage", "lineage.parquet"), ("pack.json", "pack.json")}
-    lineage_row = next(r for r in report.failures() if r.check == "lineage")
-    assert f"{table.num_rows - 1} rows" in lineage_row.detail
+    shards = {sh.file for ix in indexes_of(out) for sh in ix.shards}
+    assert failed == {("shard", f) for f in shards} | {("lineage", stream_lineage_file(1)), ("config hash", PACK_INFO_NAME),
+                                                     ("manifest", MANIFEST_NAME)}
+    assert all("prepack.config_hash" in r.detail for r in report.failures() if r.check == "shard")
+
+
+def test_old_format_is_refused_with_one_line(pack, tmp_path, capsys):
+    out = copy_pack(pack, tmp_path)
+    ident = identity_of(out)
+    del ident["format_version"]
+    ident["manifest_version"] = 1
+    write_checked(out, PACK_INFO_NAME, ident)
+    for cmd in (["verify", out], ["stats", out], ["audit", out], ["inspect", out, "--stream", "0", "--record", "0"]):
+        assert main(cmd) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "on-disk format 1" in err[0] and "Re-pack it" in err[0], err
+    with pytest.raises(PackFormatError, match="reads format 2"):
+        open_stream(out, 0)
 
 
 # -- audit ----------------------------------------------------------------------------------------
 def test_config_from_identity_round_trips(pack):
-    identity = manifest_of(pack).identity
+    identity = identity_of(pack)
     cfg = config_from_identity(identity)
     assert cfg.content_hash() == identity["config_hash"]
     assert cfg == load_config(identity["config_path"])
 
 
 def test_audit_passes_for_one_shard_every_shard_and_from_seeds(pack, tokenizer_and_special):
-    man = manifest_of(pack)
+    indexes = indexes_of(pack)
     one = audit_pack(pack, stream=1, shard=1, tokenizer=tokenizer_and_special)
     assert one.ok, "\n".join(one.lines())
-    assert [(r.check, r.target) for r in one.rows] == [("re-pack", man.streams[1].shards[1].file),
+    assert [(r.check, r.target) for r in one.rows] == [("re-pack", indexes[1].shards[1].file),
                                                       ("checkpoint", checkpoint_file(1, 2))]
     every = audit_pack(pack, tokenizer=tokenizer_and_special)
-    assert every.ok and sum(r.check == "re-pack" for r in every.rows) == sum(len(s.shards) for s in man.streams)
+    assert every.ok and sum(r.check == "re-pack" for r in every.rows) == sum(len(ix.shards) for ix in indexes)
     seeded = audit_pack(pack, all_streams=True, tokenizer=tokenizer_and_special)
     assert seeded.ok, "\n".join(seeded.lines())
     ckpts = [r.target for r in seeded.rows if r.check == "checkpoint"]
-    assert ckpts == [checkpoint_file(s.stream, k) for s in man.streams for k in range(len(s.shards) + 1)]
+    assert ckpts == [checkpoint_file(ix.stream, k) for ix in indexes for k in range(len(ix.shards) + 1)]
     assert [r.target for r in seeded.rows if r.check == "budget"] == ["stream 0", "stream 1"]
 
 
@@ -189,10 +256,10 @@ def _buffered_at(out: str, stream: int, shard: int) -> set[tuple]:
 def test_audit_names_record_and_field_after_a_source_row_is_edited(tmp_path, tokenizer_and_special, group):
     out = build_pack(str(tmp_path), tokenizer_and_special, seed=1)
     assert audit_pack(out, stream=0, tokenizer=tokenizer_and_special).ok
-    man = manifest_of(out)
-    lineage = pq.read_table(os.path.join(out, "lineage.parquet")).to_pylist()
+    index0 = indexes_of(out)[0]
+    lineage = scan_lineage(out).collect().to_dicts()
     # a row of the group, packed in stream 0 after its first shard, not carried over in a checkpoint buffer
-    shard_of = {sh.first_record + i: sh.shard for sh in man.streams[0].shards for i in range(len(sh.records))}
+    shard_of = {sh.first_record + i: sh.shard for sh in index0.shards for i in range(len(sh.records))}
     for row in lineage:
         if row["stream"] != 0 or row["group"] != group or shard_of[row["record"]] == 0:
             continue
@@ -208,7 +275,7 @@ def test_audit_names_record_and_field_after_a_source_row_is_edited(tmp_path, tok
     else:
         _edit_jsonl_line(key[0], key[2])
     record = first["record"]
-    shard = man.streams[0].shards[shard_of[record]]
+    shard = index0.shards[shard_of[record]]
 
     for report in (audit_pack(out, stream=0, tokenizer=tokenizer_and_special),
                    audit_pack(out, stream=0, all_streams=True, tokenizer=tokenizer_and_special)):
@@ -232,35 +299,39 @@ def test_audit_reports_a_tampered_checkpoint(pack, tmp_path, tokenizer_and_speci
     doc["counters"]["samples_read"]["t2i_pretrain"] += 1
     write_json_atomic(out, checkpoint_file(0, 2), doc)
     seeded = audit_pack(out, stream=0, all_streams=True, tokenizer=tokenizer_and_special)
-    assert [(r.check, r.target, r.detail) for r in seeded.failures()] == [
-        ("checkpoint", checkpoint_file(0, 2), f"state.counters.samples_read.t2i_pretrain: stored "
-         f"{doc['counters']['samples_read']['t2i_pretrain']}, re-packed {doc['counters']['samples_read']['t2i_pretrain'] - 1}")]
-    # re-packing shard 1 alone ends at the (tampered) ckpt-2 and notices too
+    damaged = f"{path}: checkpoint is damaged (sha256 differs from the stream index)"
+    assert [(r.check, r.target, r.detail) for r in seeded.failures()] == [("checkpoint", checkpoint_file(0, 2), damaged)]
+    # re-packing shard 1 alone ends at the (tampered) ckpt-2 and notices too; shard 2 refuses to start from it
     assert not audit_pack(out, stream=0, shard=1, tokenizer=tokenizer_and_special).ok
+    from_it = audit_pack(out, stream=0, shard=2, tokenizer=tokenizer_and_special)
+    assert [r.detail for r in from_it.failures()] == [damaged]
+    # and a resume refuses it with one line naming the file
+    with pytest.raises(DamagedFile, match="ckpt-00002.json: checkpoint is damaged"):
+        read_checkpoint(resolve_location(out), 0, 2, indexes_of(out)[0])
 
 
 def test_audit_refuses_when_fingerprints_or_data_differ(pack, tmp_path, tokenizer_and_special, capsys):
     out = copy_pack(pack, tmp_path)
-    man = json.load(open(os.path.join(out, MANIFEST_NAME)))
+    man = identity_of(out)
     for key, expected in (("tokenizer_fingerprint", "the tokenizer differs"), ("code_fingerprint", "the packing code differs")):
         changed = json.loads(json.dumps(man))
-        changed["identity"][key] = "f" * 16
-        write_json_atomic(out, MANIFEST_NAME, changed)
+        changed[key] = "f" * 16
+        write_checked(out, PACK_INFO_NAME, changed)
         with pytest.raises(AuditRefused, match=expected):
             audit_pack(out, tokenizer=tokenizer_and_special)
     # source data moved away: refused before anything is re-packed (and before loading a tokenizer)
     moved = copy.deepcopy(man)
-    moved["identity"]["config"]["groups"][0]["datasets"][0]["data_dir"] = str(tmp_path / "gone")
-    cfg = config_from_identity(moved["identity"])
-    moved["identity"]["config_hash"] = cfg.content_hash()
-    write_json_atomic(out, MANIFEST_NAME, moved)
+    moved["config"]["groups"][0]["datasets"][0]["data_dir"] = str(tmp_path / "gone")
+    cfg = config_from_identity(moved)
+    moved["config_hash"] = cfg.content_hash()
+    write_checked(out, PACK_INFO_NAME, moved)
     with pytest.raises(AuditRefused, match="source data unreachable: t2i_pretrain/t2i data_dir"):
         audit_pack(out, tokenizer=tokenizer_and_special)
     assert main(["audit", out]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "source data unreachable" in err[0]
-    write_json_atomic(out, MANIFEST_NAME, man)
-    with pytest.raises(AuditRefused, match="no shard 99"):
+    write_checked(out, PACK_INFO_NAME, man)
+    with pytest.raises(AuditRefused, match="no committed shard 99"):
         audit_pack(out, stream=0, shard=99, tokenizer=tokenizer_and_special)
     with pytest.raises(AuditRefused, match="takes no --shard"):
         audit_pack(out, shard=0, all_streams=True, tokenizer=tokenizer_and_special)
