@@ -213,6 +213,8 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
             missing = [s for s in self.streams if str(s) not in state["positions"]]
             if missing:
                 raise ValueError(f"merged loader state lacks streams {missing}: merge the states of every rank")
+            self._check_positions(self.streams, [int(state["positions"][str(s)]) for s in self.streams],
+                                  [state["last"][str(s)] for s in self.streams])
             self._pending = dict(state)
             return
         if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
@@ -221,6 +223,7 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
                 f"this is rank {self.rank} of {self.world_size}; to change the world size, load "
                 "PackedShardDataset.merge_states(<every rank's state>)"
             )
+        self._check_positions(list(state["streams"]), [int(p) for p in state["positions"]], state.get("last"))
         self._pending = dict(state)
         self._split = (int(state["worker"]), int(state["num_workers"]))
         self._cursor = int(state["cursor"])

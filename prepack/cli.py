@@ -36,12 +36,19 @@ EPILOG = textwrap.dedent(
 
 
 def _streams(text: str | None) -> list[int] | None:
+    """``--streams``: comma-separated ids and inclusive ranges, e.g. ``0,5,8-15``."""
     if text is None:
         return None
+    out: list[int] = []
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        for part in (p.strip() for p in text.split(",")):
+            if not part:
+                continue
+            lo, sep, hi = part.partition("-")
+            out.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
     except ValueError:
-        raise UsageError(f"--streams takes comma-separated integers, got {text!r}") from None
+        raise UsageError(f"--streams takes comma-separated stream ids or ranges (0,5,8-15), got {text!r}") from None
+    return out
 
 
 def cmd_run(args) -> int:
@@ -77,7 +84,7 @@ def cmd_verify(args) -> int:
     from prepack.tools.verify import verify_pack
 
     _require_pack(args.dir)
-    report = verify_pack(args.dir, progress=sys.stderr.isatty())
+    report = verify_pack(args.dir, progress=sys.stderr.isatty(), metadata_only=args.metadata_only)
     for line in report.lines():
         print(line)
     return 0 if report.ok else 1
@@ -134,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "committed shard; a finished output is left as is.")
     r.add_argument("config", help="config YAML (NeMo recipe form + prepack: section)")
     r.add_argument("--out", required=True, help="output directory or URI (local path, file://, s3://, gs://, hdfs://)")
-    r.add_argument("--streams", help="comma-separated stream ids to pack (default: all W*K)")
+    r.add_argument("--streams", help="stream ids to pack, e.g. 0,5,8-15 (default: all W*K); other jobs may pack the rest")
     r.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a local Ray)")
     r.add_argument("--num-cpus", type=int, help="CPUs for the local Ray (default: all)")
     r.add_argument("--progress", action="store_true", help="force the progress bar (default: when stderr is a terminal)")
@@ -150,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("verify", help="check every file of a pack (shards, indexes, checkpoints, lineage) against its recorded digests")
     v.add_argument("dir")
+    v.add_argument("--metadata-only", action="store_true",
+                   help="check pack.json, stream indexes, done.json and the manifest only (seconds, whatever the size)")
     v.set_defaults(func=cmd_verify)
 
     a = sub.add_parser("audit", help="re-pack shards from their checkpoints and compare record by record")

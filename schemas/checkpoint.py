@@ -15,10 +15,45 @@ files are plain data, safe to read from an untrusted source.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pyarrow as pa
 
+from schemas.documents import Document
+
 CHECKPOINT_VERSION = 1
+
+
+@dataclass
+class BufferedImage(Document):
+    pixels: int  # row of the checkpoint's pixel file
+    norm: list[float]  # mean (3) and std (3) of the image's normalisation
+
+
+@dataclass
+class BufferedSample(Document):
+    plan: list[dict]
+    texts: list[list[int]]
+    images: list[BufferedImage]
+    num_tokens: int
+    origin: dict
+
+
+@dataclass
+class CheckpointDoc(Document):
+    """``ckpt-NNNNN.json``: a stream's full state between two batches (see the module doc)."""
+
+    version: int
+    stream: int
+    batches: int
+    tokens: int
+    py_rng: list
+    np_rng: dict
+    sources: list[dict]
+    buffer: list[BufferedSample]
+    counters: dict
+    refused_in_row: int = 0
 
 _PIXELS_SCHEMA = pa.schema([("height", pa.int32()), ("width", pa.int32()), ("pixels", pa.list_(pa.uint8()))])
 

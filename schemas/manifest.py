@@ -25,17 +25,14 @@ the last record it read, so a resume never needs to hash the whole pack.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import json
-import types
-import typing
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from schemas.documents import Document, dump_checked, load_checked  # noqa: F401  (re-exported)
 from schemas.errors import DamagedFile, PackFormatError
 
 FORMAT_VERSION = 2  # of the whole layout above; pack.json names it
@@ -86,101 +83,10 @@ def chain_root(previous: str, digests: "list[str]", *facts: "str | int") -> str:
     return h.hexdigest()
 
 
-CHECKSUM_KEY = "checksum"
-
-
-def dump_checked(d: dict) -> bytes:
-    """JSON bytes of ``d`` with a ``checksum`` of its own content, so a damaged file names itself."""
-    body = {k: v for k, v in d.items() if k != CHECKSUM_KEY}
-    digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-    return json.dumps({**body, CHECKSUM_KEY: digest}, indent=1, sort_keys=True).encode()
-
-
-def load_checked(data: "bytes | str", where: str) -> dict:
-    """The dict ``dump_checked`` wrote (without its checksum); DamagedFile when it does not match."""
-    try:
-        d = json.loads(data)
-    except ValueError as e:
-        raise DamagedFile(f"{where}: not valid JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise DamagedFile(f"{where}: not a JSON object")
-    if CHECKSUM_KEY not in d:
-        if d.get("format_version", FORMAT_VERSION) != FORMAT_VERSION or "manifest_version" in d:
-            return d  # an older format: check_format says what to do
-        raise DamagedFile(f"{where}: damaged (no checksum)")
-    body = {k: v for k, v in d.items() if k != CHECKSUM_KEY}
-    if hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest() != d[CHECKSUM_KEY]:
-        raise DamagedFile(f"{where}: damaged (its checksum does not match its content)")
-    return body
-
-
 def row_facts(s: "ShardEntry") -> tuple:
     """The parts of an index row besides record digests that the chain covers."""
     return (s.shard, s.nbytes, s.sha256, s.first_record, s.lineage_sha256, s.lineage_rows,
             s.ckpt_json_sha256, s.ckpt_arrow_sha256, *(f"{r.num_tokens}/{r.num_samples}" for r in s.records))
-
-
-# -- typed JSON documents -------------------------------------------------------------------------
-def _check(value: Any, hint: Any, where: str) -> Any:
-    """``value`` if it has type ``hint`` (the subset of typing our documents use), else DamagedFile."""
-    origin = typing.get_origin(hint)
-    if hint is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        for arm in typing.get_args(hint):
-            try:
-                return _check(value, arm, where)
-            except DamagedFile:
-                pass
-        raise DamagedFile(f"{where}: {value!r} is not {hint}")
-    if hint is type(None):
-        if value is None:
-            return value
-    elif origin is list:
-        if isinstance(value, list):
-            (arm,) = typing.get_args(hint) or (Any,)
-            return [_check(v, arm, f"{where}[{i}]") for i, v in enumerate(value)]
-    elif origin is dict:
-        if isinstance(value, dict):
-            _, arm = typing.get_args(hint) or (str, Any)
-            return {str(k): _check(v, arm, f"{where}.{k}") for k, v in value.items()}
-    elif dataclasses.is_dataclass(hint):
-        if isinstance(value, dict):
-            return hint.from_dict(value, where)
-    elif hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif isinstance(hint, type) and isinstance(value, hint):
-        return value
-    raise DamagedFile(f"{where}: {value!r} is not {getattr(hint, '__name__', hint)}")
-
-
-class Document:
-    """A dataclass saved as JSON: fields declared once, every field type-checked on read."""
-
-    def to_json(self) -> str:
-        return dump_checked(asdict(self)).decode()
-
-    @classmethod
-    def from_dict(cls, d: Any, where: str = ""):
-        where = where or cls.__name__
-        if not isinstance(d, dict):
-            raise DamagedFile(f"{where}: expected a JSON object")
-        hints = typing.get_type_hints(cls)
-        kwargs = {}
-        for f in dataclasses.fields(cls):
-            if f.name in d:
-                kwargs[f.name] = _check(d[f.name], hints[f.name], f"{where}.{f.name}")
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise DamagedFile(f"{where}: missing field '{f.name}'")
-        return cls(**kwargs)
-
-    @classmethod
-    def from_json(cls, text: "str | bytes", where: str = ""):
-        return cls.from_dict(load_checked(text, where or cls.__name__), where)
 
 
 @dataclass

@@ -12,11 +12,19 @@ from dataclasses import asdict
 from prepack.engine.accounting import Counters
 from prepack.engine.packer import StreamState
 from prepack.engine.sample import PlanItem, Sample, SampleImage
-from schemas.checkpoint import CHECKPOINT_VERSION, decode_pixels, encode_pixels
+from schemas.checkpoint import (
+    CHECKPOINT_VERSION,
+    BufferedImage,
+    BufferedSample,
+    CheckpointDoc,
+    decode_pixels,
+    encode_pixels,
+)
 from schemas.record import SampleOrigin
 
 
-def state_to_payload(state: StreamState) -> tuple[dict, bytes]:
+def state_to_payload(state: StreamState) -> tuple[CheckpointDoc, bytes]:
+    """The checkpoint document and its pixel file bytes."""
     pixels = []
     buffer = []
     for sample in state.buffer:
@@ -26,58 +34,44 @@ def state_to_payload(state: StreamState) -> tuple[dict, bytes]:
             if id(img) not in index:
                 index[id(img)] = len(pixels)
                 pixels.append(img.pixels())
-            images.append({"pixels": index[id(img)], "norm": list(img.norm)})
-        buffer.append({
-            "plan": [asdict(p) for p in sample.plan],
-            "texts": [list(map(int, t)) for t in sample.texts],
-            "images": images,
-            "num_tokens": int(sample.num_tokens),
-            "origin": asdict(sample.origin),
-        })
-    doc = {
-        "version": CHECKPOINT_VERSION,
-        "stream": state.stream,
-        "batches": state.batches,
-        "tokens": state.tokens,
-        "py_rng": state.py_rng,
-        "np_rng": state.np_rng,
-        "sources": state.sources,
-        "buffer": buffer,
-        "counters": state.counters.to_json(),
-        "refused_in_row": state.refused_in_row,
-    }
+            images.append(BufferedImage(index[id(img)], [float(x) for x in img.norm]))
+        buffer.append(BufferedSample(
+            plan=[asdict(p) for p in sample.plan],
+            texts=[list(map(int, t)) for t in sample.texts],
+            images=images,
+            num_tokens=int(sample.num_tokens),
+            origin=asdict(sample.origin),
+        ))
+    doc = CheckpointDoc(
+        version=CHECKPOINT_VERSION, stream=state.stream, batches=state.batches, tokens=state.tokens,
+        py_rng=state.py_rng, np_rng=state.np_rng, sources=state.sources, buffer=buffer,
+        counters=state.counters.to_json(), refused_in_row=state.refused_in_row,
+    )
     return doc, encode_pixels(pixels)
 
 
-def state_from_payload(doc: dict, pixel_bytes: bytes) -> StreamState:
-    if doc.get("version") != CHECKPOINT_VERSION:
-        raise ValueError(f"unsupported checkpoint version {doc.get('version')!r}")
+def state_from_payload(doc: CheckpointDoc, pixel_bytes: bytes) -> StreamState:
+    if doc.version != CHECKPOINT_VERSION:
+        raise ValueError(f"unsupported checkpoint version {doc.version!r}")
     pixels = decode_pixels(pixel_bytes)
     buffer = []
-    for s in doc["buffer"]:
+    for s in doc.buffer:
         shared: dict[int, SampleImage] = {}
         images = []
-        for im in s["images"]:
-            i = im["pixels"]
-            if i not in shared:
-                arr = pixels[i]
-                shared[i] = SampleImage(None, arr.shape[1], arr.shape[0], tuple(im["norm"]), pixels=arr)
-            images.append(shared[i])
+        for im in s.images:
+            if im.pixels not in shared:
+                arr = pixels[im.pixels]
+                shared[im.pixels] = SampleImage(None, arr.shape[1], arr.shape[0], tuple(im.norm), pixels=arr)
+            images.append(shared[im.pixels])
         buffer.append(Sample(
-            plan=[PlanItem(**p) for p in s["plan"]],
-            texts=s["texts"],
+            plan=[PlanItem(**p) for p in s.plan],
+            texts=s.texts,
             images=images,
-            num_tokens=s["num_tokens"],
-            origin=SampleOrigin(**s["origin"]),
+            num_tokens=s.num_tokens,
+            origin=SampleOrigin(**s.origin),
         ))
     return StreamState(
-        stream=doc["stream"],
-        batches=doc["batches"],
-        tokens=doc["tokens"],
-        py_rng=doc["py_rng"],
-        np_rng=doc["np_rng"],
-        sources=doc["sources"],
-        buffer=buffer,
-        counters=Counters.from_json(doc["counters"]),
-        refused_in_row=doc.get("refused_in_row", 0),
+        stream=doc.stream, batches=doc.batches, tokens=doc.tokens, py_rng=doc.py_rng, np_rng=doc.np_rng,
+        sources=doc.sources, buffer=buffer, counters=Counters.from_json(doc.counters),
+        refused_in_row=doc.refused_in_row,
     )

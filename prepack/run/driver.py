@@ -149,16 +149,25 @@ def release_lock(loc) -> None:
 
 # -- ray --------------------------------------------------------------------------------------
 def init_ray(address: str | None, num_cpus: int | None = None):
+    """Connect to ``address`` (or $RAY_ADDRESS), else start a local Ray on loopback.
+
+    The local Ray listens on 127.0.0.1 only and dies with this process, so it runs without token
+    authentication unless RAY_AUTH_MODE says otherwise.  Ray's start-up messages are shown with
+    ``-v`` only.
+    """
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    quiet = not logging.getLogger().isEnabledFor(logging.INFO)
+    level = logging.ERROR if quiet else logging.INFO
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+        ray.init(address=address, logging_level=level, log_to_driver=True)
     else:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", num_cpus=num_cpus,
-                 logging_level=logging.WARNING, log_to_driver=True)
+                 logging_level=level, log_to_driver=True)
     return ray
 
 
@@ -291,8 +300,10 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
         budget = cfg.prepack.budget()
         dones = {s: read_done(loc, s) for s in wanted}
         todo = [s for s in wanted if dones[s] is None or dones[s].budget != budget]
-        if not todo:
-            written, _ = finalize(loc, cfg, identity)
+        if not todo:  # nothing to pack; write the manifest only if an earlier job could not yet
+            written = loc.fs.get_file_info(loc.path(MANIFEST_NAME)).type.name == "File"
+            if not written:
+                written, _ = finalize(loc, cfg, identity)
             return RunSummary(out, [dones[s] for s in wanted], written, 0.0, already_done=True,
                               max_num_tokens=cfg.knobs.max_num_tokens, output_bytes=output_bytes(loc))
         before = [_committed_totals(loc, s) for s in todo]  # shards an earlier run already committed

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 from prepack.engine.checkpoint import state_from_payload, state_to_payload
 from prepack.engine.packer import StreamPacker, StreamState
 from prepack.run.writer import StreamWriter, recover_stream, sha256_hex, write_bytes_atomic, write_index
+from schemas.checkpoint import CheckpointDoc
 from schemas.config import PrepackConfig
 from schemas.errors import DamagedFile
 from schemas.location import PackLocation, resolve_location
@@ -74,7 +75,7 @@ def _lineage_rows(stream: int, first_record: int, batches: list[tuple[list, list
 def write_checkpoint(loc: PackLocation, stream: int, shard: int, packer: StreamPacker) -> tuple[str, str]:
     """Save the packer's state as ``ckpt-shard``; returns the sha256 of its (json, arrow) files."""
     doc, pixels = state_to_payload(packer.state())
-    text = json.dumps(doc, indent=1, sort_keys=True).encode()
+    text = doc.to_json().encode()
     write_bytes_atomic(loc, checkpoint_file(stream, shard, "arrow"), pixels)
     write_bytes_atomic(loc, checkpoint_file(stream, shard, "json"), text)
     return sha256_hex(text), sha256_hex(pixels)
@@ -107,7 +108,9 @@ def read_checkpoint(loc: PackLocation, stream: int, shard: int, index: StreamInd
     """Load ``ckpt-shard`` after checking both files against the digests the index recorded."""
     text, pixels = read_checkpoint_files(loc, index, shard)
     try:
-        return state_from_payload(json.loads(text), pixels)
+        return state_from_payload(CheckpointDoc.from_json(text, loc.path(checkpoint_file(stream, shard))), pixels)
+    except DamagedFile:
+        raise
     except (ValueError, KeyError, TypeError) as e:
         raise DamagedFile(f"{loc.path(checkpoint_file(stream, shard))}: checkpoint does not load ({e})") from None
 

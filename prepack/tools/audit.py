@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Iterator
 
 import numpy as np
@@ -27,6 +27,7 @@ from prepack.tools.report import CheckReport
 from schemas.config import PrepackConfig
 from schemas.errors import AuditRefused, PrepackError
 from schemas.location import PackLocation
+from schemas.documents import load_checked
 from schemas.manifest import ShardEntry, StreamIndex, checkpoint_file
 from schemas.record import PackedBatch, SampleOrigin, batch_fields, batch_to_record, record_digest, record_to_batch
 
@@ -162,9 +163,9 @@ def state_difference(ctx: AuditContext, index: StreamIndex, shard: int, packer) 
     from schemas.checkpoint import decode_pixels
 
     doc, pixels = state_to_payload(packer.state())
-    doc = json.loads(json.dumps(doc))  # tuples -> lists, as stored
+    doc = json.loads(json.dumps(asdict(doc)))  # tuples -> lists, as stored
     stored_json, stored_pixels = read_checkpoint_files(ctx.loc, index, shard)
-    diff = _json_difference(json.loads(stored_json), doc)
+    diff = _json_difference(load_checked(stored_json, checkpoint_file(index.stream, shard)), doc)
     if diff:
         return f"state{diff}"
     if stored_pixels != pixels:

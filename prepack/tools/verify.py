@@ -110,8 +110,11 @@ def check_lineage_rows(data: bytes, shards: list[ShardEntry], rel: str, rep: Che
         rep.add("lineage rows", rel, True, f"{sum(counts.values())} rows = samples of every record")
 
 
-def check_stream(pack: Pack, stream: int, rep: CheckReport, pool: ThreadPoolExecutor, bar) -> StreamSummary | None:
-    """Every file of one stream; returns its done.json summary (None while it is still packing)."""
+def check_stream(pack: Pack, stream: int, rep: CheckReport, pool: ThreadPoolExecutor, bar,
+                 metadata_only: bool = False) -> StreamSummary | None:
+    """Every file of one stream; returns its done.json summary (None while it is still packing).
+
+    ``metadata_only``: the index and done.json, not the shard, checkpoint and lineage bytes."""
     loc = pack.location
     try:
         index = pack.index(stream, refresh=True)
@@ -127,6 +130,8 @@ def check_stream(pack: Pack, stream: int, rep: CheckReport, pool: ThreadPoolExec
             return None
     rep.add("stream index", index_file(stream), True,
             f"{len(index.shards)} shards, {index.num_records} records, digest chain ok")
+    if metadata_only:
+        return _check_done(pack, index, rep)
     if index.ckpt0_json_sha256:
         for ext, sha in (("json", index.ckpt0_json_sha256), ("arrow", index.ckpt0_arrow_sha256)):
             _check_file(loc, rep, "checkpoint", checkpoint_file(stream, 0, ext), sha)
@@ -210,8 +215,9 @@ def check_summary(pack: Pack, dones: dict[int, StreamSummary | None], rep: Check
 
 
 def verify_pack(out: "str | os.PathLike | PackLocation", *, threads: int | None = None,
-                progress: bool = False) -> CheckReport:
-    """Check every file of a pack, one stream at a time (see the module doc)."""
+                progress: bool = False, metadata_only: bool = False) -> CheckReport:
+    """Check every file of a pack, one stream at a time (see the module doc); ``metadata_only``
+    checks pack.json, the stream indexes, done.json and the manifest, reading no shard."""
     loc = resolve_location(out)
     rep = CheckReport(f"verify {loc.base}")
     try:
@@ -227,7 +233,7 @@ def verify_pack(out: "str | os.PathLike | PackLocation", *, threads: int | None 
     with ThreadPoolExecutor(workers, thread_name_prefix="verify") as pool, \
             tqdm(unit="B", unit_scale=True, desc="verifying", disable=not progress) as bar:
         for s in range(pack.num_streams):
-            dones[s] = check_stream(pack, s, rep, pool, bar)
+            dones[s] = check_stream(pack, s, rep, pool, bar, metadata_only)
             pack.forget(s)  # memory bounded by one stream
     check_summary(pack, dones, rep)
     return rep

@@ -87,3 +87,12 @@ def test_config_mistakes_are_caught_before_anything_is_written(tmp_path, capsys)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "prepack.compression" in err[0] and "zstd level" in err[0]
     assert not out.exists()
+
+
+def test_streams_take_ids_and_ranges():
+    from prepack.cli import _streams
+    from schemas.errors import UsageError
+
+    assert _streams("0,5,8-10") == [0, 5, 8, 9, 10] and _streams(None) is None
+    with pytest.raises(UsageError, match="8-15"):
+        _streams("1,x")

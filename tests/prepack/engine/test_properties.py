@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prepack.engine.checkpoint import state_from_payload, state_to_payload
+from schemas.checkpoint import CheckpointDoc
 from prepack.engine.layout import SequenceBuilder
 from prepack.engine.packer import StreamPacker
 from prepack.engine.sample import PlanItem, Sample, SampleImage
@@ -144,5 +145,5 @@ def test_packer_accounts_for_every_sample_and_resumes_anywhere(small_mixed, toke
     it = iter(q)
     head = [record_digest(batch_to_record(next(it))) for _ in range(min(cut, len(full)))]
     doc, pixels = state_to_payload(q.state())
-    r = StreamPacker(cfg, 0, tok, special, state=state_from_payload(json.loads(json.dumps(doc)), pixels))
+    r = StreamPacker(cfg, 0, tok, special, state=state_from_payload(CheckpointDoc.from_json(doc.to_json()), pixels))
     assert head + [record_digest(batch_to_record(b)) for b in r] == full
