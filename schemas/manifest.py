@@ -26,6 +26,7 @@ the last record it read, so a resume never needs to hash the whole pack.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,23 +71,26 @@ def done_file(stream: int) -> str:
     return f"{stream_dir(stream)}/done.json"
 
 
-def chain_root(previous: str, digests: "list[str]", *facts: "str | int") -> str:
+def chain_root(previous: str, digests: "Sequence[str] | bytes", facts: bytes = b"") -> str:
     """The stream's digest chain after appending ``digests`` (hex record digests) to ``previous``.
 
-    ``facts`` (the rest of an index row: file sizes and sha256s) are chained too, so any change to
-    a committed row shows as a broken chain."""
+    ``facts`` (the rest of an index row: file sizes and sha256s, ``row_facts``) are chained too, so
+    any change to a committed row shows as a broken chain."""
     h = hashlib.blake2b(bytes.fromhex(previous) if previous else b"", digest_size=16)
-    for d in digests:
-        h.update(bytes.fromhex(d))
-    for f in facts:
-        h.update(f"|{f}".encode())
+    h.update(digests if isinstance(digests, bytes) else bytes.fromhex("".join(digests)))
+    h.update(facts)
     return h.hexdigest()
 
 
-def row_facts(s: "ShardEntry") -> tuple:
+def row_facts(s: "ShardEntry") -> bytes:
     """The parts of an index row besides record digests that the chain covers."""
-    return (s.shard, s.nbytes, s.sha256, s.first_record, s.lineage_sha256, s.lineage_rows,
-            s.ckpt_json_sha256, s.ckpt_arrow_sha256, *(f"{r.num_tokens}/{r.num_samples}" for r in s.records))
+    scalars = (s.shard, s.nbytes, s.sha256, s.first_record, s.lineage_sha256, s.lineage_rows,
+               s.ckpt_json_sha256, s.ckpt_arrow_sha256)
+    tokens = np.asarray([r.num_tokens for r in s.records] if not isinstance(s.records, RecordList)
+                        else s.records.tokens, dtype="<i4")
+    samples = np.asarray([r.num_samples for r in s.records] if not isinstance(s.records, RecordList)
+                         else s.records.samples, dtype="<i4")
+    return "|".join(map(str, scalars)).encode() + tokens.tobytes() + samples.tobytes()
 
 
 @dataclass
@@ -144,6 +148,35 @@ class RecordEntry:
     num_samples: int
 
 
+class RecordList(Sequence[RecordEntry]):
+    """A shard's records as three columns, read from an index without one object per record.
+
+    ``digests`` is the records' 16-byte digests back to back; hex strings are made on access."""
+
+    __slots__ = ("digests", "tokens", "samples")
+
+    def __init__(self, digests: bytes, tokens: Sequence[int], samples: Sequence[int]):
+        self.digests, self.tokens, self.samples = digests, tokens, samples
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return RecordEntry(self.digests[16 * i:16 * i + 16].hex(), int(self.tokens[i]), int(self.samples[i]))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and len(other) == len(self) and all(a == b for a, b in zip(self, other))
+
+    def __repr__(self) -> str:
+        return f"RecordList({len(self)} records)"
+
+
 @dataclass
 class ShardEntry:
     """One committed shard: a row of the stream's index."""
@@ -153,7 +186,7 @@ class ShardEntry:
     nbytes: int
     sha256: str  # of the whole shard file
     first_record: int  # index of this shard's first record within its stream
-    records: list[RecordEntry]
+    records: Sequence[RecordEntry]
     root: str = ""  # chain_root after this shard's records
     lineage_sha256: str = ""  # of shard-k.lineage.parquet
     lineage_rows: int = 0
@@ -181,11 +214,16 @@ LINEAGE_SCHEMA = pa.schema([
 
 INDEX_SCHEMA = pa.schema([
     ("shard", pa.int32()), ("nbytes", pa.int64()), ("sha256", pa.string()), ("first_record", pa.int64()),
-    ("record_digests", pa.list_(pa.string())), ("record_tokens", pa.list_(pa.int32())),
+    ("record_digests", pa.list_(pa.binary(16))), ("record_tokens", pa.list_(pa.int32())),
     ("record_samples", pa.list_(pa.int32())), ("root", pa.string()),
     ("lineage_sha256", pa.string()), ("lineage_rows", pa.int64()),
     ("ckpt_json_sha256", pa.string()), ("ckpt_arrow_sha256", pa.string()),
 ])
+
+
+def _int_values(arr: pa.Array) -> np.ndarray:
+    """An int32 Arrow array (no nulls) as a numpy view: ``to_numpy`` would import pandas (~50 MB)."""
+    return np.frombuffer(arr.buffers()[1], dtype=np.int32)[arr.offset:arr.offset + len(arr)]
 
 
 @dataclass
@@ -207,8 +245,7 @@ class StreamIndex:
 
     def append(self, entry: "ShardEntry") -> None:
         """Add a committed shard's row, chaining it (write the index afterwards to commit it)."""
-        start = self.root or chain_root("", [], self.ckpt0_json_sha256, self.ckpt0_arrow_sha256)
-        entry.root = chain_root(start, [r.digest for r in entry.records], *row_facts(entry))
+        entry.root = chain_root(self.root or self._chain_start(), [r.digest for r in entry.records], row_facts(entry))
         self.shards.append(entry)
 
     def record(self, index: int) -> RecordEntry:
@@ -219,6 +256,9 @@ class StreamIndex:
             raise IndexError(f"stream {self.stream} has {self.num_records} records, not record {index}")
         return self.shards[k].records[index - self.shards[k].first_record]
 
+    def _chain_start(self) -> str:
+        return chain_root("", [], f"{self.ckpt0_json_sha256}|{self.ckpt0_arrow_sha256}".encode())
+
     def to_bytes(self) -> bytes:
         cols: dict[str, list] = {f.name: [] for f in INDEX_SCHEMA}
         for s in self.shards:
@@ -226,7 +266,7 @@ class StreamIndex:
             cols["nbytes"].append(s.nbytes)
             cols["sha256"].append(s.sha256)
             cols["first_record"].append(s.first_record)
-            cols["record_digests"].append([r.digest for r in s.records])
+            cols["record_digests"].append([bytes.fromhex(r.digest) for r in s.records])
             cols["record_tokens"].append([r.num_tokens for r in s.records])
             cols["record_samples"].append([r.num_samples for r in s.records])
             for name in ("root", "lineage_sha256", "lineage_rows", "ckpt_json_sha256", "ckpt_arrow_sha256"):
@@ -234,10 +274,10 @@ class StreamIndex:
         meta = {"prepack.format_version": str(FORMAT_VERSION), "prepack.stream": str(self.stream),
                 "prepack.ckpt0_json_sha256": self.ckpt0_json_sha256,
                 "prepack.ckpt0_arrow_sha256": self.ckpt0_arrow_sha256}
-        table = pa.Table.from_pydict(cols, schema=INDEX_SCHEMA.with_metadata(meta))
+        batch = pa.RecordBatch.from_pydict(cols, schema=INDEX_SCHEMA.with_metadata(meta))
         sink = pa.BufferOutputStream()
-        with pa.ipc.new_file(sink, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as w:
-            w.write_table(table)
+        with pa.ipc.new_file(sink, batch.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as w:
+            w.write_batch(batch)
         return sink.getvalue().to_pybytes()
 
     @classmethod
@@ -245,33 +285,48 @@ class StreamIndex:
         """Parse and check an index: schema, stream, contiguous shards and records, digest chain."""
         try:
             reader = pa.ipc.open_file(pa.BufferReader(data))
-            table = reader.read_all()
+            if reader.num_record_batches != 1:  # the writer writes one; anything else is not ours
+                raise DamagedFile(f"{where}: {reader.num_record_batches} record batches, expected 1")
+            table = reader.get_batch(0)
+            table.validate(full=True)
         except (pa.ArrowException, OSError) as e:
             raise DamagedFile(f"{where}: not a readable stream index ({e})") from None
-        meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+        meta = {k.decode(): v.decode() for k, v in (reader.schema.metadata or {}).items()}
         if meta.get("prepack.format_version") != str(FORMAT_VERSION):
             raise PackFormatError(f"{where}: index of format {meta.get('prepack.format_version')!r}, "
                                   f"this bagel-prepack reads {FORMAT_VERSION}")
-        if table.schema.remove_metadata() != INDEX_SCHEMA:
+        if reader.schema.remove_metadata() != INDEX_SCHEMA:
             raise DamagedFile(f"{where}: unexpected index columns")
         if meta.get("prepack.stream") != str(stream):
             raise DamagedFile(f"{where}: index of stream {meta.get('prepack.stream')}, expected {stream}")
-        c = table.to_pydict()
-        shards, next_record, root = [], 0, ""
-        ckpt0 = chain_root("", [], meta.get("prepack.ckpt0_json_sha256", ""), meta.get("prepack.ckpt0_arrow_sha256", ""))
+        # Plain column reads: Table/ChunkedArray helpers and to_numpy would import pyarrow.compute
+        # and pandas (~40 MB, 0.4 s) into every training rank.
+        scalars = {f.name: table.column(f.name).to_pylist() for f in INDEX_SCHEMA if not f.name.startswith("record_")}
+        lists = {name: table.column(name) for name in ("record_digests", "record_tokens", "record_samples")}
+        offsets = _int_values(lists["record_digests"].offsets)
+        values = lists["record_digests"].values  # (.flatten() would import pyarrow.compute)
+        digests = values.buffers()[1].to_pybytes()[16 * values.offset:16 * (values.offset + len(values))]
+        tokens = _int_values(lists["record_tokens"].values)
+        samples = _int_values(lists["record_samples"].values)
+        if not (np.array_equal(offsets, _int_values(lists["record_tokens"].offsets))
+                and np.array_equal(offsets, _int_values(lists["record_samples"].offsets))):
+            raise DamagedFile(f"{where}: record columns of different lengths")
+        index = cls(stream, [], meta.get("prepack.ckpt0_json_sha256", ""), meta.get("prepack.ckpt0_arrow_sha256", ""))
+        root, next_record = index._chain_start(), 0
         for i in range(table.num_rows):
-            digests, tokens, samples = c["record_digests"][i], c["record_tokens"][i], c["record_samples"][i]
-            if c["shard"][i] != i or c["first_record"][i] != next_record or not (len(digests) == len(tokens) == len(samples)):
-                raise DamagedFile(f"{where}: row {i} does not continue the stream (shard {c['shard'][i]}, "
-                                  f"first record {c['first_record'][i]}, expected {i} / {next_record})")
+            lo, hi = int(offsets[i]), int(offsets[i + 1])
+            if scalars["shard"][i] != i or scalars["first_record"][i] != next_record:
+                raise DamagedFile(f"{where}: row {i} does not continue the stream (shard {scalars['shard'][i]}, "
+                                  f"first record {scalars['first_record'][i]}, expected {i} / {next_record})")
             entry = ShardEntry(
-                stream=stream, shard=i, nbytes=c["nbytes"][i], sha256=c["sha256"][i], first_record=next_record,
-                records=[RecordEntry(d, t, n) for d, t, n in zip(digests, tokens, samples)], root=c["root"][i],
-                lineage_sha256=c["lineage_sha256"][i], lineage_rows=c["lineage_rows"][i],
-                ckpt_json_sha256=c["ckpt_json_sha256"][i], ckpt_arrow_sha256=c["ckpt_arrow_sha256"][i])
-            root = chain_root(root or ckpt0, digests, *row_facts(entry))
+                stream=stream, shard=i, nbytes=scalars["nbytes"][i], sha256=scalars["sha256"][i], first_record=next_record,
+                records=RecordList(digests[16 * lo:16 * hi], tokens[lo:hi], samples[lo:hi]),
+                root=scalars["root"][i],
+                lineage_sha256=scalars["lineage_sha256"][i], lineage_rows=scalars["lineage_rows"][i],
+                ckpt_json_sha256=scalars["ckpt_json_sha256"][i], ckpt_arrow_sha256=scalars["ckpt_arrow_sha256"][i])
+            root = chain_root(root, entry.records.digests, row_facts(entry))
             if root != entry.root:
                 raise DamagedFile(f"{where}: shard {i}: the row does not chain to its stored root (damaged index)")
-            shards.append(entry)
-            next_record += len(digests)
-        return cls(stream, shards, meta.get("prepack.ckpt0_json_sha256", ""), meta.get("prepack.ckpt0_arrow_sha256", ""))
+            index.shards.append(entry)
+            next_record = hi
+        return index

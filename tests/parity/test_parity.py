@@ -124,27 +124,15 @@ def test_parity_through_shard_files_and_open_stream(flex, mixed, tokenizer_and_s
     """Packed to disk by the stream job (small shards, so several per stream), read back with
     ``open_stream``: still the reference's batches, in order."""
     from loader import open_stream
-    from prepack.run.driver import finalize
-    from prepack.run.identity import pack_identity, record_metadata
-    from prepack.run.stream_job import pack_one_stream
-    from prepack.engine.tokenizer import tokenizer_fingerprint
-    from prepack.run.writer import write_json_atomic
-    from schemas.location import resolve_location
-    from schemas.manifest import PACK_INFO_NAME
+    from prepack.run.driver import run_pack
 
     tok, special = tokenizer_and_special
     ds = dg.Dataset(str(tmp_path), groups=mixed.groups, info=mixed.info)
     cfg = load_config(ds.config(knobs={**SMALL, "use_flex": flex}, num_workers=2,
                                 prepack={"batches_per_stream": 12, "shard_bytes": 400_000}))
     out = str(tmp_path / "out")
-    identity = pack_identity(cfg, tokenizer_fingerprint(tok), special)
-    loc = resolve_location(out)
-    loc.fs.create_dir(loc.base, recursive=True)
-    write_json_atomic(loc, PACK_INFO_NAME, identity)
-    for s in range(cfg.num_streams):
-        entry = pack_one_stream(cfg, out, s, tok, special, record_metadata(identity))
-        assert len(entry.shards) > 1
-    assert finalize(loc, cfg, identity)[0]
+    summary = run_pack(cfg, out, inline=True, tokenizer=tokenizer_and_special, progress=False)
+    assert summary.manifest_written and all(e.num_shards > 1 for e in summary.streams)
     for s in range(cfg.num_streams):
         ref = oracle.reference_batches(cfg, s, tok, 12)
         ours = [b.to_dict() for b in open_stream(out, stream=s)]

@@ -149,9 +149,9 @@ def test_stream_index_round_trip_and_chain(tmp_path):
     for e in entries:
         commit_entry(resolve_location(str(tmp_path)), index, e)
     back = read_index(resolve_location(str(tmp_path)), 0)
-    root = chain_root("", [], "", "")
+    root = chain_root("", [], b"|")
     for e in entries:
-        root = chain_root(root, [r.digest for r in e.records], *row_facts(e))
+        root = chain_root(root, [r.digest for r in e.records], row_facts(e))
     assert back == index and back.num_records == 6 and back.root == root and len(entries) > 1
     assert back.record(5).digest == entries[-1].records[-1].digest
     with pytest.raises(IndexError):
