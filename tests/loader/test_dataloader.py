@@ -46,8 +46,7 @@ print(json.dumps([batch_id(b) for b in loader]))
 """
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("workers, rank", [(0, 0), (2, 1)])
 def test_resume_in_a_new_process_with_weights_only_load(pack, tmp_path, workers, rank):
     make = lambda: build_dataloader(pack, rank=rank, world_size=2, num_workers=workers, pin_memory=False)  # noqa: E731
     full = [batch_id(b) for b in make()]
