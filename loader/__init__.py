@@ -1,12 +1,22 @@
-"""The training-time reader of a pack: ``PackedShardDataset`` for a DataLoader, ``open_stream`` for one stream.
+"""The training-time reader of a pack: ``build_dataloader`` (a ready ``StatefulDataLoader``),
+``PackedShardDataset`` for your own DataLoader, ``open_stream`` for one stream.
 
-Imports only ``schemas``, torch, numpy, pyarrow and the standard library, so a training job can
+Imports only ``schemas``, torch, torchdata, numpy, pyarrow, xxhash and the standard library, so a training job can
 install it without Ray, PIL, transformers or the packer.
 """
 
 from loader.batch import SimpleCustomBatch
+from loader.dataloader import build_dataloader
 from loader.dataset import PackedShardDataset, streams_for_rank
 from loader.reader import Pack, PackIntegrityError
 from loader.stream import open_stream
 
-__all__ = ["PackIntegrityError", "Pack", "PackedShardDataset", "SimpleCustomBatch", "open_stream", "streams_for_rank"]
+__all__ = [
+    "PackIntegrityError",
+    "Pack",
+    "PackedShardDataset",
+    "SimpleCustomBatch",
+    "build_dataloader",
+    "open_stream",
+    "streams_for_rank",
+]

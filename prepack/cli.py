@@ -202,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("prepack: interrupted (committed shards are kept; rerun to resume)", file=sys.stderr)
         return 130
+    except ModuleNotFoundError as e:  # the slim (loader-only) install: the packer's extra is missing
+        print(f"prepack: error: {e}; the packer's tools need: pip install 'bagel-prepack[pack]'", file=sys.stderr)
+        return 2
     except Exception:  # anything else is a bug in prepack: show where
         import traceback
 

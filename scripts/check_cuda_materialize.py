@@ -1,14 +1,17 @@
-"""Check that ``SimpleCustomBatch.cuda()`` builds exactly the CPU tensors, and time it.
+"""Check that ``SimpleCustomBatch.cuda()`` builds exactly the CPU tensors, and time the loader feeding a GPU.
 
-    python scripts/check_cuda_materialize.py [--pack DIR] [--batches 8] [--device cuda:0]
+    python scripts/check_cuda_materialize.py [--pack DIR] [--batches 8] [--device cuda:0] [--workers 2]
 
 For each batch (from a pack's streams, or synthetic ones made like the tests' fake packs) it
 builds the reference tensors on the CPU (``to_dict()``) and on the device (``pin_memory().cuda()``)
 and requires every tensor to be bit-identical (same dtype and shape, ``torch.equal``) and every
 list equal.  It also reports how many values a naive on-device normalisation (division on the
 GPU) would get wrong in the last bit -- the reason the loader gathers from CPU-made tables --
-and times ``cuda()`` against moving the CPU-built tensors.  Exits 0 with a message when no CUDA
-device is present; 1 on any mismatch.
+and times ``cuda()`` against moving the CPU-built tensors.  Then it times the whole loader feeding
+the device: ``build_dataloader`` (pinned memory, ``--workers`` DataLoader workers) over the pack
+(or a synthetic pack written to a temporary folder), ``batch.cuda(device).to_dict()`` per batch:
+batches/s and host CPU per batch (this process, its reader threads and the DataLoader workers).
+Exits 0 with one line when no CUDA device is present; 1 on any mismatch.
 """
 
 from __future__ import annotations
@@ -17,14 +20,15 @@ import argparse
 import logging
 import os
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path[:0] = [ROOT]
 
 import torch  # noqa: E402
 
-from loader import SimpleCustomBatch  # noqa: E402
+from loader import SimpleCustomBatch, build_dataloader  # noqa: E402
 
 log = logging.getLogger("check_cuda_materialize")
 
@@ -44,11 +48,59 @@ def packed_batches(args):
                 if count >= args.batches:
                     return
         return
-    from tests.helpers.fakepack import BatchSpec, make_batch
+    from tests.helpers.fakepack import make_batch
 
     for i in range(args.batches):
-        spec = BatchSpec(use_flex=bool(i % 2), n_samples=4 + i % 5, max_side=args.max_side, vae_targets=i % 4 != 3)
-        yield make_batch(1000 + i, spec)
+        yield make_batch(1000 + i, _spec(i, args.max_side))
+
+
+def _spec(i: int, max_side: int):
+    from tests.helpers.fakepack import BatchSpec
+
+    return BatchSpec(use_flex=bool(i % 2), n_samples=4 + i % 5, max_side=max_side, vae_targets=i % 4 != 3)
+
+
+def synthetic_pack(out: str, batches: int, max_side: int) -> str:
+    """A 2-stream pack of synthetic batches (the packer's writer, as the tests' fake packs)."""
+    from tests.helpers.fakepack import make_batch, write_pack
+
+    per_stream = (batches + 1) // 2 + 1
+    streams = {s: [make_batch(2000 + s * 1000 + i, _spec(i, max_side)) for i in range(per_stream)] for s in range(2)}
+    write_pack(out, streams, world_size=1, num_workers=2)
+    return out
+
+
+def _children_cpu(pids: list[int]) -> float:
+    """CPU seconds (user + system) used so far by live processes ``pids`` (Linux /proc)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def time_loader(pack_dir: str, device: torch.device, batches: int, workers: int) -> tuple[int, float, float]:
+    """(batches, batches/s, host CPU seconds per batch) of the loader feeding ``device``."""
+    loader = build_dataloader(
+        pack_dir, rank=0, world_size=1, num_workers=workers, pin_memory=device.type == "cuda", verify=True
+    )
+    it = iter(loader)
+    next(it).cuda(device).to_dict()  # warm-up: workers started, first batch read
+    _sync(device)
+    pids = [w.pid for w in getattr(it, "_workers", [])]
+    cpu0, t0, n = time.process_time() + _children_cpu(pids), time.perf_counter(), 0
+    for batch in it:
+        batch.cuda(device).to_dict()
+        n += 1
+        if n >= batches:
+            break
+    _sync(device)
+    wall, cpu = time.perf_counter() - t0, time.process_time() + _children_cpu(pids) - cpu0
+    del it
+    return n, n / wall if wall > 0 else 0.0, cpu / max(n, 1)
 
 
 def compare(cpu, dev, path: str, errors: list[str], device: torch.device) -> None:
@@ -132,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, default=8)
     ap.add_argument("--max-side", type=int, default=40, help="synthetic images: up to this many patches per side")
     ap.add_argument("--device", default="cuda:0", help="'cpu' dry-runs the script's own logic")
+    ap.add_argument("--workers", type=int, default=2, help="DataLoader workers for the loader timing")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     device = torch.device(args.device)
@@ -171,6 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     log.info("cuda(): %.2f ms total, %.1f MB moved (compact)", t_ours * 1e3, bytes_ours / 1e6)
     log.info("moving CPU-built reference tensors instead: %.2f ms, %.1f MB moved", t_ref * 1e3, bytes_ref / 1e6)
     log.info("naive on-device normalisation: %d of %d pixel values differ from the CPU reference", wrong, total)
+    with tempfile.TemporaryDirectory() as tmp:
+        pack_dir = args.pack or synthetic_pack(tmp, args.batches, args.max_side)
+        n, rate, cpu = time_loader(pack_dir, device, args.batches, args.workers)
+    log.info(
+        "loader feeding %s: %d batches, %.1f batches/s, host CPU %.1f ms per batch (%d workers, digest check on)",
+        device, n, rate, cpu * 1e3, args.workers,
+    )  # fmt: skip
     if failures:
         log.error("FAILED: %d batches differ between CPU and device materialisation", failures)
         return 1

@@ -5,6 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[test]"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[pack,test]"
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "nemo-automodel==0.7.0"
 exec .venv/bin/python -m pytest "$@"

@@ -45,6 +45,16 @@ def test_errors_are_one_line_on_stderr(args, code, text, tmp_path):
         assert text in lines[0]
 
 
+def test_loader_only_install_names_the_missing_extra(tmp_path):
+    """With only the slim (loader) install, a packer command says which install it needs."""
+    code = "import sys; sys.modules['yaml'] = None; from prepack.cli import main; sys.exit(main(['run', 'c.yaml', "
+    code += f"'--out', {str(tmp_path / 'out')!r}]))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "yaml" in lines[0] and "pip install 'bagel-prepack[pack]'" in lines[0]
+
+
 def test_bad_yaml_is_one_line(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("dataset: [unclosed\n")
