@@ -30,9 +30,10 @@ class Counters:
     samples_packed: dict[str, int] = field(default_factory=dict)  # group -> samples placed in batches
 
     def drop(self, reason: str, detail: str = "", n: int = 1) -> None:
-        c = self.drops.get(reason, 0) + n
+        before = self.drops.get(reason, 0)
+        c = before + n
         self.drops[reason] = c
-        if c <= 3 or c % 1000 == 0:
+        if before < 3 or c // 1000 > before // 1000:  # this update holds a first-three or a 1000th occurrence
             log.warning("drop[%s]=%d %s", reason, c, detail)
 
     def warn(self, kind: str, detail: str = "") -> None:
