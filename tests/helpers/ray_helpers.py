@@ -283,7 +283,8 @@ def load_manifest(out: str) -> dict:
     streams = []
     for s in summary.streams:
         d = asdict(s)
-        d["shards"] = [{k: v for k, v in asdict(sh).items() if k not in ("root",)} for sh in pack.index(s.stream).shards]
+        d["shards"] = [{**{k: v for k, v in vars(sh).items() if k != "root"}, "records": [asdict(r) for r in sh.records]}
+                       for sh in pack.index(s.stream).shards]
         streams.append(d)
     return {"identity": summary.identity, "streams": streams}
 
