@@ -51,6 +51,10 @@ class PackRefused(PrepackError, RuntimeError):
     """A run must not start: the output is locked, or holds another config's pack."""
 
 
+class LockLost(PackRefused):
+    """A run's lease on an object-store lock was taken over by another run: this one must stop."""
+
+
 class AuditRefused(PrepackError, RuntimeError):
     """An audit cannot run: different code, tokenizer or config, or unreachable sources."""
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 
@@ -20,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from prepack.run.identity import identity_mismatch, pack_identity, record_metadata
+from prepack.run.lock import RunLock, acquire_lock, pid_alive
 from prepack.run.stream_job import lineage_file
 from prepack.run.writer import write_bytes_atomic
 from schemas.config import PrepackConfig
@@ -30,7 +30,6 @@ from schemas.record import RECORD_SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
 
-LOCK_NAME = ".prepack.lock"
 LOG_EVERY_S = 30.0
 
 
@@ -79,69 +78,6 @@ class RunSummary:
         return out
 
 
-# -- lock -------------------------------------------------------------------------------------
-def _pid_alive(pid: int) -> bool:
-    """Whether ``pid`` is a live process on this host (a zombie, i.e. an exited process its parent
-    has not reaped yet, holds no lock: it counts as dead)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True  # no procfs: trust kill(0)
-    return state not in ("Z", "X")
-
-
-def acquire_lock(loc) -> dict:
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
-    path = loc.path(LOCK_NAME)
-    if loc.is_local:
-        for _ in range(2):
-            # Write the holder first, then link it into place: the lock never exists empty, even
-            # if this process dies between the two steps (link fails if a lock already exists).
-            tmp = f"{path}.{me['pid']}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(me, f)
-            try:
-                os.link(tmp, path)
-                return me
-            except FileExistsError:
-                pass
-            finally:
-                os.unlink(tmp)
-            try:
-                held = json.loads(open(path).read() or "{}")
-            except (OSError, ValueError):
-                held = {}
-            if held.get("host") == me["host"] and isinstance(held.get("pid"), int) and not _pid_alive(held["pid"]):
-                log.warning("removing stale lock of dead process %s", held["pid"])
-                os.unlink(path)
-                continue
-            raise PackRefused(
-                f"another prepack run (pid {held.get('pid')} on {held.get('host')}) holds {path}; "
-                "wait for it, or delete the lock file if that run is dead"
-            )
-        raise PackRefused(f"could not take the lock {path}")
-    info = loc.fs.get_file_info(path)
-    if info.type.name == "File":
-        raise PackRefused(f"{path} exists: another run may be writing this output; delete it if none is")
-    with loc.fs.open_output_stream(path) as f:
-        f.write(json.dumps(me).encode())
-    return me
-
-
-def release_lock(loc) -> None:
-    try:
-        loc.fs.delete_file(loc.path(LOCK_NAME))
-    except (FileNotFoundError, OSError):
-        pass
-
-
 # -- ray --------------------------------------------------------------------------------------
 def init_ray(address: str | None, num_cpus: int | None = None):
     import ray
@@ -181,7 +117,7 @@ def _make_remote(ray):
         raylet = int(os.environ.get("RAY_RAYLET_PID") or 0) if local_ray else 0
 
         def check_raylet() -> None:
-            if raylet and not _pid_alive(raylet):
+            if raylet and not pid_alive(raylet):
                 raise RuntimeError(f"stream {stream}: this worker's raylet (pid {raylet}) is gone; stopping")
 
         check_raylet()
@@ -268,7 +204,7 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
         cfg.stream_rank_worker(s)  # range check with a clear message
     loc = resolve_location(out)
     loc.fs.create_dir(loc.base, recursive=True)
-    acquire_lock(loc)
+    lock = acquire_lock(loc)
     try:
         existing = _read_json(loc, PACK_INFO_NAME)
         if existing is not None:
@@ -288,7 +224,8 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
         todo = [s for s in wanted if _read_json(loc, done_file(s)) is None]
         before = [_committed_totals(loc, s) for s in todo]  # shards a killed run already committed
         if todo:
-            _run_tasks(cfg, out, todo, metadata, address, progress, num_cpus)
+            _run_tasks(cfg, out, todo, metadata, address, progress, num_cpus, lock)
+        lock.check()  # never write the manifest over a run that took the output over
         written, entries = finalize(loc, cfg, identity)
         if not written:
             entries = [StreamEntry.from_json(_read_json(loc, done_file(s))) for s in wanted]
@@ -299,7 +236,7 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
                           already_done=not todo, max_num_tokens=cfg.knobs.max_num_tokens,
                           output_bytes=output_bytes(loc), packed_now=packed_now)
     finally:
-        release_lock(loc)
+        lock.release()
 
 
 def progress_postfix(snap: dict[int, tuple[int, int, bool]], todo: list[int], budget: int | None,
@@ -317,7 +254,7 @@ def progress_postfix(snap: dict[int, tuple[int, int, bool]], todo: list[int], bu
     return f"{tokens:,} tok, {rate:,.0f} tok/s, {per}, done {done}/{len(todo)}"
 
 
-def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus) -> None:
+def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus, lock: RunLock) -> None:
     ray = init_ray(address, num_cpus)
     try:
         Progress, stream_task = _make_remote(ray)
@@ -334,6 +271,12 @@ def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus) -> No
                        desc=f"packing {len(todo)} streams")
         try:
             while pending:
+                try:
+                    lock.check()  # another run took over our lease: stop writing at once
+                except Exception:
+                    for ref in pending:
+                        ray.cancel(ref, force=True)
+                    raise
                 ready, _ = ray.wait(list(pending), timeout=0.5)
                 for ref in ready:
                     s = pending.pop(ref)
