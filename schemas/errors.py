@@ -21,6 +21,10 @@ class UsageError(PrepackError, ValueError):
     exit_code = 2
 
 
+class CredentialsInUri(UsageError):
+    """A URI carries a secret (user:password@, or a key/token query parameter): refused, never echoed."""
+
+
 class ConfigError(PrepackError, ValueError):
     """The config is invalid (unknown key, wrong type, impossible value, missing source)."""
 

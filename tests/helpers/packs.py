@@ -21,11 +21,10 @@ KNOBS = dict(expected_num_tokens=700, max_num_tokens=900, max_num_tokens_per_sam
              vae_cond_dropout_prob=0.0)
 
 
-def build_pack(root: str, tokenizer_and_special, *, batches: int = 6, shard_bytes: int = 300_000, seed: int = 0,
-               edit: bool = False) -> str:
-    """A small real pack (t2i + sft [+ edit], 2 streams, several shards each) under ``root``; returns OUT."""
-    tok, special = tokenizer_and_special
-    data, out = os.path.join(root, "data"), os.path.join(root, "out")
+def small_dataset(root: str, *, batches: int = 6, shard_bytes: int = 300_000, seed: int = 0,
+                  edit: bool = False) -> str:
+    """Data (t2i + sft [+ edit]) under ``root/data`` and its config (2 streams); returns the config path."""
+    data = os.path.join(root, "data")
     os.makedirs(data)
     rs = np.random.RandomState(seed)
     ds = dg.Dataset(data)
@@ -34,8 +33,13 @@ def build_pack(root: str, tokenizer_and_special, *, batches: int = 6, shard_byte
     dg.add_sft(ds, lines, files)
     if edit:
         dg.add_edit(ds, [dg.good_edit_rows(rs, 2, i * 2) for i in range(2)])
-    cfg = load_config(ds.config(knobs=KNOBS, num_workers=2, prepack={"batches_per_stream": batches,
-                                                                      "shard_bytes": shard_bytes}))
+    return ds.config(knobs=KNOBS, num_workers=2, prepack={"batches_per_stream": batches, "shard_bytes": shard_bytes})
+
+
+def pack_in_process(config: str, out: str, tokenizer_and_special) -> str:
+    """Pack every stream of ``config`` into ``out`` (any location) in this process; returns ``out``."""
+    tok, special = tokenizer_and_special
+    cfg = load_config(config)
     identity = pack_identity(cfg, tokenizer_fingerprint(tok), special)
     loc = resolve_location(out)
     loc.fs.create_dir(loc.base, recursive=True)
@@ -44,3 +48,10 @@ def build_pack(root: str, tokenizer_and_special, *, batches: int = 6, shard_byte
         pack_one_stream(cfg, out, s, tok, special, record_metadata(identity))
     assert finalize(loc, cfg, identity)[0]
     return out
+
+
+def build_pack(root: str, tokenizer_and_special, *, batches: int = 6, shard_bytes: int = 300_000, seed: int = 0,
+               edit: bool = False) -> str:
+    """A small real pack (t2i + sft [+ edit], 2 streams, several shards each) under ``root``; returns OUT."""
+    config = small_dataset(root, batches=batches, shard_bytes=shard_bytes, seed=seed, edit=edit)
+    return pack_in_process(config, os.path.join(root, "out"), tokenizer_and_special)
