@@ -64,3 +64,22 @@ def same_pack_objects(a: dict[str, bytes], b: dict[str, bytes]) -> list[str]:
             continue
         differ.append(k)
     return differ
+
+
+def secret_leaks(secret: str, objects: dict[str, bytes] = {}, texts: dict[str, str] = {},  # noqa: B006
+                 dirs: tuple[str, ...] = ()) -> list[str]:
+    """Where ``secret`` appears: object names, captured texts, or any file under ``dirs``."""
+    needle = secret.encode()
+    found = [f"object {k}" for k, v in objects.items() if needle in v or secret in k]
+    found += [f"text {k}" for k, v in texts.items() if secret in v]
+    for d in dirs:
+        for dirpath, _, names in os.walk(d):
+            for n in names:
+                p = os.path.join(dirpath, n)
+                try:
+                    with open(p, "rb") as f:
+                        if needle in f.read():
+                            found.append(f"file {p}")
+                except OSError:
+                    pass
+    return found

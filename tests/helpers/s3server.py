@@ -100,13 +100,29 @@ class S3Server:
                     out[info.path[len(base) + 1:]] = f.read()
         return out
 
+    def exists(self, uri: str) -> bool:
+        import pyarrow.fs as pafs
+
+        return self.filesystem().get_file_info(uri.split("://", 1)[1]).type == pafs.FileType.File
+
+    def upload(self, local_dir: str, uri: str) -> None:
+        """Copy every file under ``local_dir`` to ``uri`` (same relative keys)."""
+        fs = self.filesystem()
+        base = uri.split("://", 1)[1].rstrip("/")
+        for dirpath, _, names in os.walk(local_dir):
+            for n in names:
+                src = os.path.join(dirpath, n)
+                rel = os.path.relpath(src, local_dir).replace(os.sep, "/")
+                with open(src, "rb") as f, fs.open_output_stream(f"{base}/{rel}") as out:
+                    out.write(f.read())
+
     def stop(self) -> None:
         """SIGTERM, then SIGKILL, by PID (only the process this fixture started)."""
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=15)
+                self.proc.wait(timeout=5)  # weed often lingers on SIGTERM; its data dir is thrown away
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):
                     self.proc.kill()
@@ -134,7 +150,7 @@ def start_server(weed: str, workdir: str) -> S3Server:
     args = [weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-master.port={master}", f"-master.port.grpc={master_g}", "-master.telemetry=false",
             "-master.volumeSizeLimitMB=256", "-volume.max=64",
-            f"-volume.port={vol}", f"-volume.port.grpc={vol_g}",
+            f"-volume.port={vol}", "-volume.preStopSeconds=0", f"-volume.port.grpc={vol_g}",
             f"-filer.port={filer}", f"-filer.port.grpc={filer_g}",
             f"-filer.localSocket={workdir}/filer.sock",
             "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_g}", "-s3.port.iceberg=0", "-s3.port.lance=0",
