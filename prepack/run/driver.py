@@ -24,7 +24,7 @@ from prepack.run.stream_job import lineage_file
 from prepack.run.writer import write_bytes_atomic
 from schemas.config import PrepackConfig
 from schemas.errors import PackRefused, StreamFailed
-from schemas.location import resolve_location
+from schemas.location import redact_uri, resolve_location
 from schemas.manifest import LINEAGE_NAME, MANIFEST_NAME, MANIFEST_VERSION, PACK_INFO_NAME, Manifest, StreamEntry
 from schemas.record import RECORD_SCHEMA_VERSION
 
@@ -203,7 +203,10 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
     for s in wanted:
         cfg.stream_rank_worker(s)  # range check with a clear message
     loc = resolve_location(out)
-    loc.fs.create_dir(loc.base, recursive=True)
+    try:
+        loc.fs.create_dir(loc.base, recursive=True)
+    except OSError as e:  # no such bucket, no access, store unreachable: the user's to fix, in one line
+        raise PackRefused(f"cannot write to {redact_uri(out)}: {str(e).strip().splitlines()[0]}") from None
     lock = acquire_lock(loc)
     try:
         existing = _read_json(loc, PACK_INFO_NAME)

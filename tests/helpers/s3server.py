@@ -27,6 +27,7 @@ import uuid
 from dataclasses import dataclass
 
 import pytest
+import yaml
 
 READY_TIMEOUT_S = 90.0
 BUCKET = "prepack-test"
@@ -127,6 +128,33 @@ class S3Server:
                 with contextlib.suppress(ProcessLookupError):
                     self.proc.kill()
                 self.proc.wait(timeout=15)
+
+
+def config_on_s3(local_config: str, data_root: str, uri: str, s3) -> str:
+    """A copy of ``local_config`` whose ``dataset_info`` paths point under ``uri`` instead of ``data_root``."""
+    from schemas.config import load_config
+
+    cfg = load_config(local_config)
+    with open(local_config) as f:
+        doc = yaml.safe_load(f)
+    to_uri = lambda p: uri + p[len(data_root):]  # noqa: E731
+    for g in cfg.groups:
+        for ds in g.datasets:
+            info = doc["dataset"]["dataset_info"][g.name][ds.name]
+            info["data_dir"] = to_uri(ds.data_dir)
+            for key in ("jsonl_path", "parquet_info_path"):
+                if getattr(ds, key):
+                    info[key] = to_uri(getattr(ds, key))
+            if ds.parquet_info_path:  # its keys name the files: on the store they are URIs
+                with open(ds.parquet_info_path) as f:
+                    keys = json.load(f)
+                fs = s3.filesystem()
+                with fs.open_output_stream(to_uri(ds.parquet_info_path).split("://", 1)[1]) as f:
+                    f.write(json.dumps({to_uri(k): v for k, v in keys.items()}).encode())
+    path = local_config.replace(".yaml", "-s3.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(doc, f, sort_keys=False)
+    return path
 
 
 def _log_tail(path: str, n: int = 3000) -> str:

@@ -16,7 +16,6 @@ import time
 
 import numpy as np
 import pytest
-import yaml
 
 from prepack.engine.packer import StreamPacker
 from schemas.config import load_config
@@ -24,35 +23,11 @@ from tests.helpers import datagen as dg
 from tests.helpers.compare import diff_batches
 from tests.helpers.parity import ours_via_record
 from tests.helpers.ray_helpers import make_demo
+from tests.helpers.s3server import config_on_s3
 
 pytestmark = pytest.mark.slow  # needs the S3 server (started once per session)
 
 BATCHES = 6
-
-
-def _s3_config(local_config: str, data_root: str, uri: str, s3) -> str:
-    """A copy of ``local_config`` whose ``dataset_info`` paths point under ``uri`` instead of ``data_root``."""
-    cfg = load_config(local_config)
-    with open(local_config) as f:
-        doc = yaml.safe_load(f)
-    to_uri = lambda p: uri + p[len(data_root):]  # noqa: E731
-    for g in cfg.groups:
-        for ds in g.datasets:
-            info = doc["dataset"]["dataset_info"][g.name][ds.name]
-            info["data_dir"] = to_uri(ds.data_dir)
-            for key in ("jsonl_path", "parquet_info_path"):
-                if getattr(ds, key):
-                    info[key] = to_uri(getattr(ds, key))
-            if ds.parquet_info_path:  # its keys name the files: on the store they are URIs
-                with open(ds.parquet_info_path) as f:
-                    keys = json.load(f)
-                fs = s3.filesystem()
-                with fs.open_output_stream(to_uri(ds.parquet_info_path).split("://", 1)[1]) as f:
-                    f.write(json.dumps({to_uri(k): v for k, v in keys.items()}).encode())
-    path = local_config.replace(".yaml", "-s3.yaml")
-    with open(path, "w") as f:
-        yaml.safe_dump(doc, f, sort_keys=False)
-    return path
 
 
 def _batches(config: str, stream: int, tok_special) -> tuple[list, float]:
@@ -71,7 +46,7 @@ def test_demo_data_on_s3_packs_the_same_batches(s3, tokenizer_and_special, tmp_p
     data_root = os.path.join(str(tmp_path), "demo-data")
     uri = s3.new_prefix("demo-data")
     s3.upload(data_root, uri)
-    s3_config = _s3_config(config, data_root, uri, s3)
+    s3_config = config_on_s3(config, data_root, uri, s3)
     for stream in (0, 1):
         local, t_local = _batches(config, stream, tokenizer_and_special)
         remote, t_remote = _batches(s3_config, stream, tokenizer_and_special)
@@ -100,7 +75,7 @@ def test_jsonl_media_paths_cannot_leave_the_data_dir_on_s3(s3, tokenizer_and_spe
     local_config = ds.config(knobs={"expected_num_tokens": 700, "max_num_tokens": 900, "max_num_tokens_per_sample": 700,
                                     "prefer_buffer_before": 500, "max_buffer_size": 3},
                              prepack={"batches_per_stream": 6})
-    s3_config = _s3_config(local_config, str(tmp_path), uri, s3)
+    s3_config = config_on_s3(local_config, str(tmp_path), uri, s3)
     tok, special = tokenizer_and_special
     p = StreamPacker(load_config(s3_config), 0, tok, special)
     assert len(list(p)) == 6

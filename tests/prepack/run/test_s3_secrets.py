@@ -57,6 +57,7 @@ def test_environment_secret_never_printed_or_written(s3, capfd, caplog, tmp_path
     for argv in runs:
         texts[" ".join(argv)] = _cli(capfd, caplog, *argv)[1]
     assert "prepack: error:" in texts[f"verify {uri}-missing"]
+    assert "prepack: error: cannot write to s3://no-such-bucket-x/p" in texts[" ".join(runs[2])]
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-" + s3.secret_key)  # refused by the server
     rc, texts["wrong secret"] = _cli(capfd, caplog, "verify", uri)
     assert rc != 0
