@@ -66,6 +66,19 @@ class PackLocation:
         """Filesystem path of ``relpath`` (``/``-separated, relative to the pack directory)."""
         return f"{self.base.rstrip('/')}/{relpath}" if relpath else self.base
 
+    def reopened(self) -> "PackLocation":
+        """The same location with a filesystem object of this process's own.
+
+        An S3 client's connections do not survive ``fork``: a DataLoader worker forked from a
+        process that already read the pack would share its sockets with the parent and read
+        another request's bytes.  A copy made through pickling (what pyarrow offers to rebuild
+        a filesystem from its options) opens its own."""
+        if self.is_local:
+            return self
+        import pickle
+
+        return PackLocation(pickle.loads(pickle.dumps(self.fs)), self.base)
+
     def read_bytes(self, relpath: str) -> bytes:
         with self.fs.open_input_stream(self.path(relpath)) as f:
             return f.read()
