@@ -32,7 +32,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from schemas.errors import LockLost, PackRefused
+from schemas.errors import LockLost, PackRefused, UsageError
 from schemas.location import PackLocation
 
 log = logging.getLogger(__name__)
@@ -145,9 +145,9 @@ class LeaseTiming:
         try:
             value = float(raw)
         except ValueError:
-            raise PackRefused(f"{LEASE_ENV}={raw!r} is not a number of seconds") from None
+            raise UsageError(f"{LEASE_ENV}={raw!r} is not a number of seconds") from None
         if not value >= 1.0:
-            raise PackRefused(f"{LEASE_ENV} must be at least 1 second, got {raw}")
+            raise UsageError(f"{LEASE_ENV} must be at least 1 second, got {raw}")
         return cls(value)
 
     @property
