@@ -240,6 +240,12 @@ class LeaseLock(RunLock):
             log.warning("could not remove the lock %s (%s); it expires in %.0f s", self.path, e, self.timing.lease_s)
 
 
+def _held_lease(held: dict, timing: LeaseTiming) -> float:
+    """The lease period the holder renews within (ours if its lock does not say)."""
+    lease = held.get("lease_s")
+    return float(lease) if isinstance(lease, (int, float)) and not isinstance(lease, bool) and lease > 0 else timing.lease_s
+
+
 def _stale_reason(held: dict, raw: bytes, me: dict, watched: tuple[bytes, float] | None,
                   timing: LeaseTiming) -> tuple[str | None, bool]:
     """(why the lock ``held`` may be taken over or None, whether it is proven live)."""
@@ -251,8 +257,7 @@ def _stale_reason(held: dict, raw: bytes, me: dict, watched: tuple[bytes, float]
         return f"its lease expired {time.time() - expires:.0f} s ago", False
     if watched is not None and watched[0] != raw:
         return None, True  # renewed (or claimed) while we watched: a live run
-    lease = held.get("lease_s")
-    lease = float(lease) if isinstance(lease, (int, float)) and lease > 0 else timing.lease_s
+    lease = _held_lease(held, timing)
     if watched is not None and time.monotonic() - watched[1] >= lease:
         return f"not renewed for {lease:.0f} s", False
     return None, False
@@ -277,7 +282,7 @@ def _acquire_lease(loc: PackLocation, timing: LeaseTiming) -> LeaseLock:
                 if not announced:
                     announced = True
                     log.warning("%s is held by pid %s on %s; waiting up to %.0f s to see whether that run renews it",
-                                path, held.get("pid"), held.get("host"), float(held.get("lease_s") or timing.lease_s))
+                                path, held.get("pid"), held.get("host"), _held_lease(held, timing))
                 time.sleep(min(1.0, timing.renew_every_s / 2))
                 continue
             log.warning("taking over the lock %s of pid %s on %s: %s", path, held.get("pid"), held.get("host"), reason)
