@@ -27,6 +27,7 @@ batch is read exactly once overall.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -98,6 +99,7 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         self._positions = [0] * len(self.streams)
         self._firsts = [0] * len(self.streams)
         self._pending: dict[str, Any] | None = None
+        self._pid = os.getpid()
 
     def num_batches(self) -> int:
         """Batches committed for this rank so far (all DataLoader workers together); final once the
@@ -113,6 +115,8 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         # right after iter(), before the first batch.
         info = torch.utils.data.get_worker_info()
         self._split = (info.id, info.num_workers) if info is not None else (0, 1)
+        if os.getpid() != self._pid:  # a forked DataLoader worker: an object-store client of its own
+            self.pack, self._pid = dataclasses.replace(self.pack, location=self.pack.location.reopened()), os.getpid()
         streams = self._worker_streams()
         self._positions = [0] * len(streams)
         self._firsts = [0] * len(streams)

@@ -20,6 +20,7 @@ import yaml
 
 from schemas.compression import Compression
 from schemas.errors import ConfigError
+from schemas.location import redact_uri, refuse_credentials
 
 GROUP_KINDS = ("t2i_pretrain", "vlm_sft", "unified_edit")
 DEFAULT_MAX_IMAGE_PIXELS = 400_000_000  # the reference's effective limit: 2 x PIL.MAX_IMAGE_PIXELS(2e8)
@@ -242,6 +243,7 @@ def _resolve(base: str, p: Any, where: str) -> str:
     if not isinstance(p, str) or not p:
         raise ConfigError(f"{where} must be a non-empty path string, got {p!r}")
     if "://" in p:
+        refuse_credentials(p, where)
         return p
     p = os.path.expanduser(p)
     if os.path.isabs(p):
@@ -249,6 +251,20 @@ def _resolve(base: str, p: Any, where: str) -> str:
         # keys, sort order of file paths), so normalising them could change which files match
         return p
     return os.path.normpath(os.path.join(base, p))
+
+
+def _is_kind(path: str, directory: bool) -> bool:
+    """Whether ``path`` (local, or a URI read through pyarrow) is a directory / a file."""
+    if "://" not in path:
+        return os.path.isdir(path) if directory else os.path.isfile(path)
+    import pyarrow.fs as pafs
+
+    try:
+        fs, p = pafs.FileSystem.from_uri(path)
+        kind = fs.get_file_info(p).type
+    except OSError as e:  # unreachable store, unknown bucket, no credentials: say so in one line
+        raise ConfigError(f"cannot reach {redact_uri(path)}: {str(e).splitlines()[0]}") from None
+    return kind == (pafs.FileType.Directory if directory else pafs.FileType.File)
 
 
 def _load_mapping(base: str, d: Mapping, key: str) -> dict:
@@ -313,10 +329,10 @@ def _parse_group(name: str, g: Any, infos: Mapping, base: str, check_files: bool
         if name == "unified_edit" and di.parquet_info_path is None:
             raise ConfigError(f"{iw} needs 'parquet_info_path' (unified_edit reads row groups from it)")
         if check_files:
-            if not os.path.isdir(di.data_dir):
+            if not _is_kind(di.data_dir, directory=True):
                 raise ConfigError(f"{iw}.data_dir: directory not found: {di.data_dir}")
             for label, p in (("jsonl_path", di.jsonl_path), ("parquet_info_path", di.parquet_info_path)):
-                if p is not None and not os.path.isfile(p):
+                if p is not None and not _is_kind(p, directory=False):
                     raise ConfigError(f"{iw}.{label}: file not found: {p}")
         datasets.append(di)
     weight = _typed(where, g.get("weight", 0.0), (int, float), "weight")

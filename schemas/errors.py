@@ -21,6 +21,10 @@ class UsageError(PrepackError, ValueError):
     exit_code = 2
 
 
+class CredentialsInUri(UsageError):
+    """A URI carries a secret (user:password@, or a key/token query parameter): refused, never echoed."""
+
+
 class ConfigError(PrepackError, ValueError):
     """The config is invalid (unknown key, wrong type, impossible value, missing source)."""
 
@@ -49,6 +53,10 @@ class DamagedFile(PrepackError, RuntimeError):
 
 class PackRefused(PrepackError, RuntimeError):
     """A run must not start: the output is locked, or holds another config's pack."""
+
+
+class LockLost(PackRefused):
+    """A run's lease on an object-store lock was taken over by another run: this one must stop."""
 
 
 class AuditRefused(PrepackError, RuntimeError):

@@ -8,12 +8,43 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from urllib.parse import parse_qsl, urlsplit
 
 import pyarrow.fs as pafs
+
+from schemas.errors import CredentialsInUri
 
 # Object stores publish an object only when its upload completes, and "rename" is a full copy
 # there; writers may skip the temporary name on these.
 ATOMIC_PUT_FILESYSTEMS = frozenset({"s3", "gcs"})
+
+
+# query parameters that may carry a secret (pyarrow and other clients accept some of these)
+_SECRET_QUERY_WORDS = ("secret", "password", "token", "access_key", "credential", "signature", "key_id")
+
+
+def redact_uri(uri: str) -> str:
+    """``uri`` with any user info and query string replaced by ``***`` (safe to print)."""
+    if "://" not in uri:
+        return uri
+    parts = urlsplit(uri)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    netloc = f"***@{host}" if "@" in parts.netloc else host
+    query = "?***" if parts.query else ""
+    return f"{parts.scheme}://{netloc}{parts.path}{query}"
+
+
+def refuse_credentials(uri: str, what: str = "a URI") -> None:
+    """Raise ``CredentialsInUri`` if ``uri`` carries a secret: secrets belong in the environment
+    (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``), where nothing of ours ever writes them down;
+    a URI is printed in summaries, stored in ``pack.json`` and shown by ``ps``."""
+    if "://" not in uri:
+        return
+    parts = urlsplit(uri)
+    secret_query = any(w in k.lower() for k, _ in parse_qsl(parts.query) for w in _SECRET_QUERY_WORDS)
+    if "@" in parts.netloc or secret_query:
+        raise CredentialsInUri(f"{what} {redact_uri(uri)} carries credentials: refused. Put them in the environment "
+                               "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) instead")
 
 
 @dataclass(frozen=True)
@@ -35,6 +66,19 @@ class PackLocation:
         """Filesystem path of ``relpath`` (``/``-separated, relative to the pack directory)."""
         return f"{self.base.rstrip('/')}/{relpath}" if relpath else self.base
 
+    def reopened(self) -> "PackLocation":
+        """The same location with a filesystem object of this process's own.
+
+        An S3 client's connections do not survive ``fork``: a DataLoader worker forked from a
+        process that already read the pack would share its sockets with the parent and read
+        another request's bytes.  A copy made through pickling (what pyarrow offers to rebuild
+        a filesystem from its options) opens its own."""
+        if self.is_local:
+            return self
+        import pickle
+
+        return PackLocation(pickle.loads(pickle.dumps(self.fs)), self.base)
+
     def read_bytes(self, relpath: str) -> bytes:
         with self.fs.open_input_stream(self.path(relpath)) as f:
             return f.read()
@@ -50,6 +94,7 @@ def resolve_location(
     if filesystem is not None:
         return PackLocation(filesystem, out)
     if "://" in out:
+        refuse_credentials(out, "the pack location")
         fs, path = pafs.FileSystem.from_uri(out)
         return PackLocation(fs, path)
     return PackLocation(pafs.LocalFileSystem(), os.path.abspath(out))

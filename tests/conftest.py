@@ -17,3 +17,7 @@ def tokenizer_and_special():
     from prepack.engine.tokenizer import load_tokenizer, special_token_ids
 
     return special_token_ids(load_tokenizer("qwen2-offline"))
+
+
+# the real S3 server (SeaweedFS) and its per-test environment; defined in tests/helpers
+from tests.helpers.s3server import s3, s3_server  # noqa: E402,F401

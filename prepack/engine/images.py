@@ -108,7 +108,7 @@ def decode_rgb(source: bytes | str, policy: ImagePolicy, warn: Callable[[str], N
     return to_rgb(img)
 
 
-def decode_plain_rgb(path: str, policy: ImagePolicy, warn: Callable[[str], None]) -> Image.Image:
+def decode_plain_rgb(path: bytes | str, policy: ImagePolicy, warn: Callable[[str], None]) -> Image.Image:
     """Frame-folder decoding: the reference uses ``.convert("RGB")`` there, with no compositing."""
     img = load_image(path, policy, warn)
     check_damage(img, policy, warn)

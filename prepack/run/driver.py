@@ -12,16 +12,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 
 from prepack.run.identity import budget_change, identity_mismatch, pack_identity, record_metadata, write_identity
+from prepack.run.lock import RunLock, acquire_lock, pid_alive
 from prepack.run.stream_job import read_done
 from prepack.run.writer import read_index, write_bytes_atomic
 from schemas.config import PrepackConfig
 from schemas.errors import PackRefused, StreamFailed
-from schemas.location import PackLocation, resolve_location
+from schemas.location import PackLocation, redact_uri, resolve_location
 from schemas.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -34,7 +34,6 @@ from schemas.manifest import (
 
 log = logging.getLogger(__name__)
 
-LOCK_NAME = ".prepack.lock"
 LOG_EVERY_S = 30.0
 
 
@@ -82,69 +81,6 @@ class RunSummary:
             out.append("manifest not written yet: some streams of this config are still unpacked "
                        "(their committed shards are readable now)")
         return out
-
-
-# -- lock -------------------------------------------------------------------------------------
-def _pid_alive(pid: int) -> bool:
-    """Whether ``pid`` is a live process on this host (a zombie, i.e. an exited process its parent
-    has not reaped yet, holds no lock: it counts as dead)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True  # no procfs: trust kill(0)
-    return state not in ("Z", "X")
-
-
-def acquire_lock(loc) -> dict:
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
-    path = loc.path(LOCK_NAME)
-    if loc.is_local:
-        for _ in range(2):
-            # Write the holder first, then link it into place: the lock never exists empty, even
-            # if this process dies between the two steps (link fails if a lock already exists).
-            tmp = f"{path}.{me['pid']}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(me, f)
-            try:
-                os.link(tmp, path)
-                return me
-            except FileExistsError:
-                pass
-            finally:
-                os.unlink(tmp)
-            try:
-                held = json.loads(open(path).read() or "{}")
-            except (OSError, ValueError):
-                held = {}
-            if held.get("host") == me["host"] and isinstance(held.get("pid"), int) and not _pid_alive(held["pid"]):
-                log.warning("removing stale lock of dead process %s", held["pid"])
-                os.unlink(path)
-                continue
-            raise PackRefused(
-                f"another prepack run (pid {held.get('pid')} on {held.get('host')}) holds {path}; "
-                "wait for it, or delete the lock file if that run is dead"
-            )
-        raise PackRefused(f"could not take the lock {path}")
-    info = loc.fs.get_file_info(path)
-    if info.type.name == "File":
-        raise PackRefused(f"{path} exists: another run may be writing this output; delete it if none is")
-    with loc.fs.open_output_stream(path) as f:
-        f.write(json.dumps(me).encode())
-    return me
-
-
-def release_lock(loc) -> None:
-    try:
-        loc.fs.delete_file(loc.path(LOCK_NAME))
-    except (FileNotFoundError, OSError):
-        pass
 
 
 # -- ray --------------------------------------------------------------------------------------
@@ -195,7 +131,7 @@ def _make_remote(ray):
         raylet = int(os.environ.get("RAY_RAYLET_PID") or 0) if local_ray else 0
 
         def check_raylet() -> None:
-            if raylet and not _pid_alive(raylet):
+            if raylet and not pid_alive(raylet):
                 raise RuntimeError(f"stream {stream}: this worker's raylet (pid {raylet}) is gone; stopping")
 
         check_raylet()
@@ -293,8 +229,11 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
     for s in wanted:
         cfg.stream_rank_worker(s)  # range check with a clear message
     loc = resolve_location(out)
-    loc.fs.create_dir(loc.base, recursive=True)
-    acquire_lock(loc)
+    try:
+        loc.fs.create_dir(loc.base, recursive=True)
+    except OSError as e:  # no such bucket, no access, store unreachable: the user's to fix, in one line
+        raise PackRefused(f"cannot write to {redact_uri(out)}: {str(e).strip().splitlines()[0]}") from None
+    lock = acquire_lock(loc)
     try:
         identity, _ = _settle_identity(loc, out, identity)
         budget = cfg.prepack.budget()
@@ -311,9 +250,11 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
             from prepack.run.stream_job import pack_one_stream
 
             for s in todo:
+                lock.check()
                 pack_one_stream(cfg, out, s, tokenizer, special, record_metadata(identity))
         else:
-            _run_tasks(cfg, out, todo, record_metadata(identity), address, progress, num_cpus)
+            _run_tasks(cfg, out, todo, record_metadata(identity), address, progress, num_cpus, lock)
+        lock.check()  # never write the manifest over a run that took the output over
         written, _ = finalize(loc, cfg, identity)
         entries = [read_done(loc, s) for s in wanted]
         now = [e for e in entries if e.stream in todo]
@@ -323,7 +264,7 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
                           max_num_tokens=cfg.knobs.max_num_tokens, output_bytes=output_bytes(loc),
                           packed_now=packed_now)
     finally:
-        release_lock(loc)
+        lock.release()
 
 
 def progress_postfix(snap: dict[int, tuple[int, int, bool]], todo: list[int], budget: int | None,
@@ -341,7 +282,7 @@ def progress_postfix(snap: dict[int, tuple[int, int, bool]], todo: list[int], bu
     return f"{tokens:,} tok, {rate:,.0f} tok/s, {per}, done {done}/{len(todo)}"
 
 
-def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus) -> None:
+def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus, lock: RunLock) -> None:
     ray = init_ray(address, num_cpus)
     try:
         Progress, stream_task = _make_remote(ray)
@@ -358,6 +299,12 @@ def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus) -> No
                        desc=f"packing {len(todo)} streams")
         try:
             while pending:
+                try:
+                    lock.check()  # another run took over our lease: stop writing at once
+                except Exception:
+                    for ref in pending:
+                        ray.cancel(ref, force=True)
+                    raise
                 ready, _ = ray.wait(list(pending), timeout=0.5)
                 for ref in ready:
                     s = pending.pop(ref)

@@ -34,12 +34,22 @@ def small_config(ds: dg.Dataset, *, shard_bytes: int = 300_000, **budget):
     return load_config(ds.config(knobs=KNOBS, num_workers=2, prepack={"shard_bytes": shard_bytes, **budget}))
 
 
+def small_dataset(root: str, *, batches: int = 6, shard_bytes: int = 300_000, seed: int = 0,
+                  edit: bool = False) -> str:
+    """Data (t2i + sft [+ edit]) under ``root/data`` and its config (2 streams); returns the config path."""
+    ds = make_dataset(root, seed=seed, edit=edit)
+    return ds.config(knobs=KNOBS, num_workers=2, prepack={"batches_per_stream": batches, "shard_bytes": shard_bytes})
+
+
+def pack_in_process(config: str, out: str, tokenizer_and_special) -> str:
+    """Pack every stream of ``config`` into ``out`` (any location) in this process; returns ``out``."""
+    summary = run_pack(load_config(config), out, inline=True, tokenizer=tokenizer_and_special, progress=False)
+    assert summary.manifest_written
+    return out
+
+
 def build_pack(root: str, tokenizer_and_special, *, batches: int = 6, shard_bytes: int = 300_000, seed: int = 0,
                edit: bool = False) -> str:
     """A small real pack (2 streams, several shards each) under ``root``, packed in-process; returns OUT."""
-    ds = make_dataset(root, seed=seed, edit=edit)
-    out = os.path.join(root, "out")
-    summary = run_pack(small_config(ds, shard_bytes=shard_bytes, batches_per_stream=batches), out, inline=True,
-                       tokenizer=tokenizer_and_special, progress=False)
-    assert summary.manifest_written
-    return out
+    return pack_in_process(small_dataset(root, batches=batches, shard_bytes=shard_bytes, seed=seed, edit=edit),
+                           os.path.join(root, "out"), tokenizer_and_special)

@@ -20,6 +20,7 @@ import numpy as np
 
 from prepack.engine.accounting import Counters, Rejected
 from prepack.engine.images import ImagePolicy
+from prepack.engine.sources import files
 from prepack.engine.sample import Sample
 from schemas.config import GroupConfig
 from schemas.errors import ConfigError, SourceStalled  # noqa: F401  (SourceStalled: raised by sources)
@@ -76,14 +77,15 @@ def list_parquet_files(data_dir: str, num_files: int, counters: Counters, group:
     """The reference's file list for one directory: ``os.listdir`` order, cycled to ``num_files``.
 
     Listing order decides which files are used when ``num_files`` is not a multiple of the file
-    count; we use the same call so the same files are chosen on the same machine.
+    count; we use the same call so the same files are chosen on the same machine (an object
+    store lists in key order).
     """
-    names = [n for n in os.listdir(data_dir) if n.endswith(".parquet")]
+    names = [n for n in files.list_names(data_dir) if n.endswith(".parquet")]
     if not names:
         raise ConfigError(f"group {group}: no .parquet files in {data_dir}")
     if num_files % len(names):
         counters.warn("parquet_file_choice_depends_on_listing_order", data_dir)
-    paths = [os.path.join(data_dir, n) for n in names]
+    paths = [files.join(data_dir, n) for n in names]
     return (paths * (num_files // len(paths) + 1))[:num_files]
 
 

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 from prepack.engine.accounting import Rejected
 from prepack.engine.images import decode_rgb, navit_size
 from prepack.engine.sample import PlanItem, Sample, SampleImage
+from prepack.engine.sources import files
 from prepack.engine.sources.base import Source, StreamContext, list_parquet_files, slice_for_stream
 from schemas.config import ConfigError, GroupConfig, TransformArgs
 from schemas.record import SampleOrigin
@@ -29,8 +30,7 @@ def _load_parquet_info(paths: list[str], base: str) -> dict:
     info: dict = {}
     for p in paths:
         try:
-            with open(p) as f:
-                d = json.load(f)
+            d = json.loads(files.read_text(p))
         except (OSError, ValueError) as e:
             raise ConfigError(f"parquet_info_path {p}: cannot read JSON ({e})") from None
         if not isinstance(d, dict):
@@ -58,7 +58,7 @@ class EditSource(Source):
                     raise ConfigError(f"parquet_info entry for {path} needs an integer 'num_row_groups'") from None
                 row_groups += [(path, rg, ds.name) for rg in range(n)]
         for path in info:
-            if path not in listed and not os.path.exists(path):
+            if path not in listed and not files.exists(path):
                 ctx.counters.warn("parquet_info_entry_without_file", path)
         self.row_groups = slice_for_stream(row_groups, ctx, group.name, key=lambda t: (t[0], t[1]))
         self.pos = [0, 0]  # next (row-group position, row)
@@ -75,7 +75,7 @@ class EditSource(Source):
                 gpos = self.pos[0]
                 path, rg, dataset = self.row_groups[gpos]
                 try:
-                    pf = pq.ParquetFile(path)
+                    pf = pq.ParquetFile(files.random_access(path))
                     names = pf.schema_arrow.names
                     table = pf.read_row_group(rg, columns=[c for c in ("image_list", "instruction_list") if c in names])
                 except Exception as e:  # the reference drops the row group (or crashes on a missing file)

@@ -17,6 +17,7 @@ from PIL import Image
 
 from prepack.engine.accounting import Rejected
 from prepack.engine.images import ImagePolicy, decode_plain_rgb
+from prepack.engine.sources import files
 from schemas.config import FrameSamplerArgs
 
 _FRAME_NUMBER = re.compile(r"_(\d+).jpg$")
@@ -69,7 +70,7 @@ def read_video_file(path: str, args: FrameSamplerArgs, py: random.Random, rs: np
     """Frames of an mp4 (or anything decord reads)."""
     import decord  # heavy and only needed for video rows
 
-    reader = decord.VideoReader(path, num_threads=1)
+    reader = decord.VideoReader(files.video_source(path), num_threads=1)
     vlen = len(reader)
     fps = reader.get_avg_fps()
     count = rs.randint(args.min_num_frames, args.max_num_frames + 1)
@@ -84,8 +85,8 @@ def read_video_file(path: str, args: FrameSamplerArgs, py: random.Random, rs: np
 def read_frame_folder(path: str, args: FrameSamplerArgs, py: random.Random, rs: np.random.RandomState,
                       policy: ImagePolicy, warn: Callable[[str], None]) -> list[Image.Image]:
     """Frames of a folder of images, ordered by the ``_NNN.jpg`` suffix (others first)."""
-    names = sorted(os.listdir(path), key=lambda n: _frame_number(os.path.basename(n)))
-    frames = [decode_plain_rgb(os.path.join(path, n), policy, warn) for n in names]
+    names = sorted(files.list_names(path), key=lambda n: _frame_number(os.path.basename(n)))
+    frames = [decode_plain_rgb(files.media(files.join(path, n)), policy, warn) for n in names]
     count = rs.randint(args.min_num_frames, args.max_num_frames + 1)
     if len(frames) > count:
         frames = [frames[i] for i in frame_indices(count, len(frames), args.sample, py, rs)]

@@ -4,7 +4,8 @@ Lines are read with Python's universal-newline rules (a bare carriage return end
 reference's ``readlines()`` does), so row numbering matches; a line that is not valid UTF-8 is one
 dropped row instead of a crashed file.  Per file: optional seeded line shuffle, then the first
 ``num_used_data`` lines.  All files' lines are sorted by (text, image dir) and sliced per stream.
-Image and video paths must stay inside the data directory (absolute paths and ``..`` are refused).
+Image and video paths must stay inside the data directory (absolute paths, ``~``, ``..`` and URIs
+are refused), on a local disk and on an object store alike.
 Data index: the row's position in this stream's slice (an int).
 """
 
@@ -20,6 +21,7 @@ from typing import Iterator
 from prepack.engine.accounting import Rejected
 from prepack.engine.images import decode_rgb, navit_size
 from prepack.engine.sample import PlanItem, Sample, SampleImage
+from prepack.engine.sources import files
 from prepack.engine.sources.base import Source, StreamContext, slice_for_stream
 from prepack.engine.sources.frames import sample_frames
 from schemas.config import GroupConfig
@@ -38,8 +40,7 @@ class _Line:
 
 def read_lines(path: str) -> list[tuple[str, bool]]:
     """(line, decodes-as-UTF-8) pairs with ``readlines()`` newline semantics."""
-    with open(path, "rb") as f:
-        raw = f.read()
+    raw = files.read_bytes(path)
     text = raw.decode("utf-8", errors="surrogateescape")
     out = []
     for line in io.StringIO(text, newline=None).readlines():
@@ -56,9 +57,9 @@ def _inside(data_dir: str, rel) -> str:
     if not isinstance(rel, str):
         raise Rejected("jsonl_bad_path", f"path is {type(rel).__name__}")
     parts = rel.replace("\\", "/").split("/")
-    if os.path.isabs(rel) or rel.startswith("~") or ".." in parts:
+    if os.path.isabs(rel) or rel.startswith(("~", "/")) or ".." in parts or "://" in rel:
         raise Rejected("unsafe_path_outside_data_dir", rel)
-    return os.path.join(data_dir, rel)
+    return files.join(data_dir, rel)
 
 
 class SftSource(Source):
@@ -101,7 +102,7 @@ class SftSource(Source):
         ctx = self.ctx
         if "image" in item:
             names = item["image"] if type(item["image"]) is list else [item["image"]]
-            return [decode_rgb(_inside(data_dir, n), ctx.image_policy, ctx.counters.warn) for n in names]
+            return [decode_rgb(files.media(_inside(data_dir, n)), ctx.image_policy, ctx.counters.warn) for n in names]
         if "video" in item:
             frames = sample_frames(_inside(data_dir, item["video"]), self.group.frame_sampler, ctx.py_rng,
                                    ctx.np_rng, ctx.image_policy, ctx.counters.warn)

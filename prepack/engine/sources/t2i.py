@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 from prepack.engine.accounting import Rejected
 from prepack.engine.images import decode_rgb, navit_size
 from prepack.engine.sample import PlanItem, Sample, SampleImage
+from prepack.engine.sources import files
 from prepack.engine.sources.base import Source, StreamContext, list_parquet_files, slice_for_stream
 from schemas.config import GroupConfig
 from schemas.record import SampleOrigin
@@ -42,7 +43,7 @@ class T2ISource(Source):
                 fpos = self.pos[0]
                 path, dataset = self.files[fpos]
                 try:
-                    pf = pq.ParquetFile(path)
+                    pf = pq.ParquetFile(files.random_access(path))
                     names = set(pf.schema_arrow.names)
                     num_groups = pf.num_row_groups
                 except Exception as e:  # the reference crashes here; we drop the file

@@ -1,0 +1,89 @@
+"""Source files on a local disk or an object store, behind the few calls the sources make.
+
+The reference reads only local files.  A ``data_dir``, ``jsonl_path``, ``parquet_info_path`` or
+media path given as a URI (``s3://bucket/dir``, ``gs://...``) is read through pyarrow's
+filesystem instead, with the same results: the same listing semantics (names of the entries of
+one directory), the same bytes.  Local paths go on using the very calls the reference makes
+(``os.listdir``, ``open``, a path handed to PIL or parquet), so local behaviour is unchanged.
+
+One filesystem object per (scheme, bucket) and process: creating an S3 client costs far more
+than a request, and a stream reads thousands of objects.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+
+import pyarrow.fs as pafs
+
+
+def is_uri(path: str) -> bool:
+    return "://" in path
+
+
+@functools.lru_cache(maxsize=64)
+def _filesystem(scheme: str, authority: str) -> pafs.FileSystem:
+    fs, _ = pafs.FileSystem.from_uri(f"{scheme}://{authority}/")
+    return fs
+
+
+def fs_and_path(uri: str) -> tuple[pafs.FileSystem, str]:
+    """The (cached) filesystem of ``uri`` and the object path inside it (``bucket/key``)."""
+    scheme, rest = uri.split("://", 1)
+    authority, _, key = rest.partition("/")
+    return _filesystem(scheme, authority), f"{authority}/{key}".rstrip("/")
+
+
+def join(directory: str, name: str) -> str:
+    """``name`` inside ``directory`` (``/`` on URIs, ``os.path.join`` locally)."""
+    return f"{directory.rstrip('/')}/{name}" if is_uri(directory) else os.path.join(directory, name)
+
+
+def list_names(directory: str) -> list[str]:
+    """Entry names of one directory (``os.listdir`` locally; the store's listing order on URIs)."""
+    if not is_uri(directory):
+        return os.listdir(directory)
+    fs, path = fs_and_path(directory)
+    infos = fs.get_file_info(pafs.FileSelector(path, allow_not_found=False))
+    return [i.base_name for i in infos]
+
+
+def exists(path: str) -> bool:
+    if not is_uri(path):
+        return os.path.exists(path)
+    fs, p = fs_and_path(path)
+    return fs.get_file_info(p).type != pafs.FileType.NotFound
+
+
+def read_bytes(path: str) -> bytes:
+    if not is_uri(path):
+        with open(path, "rb") as f:
+            return f.read()
+    fs, p = fs_and_path(path)
+    with fs.open_input_stream(p) as f:
+        return f.read()
+
+
+def read_text(path: str) -> str:
+    """A small text file (JSON), UTF-8."""
+    return read_bytes(path).decode("utf-8")
+
+
+def media(path: str) -> "str | bytes":
+    """What to hand a decoder: the path itself locally (as the reference does), the bytes on a URI."""
+    return read_bytes(path) if is_uri(path) else path
+
+
+def random_access(path: str):
+    """A seekable file for parquet: the path locally, an open pyarrow input file on a URI."""
+    if not is_uri(path):
+        return path
+    fs, p = fs_and_path(path)
+    return fs.open_input_file(p)
+
+
+def video_source(path: str):
+    """What decord opens: the path locally, an in-memory file of the object on a URI."""
+    return io.BytesIO(read_bytes(path)) if is_uri(path) else path
