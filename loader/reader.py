@@ -204,13 +204,18 @@ def expected_metadata(identity: dict, shard: ShardEntry) -> dict[str, str]:
 
 
 def read_shard(
-    pack: Pack, shard: ShardEntry, first: int = 0, *, verify: "bool | str" = True
+    pack: Pack, shard: ShardEntry, first: int = 0, *, verify: "bool | str" = True, columns: list[str] | None = None
 ) -> Iterator[tuple[int, pa.RecordBatch]]:
     """Yield ``(stream record index, record)`` of one committed shard from its record ``first`` on.
 
     ``verify``: False reads as is; True checks size, schema metadata and every record's digest;
-    ``"file"`` also the whole file's sha256 (reading the file whole first).
+    ``"file"`` also the whole file's sha256 (reading the file whole first).  ``columns`` reads only
+    those (a projected read: the other buffers are not read); record digests need every column,
+    so a projection checks the file's size, identity and record count only.
     """
+    if columns is not None and verify:
+        verify = "structure"
+    fields = None if columns is None else [RECORD_SCHEMA.get_field_index(c) for c in columns]
     loc = pack.location
     path = loc.path(shard.file)
 
@@ -231,14 +236,16 @@ def read_shard(
                 raise fail(first, "shard file sha256 differs from the stream index")
             source = pa.BufferReader(data)
         try:
-            reader = pa.ipc.open_file(source, options=_READ_OPTIONS)
+            options = _READ_OPTIONS if fields is None else pa.ipc.IpcReadOptions(use_threads=False, included_fields=fields)
+            reader = pa.ipc.open_file(source, options=options)
         except (pa.ArrowException, OSError) as exc:
             raise fail(first, f"not a readable Arrow IPC file ({exc})") from exc
         if verify:
             meta = {k.decode(): v.decode() for k, v in (reader.schema.metadata or {}).items()}
             wrong = [f"{k}={meta.get(k)!r} (expected {v!r})" for k, v in expected_metadata(pack.identity, shard).items()
                      if meta.get(k) != v]
-            if reader.schema.remove_metadata() != RECORD_SCHEMA:
+            expected = RECORD_SCHEMA if columns is None else pa.schema([RECORD_SCHEMA.field(c) for c in columns])
+            if reader.schema.remove_metadata() != expected:
                 wrong.append("its columns differ from this reader's record schema")
             if wrong:
                 raise fail(first, "shard belongs elsewhere: " + "; ".join(wrong))
@@ -249,9 +256,9 @@ def read_shard(
                 record = reader.get_batch(i)
                 if verify:  # bounds first: damaged offsets must not make the digest read out of range
                     record.validate(full=True)
-                digest = record_digest(record) if verify else None
+                digest = record_digest(record) if verify in (True, "file") else None
             except (pa.ArrowException, OSError, ValueError) as exc:
                 raise fail(i, f"cannot decode record ({exc})") from exc
-            if verify and digest != shard.records[i].digest:
+            if digest is not None and digest != shard.records[i].digest:
                 raise fail(i, "record content digest differs from the stream index (corrupted, or shard files swapped)")
             yield shard.first_record + i, record

@@ -25,12 +25,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
-import pyarrow as pa
 
-from loader.reader import Pack
-from schemas.location import PackLocation, resolve_location
+from loader.reader import Pack, read_shard
+from schemas.location import resolve_location
 from schemas.manifest import LINEAGE_DIR, StreamSummary
-from schemas.record import RECORD_SCHEMA
 
 log = logging.getLogger(__name__)
 
@@ -103,18 +101,12 @@ class PackStats:
 
 
 def _stream_records(pack: Pack, stream: int) -> list[tuple]:
-    """One row per record of ``stream`` with its image counts, reading three small columns of each shard."""
-    fields = [RECORD_SCHEMA.get_field_index(n) for n in _IMAGE_COLUMNS]
-    options = pa.ipc.IpcReadOptions(included_fields=fields, use_threads=False)
-    loc = pack.location
+    """One row per record of ``stream`` with its image counts (a projected read of three small columns)."""
     rows = []
     for sh in pack.index(stream).shards:
-        with loc.fs.open_input_file(loc.path(sh.file)) as f:
-            reader = pa.ipc.open_file(f, options=options)
-            for i, r in enumerate(sh.records):
-                b = reader.get_batch(i)
-                rows.append((stream, sh.shard, sh.first_record + i, r.num_tokens, r.num_samples)
-                            + tuple(len(b.column(n)[0]) for n in _IMAGE_COLUMNS))
+        for (index, b), r in zip(read_shard(pack, sh, columns=list(_IMAGE_COLUMNS)), sh.records):
+            rows.append((stream, sh.shard, index, r.num_tokens, r.num_samples)
+                        + tuple(len(b.column(n)[0]) for n in _IMAGE_COLUMNS))
     pack.forget(stream)
     return rows
 
