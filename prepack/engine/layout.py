@@ -48,10 +48,10 @@ class SequenceBuilder:
     """Accumulates one packed batch; ``curr`` is the reference's running token position."""
 
     def __init__(self, knobs: PackingKnobs, special, py_rng: random.Random, np_rng: np.random.RandomState):
-        self.k = knobs
-        self.sp = special
-        self.py = py_rng
-        self.np = np_rng
+        self.knobs = knobs
+        self.special = special
+        self.py_rng = py_rng  # the stream's random.Random: CFG dropout draws
+        self.np_rng = np_rng  # the stream's RandomState: flow-matching timesteps
         self.curr = 0
         self.sample_lens: list[int] = []
         self.sample_num_splits: list[int] = []
@@ -77,10 +77,6 @@ class SequenceBuilder:
         self.mse_indexes: list[int] = []
         self.origins: list[SampleOrigin] = []
 
-    @property
-    def empty(self) -> bool:
-        return self.curr == 0 and not self.sample_lens
-
     def _slot(self, image: SampleImage) -> int:
         key = id(image)
         if key not in self._image_slot:
@@ -101,7 +97,7 @@ class SequenceBuilder:
 
     def add(self, sample: Sample) -> None:
         """Append one sample (reference ``pack_sequence`` semantics, random draws included)."""
-        k, sp = self.k, self.sp
+        k, sp = self.knobs, self.special
         texts = iter(sample.texts)
         images = iter(sample.images)
         curr = self.curr
@@ -116,7 +112,7 @@ class SequenceBuilder:
                 split_len = 0
             if item.kind == "text":
                 ids = next(texts)
-                if item.enable_cfg == 1 and self.py.random() < k.text_cond_dropout_prob:
+                if item.enable_cfg == 1 and self.py_rng.random() < k.text_cond_dropout_prob:
                     continue
                 n = len(ids) + 1
                 self.text_ids.append(sp.bos_token_id)
@@ -138,7 +134,7 @@ class SequenceBuilder:
                 rope += split_len
             elif item.kind == "vit_image":
                 image = next(images)
-                if item.enable_cfg == 1 and self.py.random() < k.vit_cond_dropout_prob:
+                if item.enable_cfg == 1 and self.py_rng.random() < k.vit_cond_dropout_prob:
                     rope += 1
                     continue
                 self._marker(sp.start_of_image, curr)
@@ -166,7 +162,7 @@ class SequenceBuilder:
                 rope += 1
             elif item.kind == "vae_image":
                 image = next(images)
-                if item.enable_cfg == 1 and self.py.random() < k.vae_cond_dropout_prob:
+                if item.enable_cfg == 1 and self.py_rng.random() < k.vae_cond_dropout_prob:
                     rope += 1
                     continue
                 self._marker(sp.start_of_image, curr)
@@ -182,7 +178,7 @@ class SequenceBuilder:
                 if item.loss == 1:
                     self.mse_indexes.extend(range(curr, curr + n_tok))
                     if item.split_start:
-                        timestep = self.np.randn()
+                        timestep = self.np_rng.randn()
                     elif timestep is None:
                         raise PackingError("a continued VAE split with loss has no timestep (malformed video plan)")
                 else:
@@ -217,7 +213,7 @@ class SequenceBuilder:
 
     def build(self) -> PackedBatch:
         """The compact batch; pixels are resized here (once per distinct picture)."""
-        k = self.k
+        k = self.knobs
         table = image_table([img.pixels() for img in self.images])
         cat = lambda parts: np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)  # noqa: E731
         return PackedBatch(

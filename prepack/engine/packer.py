@@ -14,8 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import random
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
@@ -46,7 +45,6 @@ class StreamState:
     buffer: list[Sample]
     counters: Counters
     refused_in_row: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 def _py_state_to_json(state: tuple) -> list:
@@ -226,15 +224,3 @@ class StreamPacker:
                 yield batch
             if self.budget_spent():
                 return
-
-
-def pack_stream(cfg: PrepackConfig, stream: int, tokenizer, special, limit: int | None = None) -> list[PackedBatch]:
-    """Convenience for tests and audits: the first ``limit`` batches of a stream, in memory."""
-    out = []
-    start = time.perf_counter()
-    for batch in StreamPacker(cfg, stream, tokenizer, special):
-        out.append(batch)
-        if limit is not None and len(out) >= limit:
-            break
-    log.debug("packed %d batches of stream %d in %.2fs", len(out), stream, time.perf_counter() - start)
-    return out

@@ -8,7 +8,7 @@ picture twice (an edit frame that is both a VAE target and a VAE condition).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image
@@ -64,7 +64,6 @@ class Sample:
     images: list[SampleImage]  # one per image plan item, in order (extra unused ones allowed)
     num_tokens: int  # the reference's estimate (before BOS/EOS/markers)
     origin: SampleOrigin
-    extra: dict = field(default_factory=dict)
 
     @property
     def packed_len_estimate(self) -> int:

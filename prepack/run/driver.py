@@ -9,7 +9,6 @@ existing output, or two concurrent runs on one output, are refused.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time

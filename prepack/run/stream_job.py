@@ -11,7 +11,6 @@ written; a later run with a larger budget continues from the last checkpoint.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field

@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import re
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import asdict, is_dataclass
 from typing import Any
 
 import pyarrow as pa

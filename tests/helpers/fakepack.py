@@ -12,7 +12,6 @@ real pack run would leave.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from dataclasses import dataclass
 

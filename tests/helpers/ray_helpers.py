@@ -15,7 +15,6 @@ bytes) so its session directory and ``session_latest`` link do not touch anyone 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal

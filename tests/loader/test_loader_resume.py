@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import os
 import random

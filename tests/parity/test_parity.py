@@ -18,11 +18,9 @@ import pytest
 from tests.helpers import datagen as dg
 from tests.helpers import oracle
 from tests.helpers.compare import diff_batches
-from tests.helpers.parity import assert_parity, ours_via_record
-from loader.batch import SimpleCustomBatch
+from tests.helpers.parity import assert_parity
 from prepack.engine.packer import StreamPacker
 from schemas.config import load_config
-from schemas.record import batch_to_record, record_to_batch
 
 from tests.helpers.paths import REPO
 

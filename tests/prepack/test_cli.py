@@ -34,9 +34,8 @@ def test_no_subcommand_prints_help_and_fails():
     (["stats", "/nonexistent/pack"], 1, "is not a pack (no pack.json)"),
 ])
 def test_errors_are_one_line_on_stderr(args, code, text, tmp_path):
-    import os
-
     from tests.helpers.paths import REPO as repo
+
     r = prepack(*[a if a != "x" else str(tmp_path / "out") for a in args], cwd=repo)
     assert r.returncode == code, r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]

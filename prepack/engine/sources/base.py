@@ -11,7 +11,6 @@ item and row to read) is the whole of its resumable state.
 from __future__ import annotations
 
 import logging
-import os
 import random
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator

@@ -18,9 +18,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.helpers import datagen as dg
 from tests.helpers.fakepack import make_batch
-from tests.helpers.packs import KNOBS, build_pack
+from tests.helpers.packs import build_pack
 from loader import open_stream
 from loader.reader import Pack, read_shard
 from prepack.run.identity import config_from_identity
@@ -29,11 +28,7 @@ from prepack.tools.audit import AuditRefused, audit_pack, first_difference
 from prepack.tools.stats import scan_lineage
 from schemas.errors import DamagedFile, PackFormatError, PackIntegrityError
 from prepack.cli import main
-from prepack.run.driver import finalize
-from prepack.run.identity import pack_identity, record_metadata
 from prepack.tools.stats import batches_with_row
-from prepack.run.stream_job import pack_one_stream
-from prepack.engine.tokenizer import tokenizer_fingerprint
 from prepack.tools.verify import verify_pack
 from prepack.run.writer import Compression, write_bytes_atomic, write_json_atomic
 from schemas.config import load_config
