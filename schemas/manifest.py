@@ -89,6 +89,7 @@ class StreamEntry:
     warnings: dict[str, int] = field(default_factory=dict)  # kind -> damaged-but-packed count
     group_samples: dict[str, int] = field(default_factory=dict)  # group -> samples packed
     elapsed_s: float = 0.0  # packing time (not digested; informational)
+    cpu_s: float = 0.0  # CPU seconds of the packing process, all threads, worker start-up excluded (informational)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "StreamEntry":

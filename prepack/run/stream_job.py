@@ -89,6 +89,7 @@ def _write_lineage(loc, stream: int, shard: int, table: pa.Table) -> None:
 def pack_one_stream(cfg: PrepackConfig, out: str, stream: int, tokenizer, special, metadata: dict[str, str],
                     report: Callable[[ProgressEvent], None] | None = None) -> StreamEntry:
     """Pack (or finish packing) stream ``stream`` into ``out``; returns its manifest entry."""
+    cpu_start = time.process_time()  # the whole process (Ray's threads too): what packing costs per core
     loc = resolve_location(out)
     rank, worker = cfg.stream_rank_worker(stream)
     if loc.fs.get_file_info(loc.path(done_file(stream))).type.name == "File":
@@ -134,7 +135,7 @@ def pack_one_stream(cfg: PrepackConfig, out: str, stream: int, tokenizer, specia
         num_tokens=sum(r.num_tokens for s in committed for r in s.records),
         num_samples=sum(r.num_samples for s in committed for r in s.records),
         drops=counters.drops, warnings=counters.warnings, group_samples=counters.samples_packed,
-        elapsed_s=round(time.perf_counter() - start, 3),
+        elapsed_s=round(time.perf_counter() - start, 3), cpu_s=round(time.process_time() - cpu_start, 3),
     )
     write_json_atomic(loc, done_file(stream), result)
     if report is not None:
