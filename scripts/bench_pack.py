@@ -198,6 +198,7 @@ def main() -> None:
     from loader.batch import SimpleCustomBatch
     from prepack.engine.packer import StreamPacker
     from prepack.engine.tokenizer import load_tokenizer, special_token_ids
+    from prepack.run.worker_process import settle_worker_process
     from prepack.run.writer import Compression
     from schemas.config import load_config
     from schemas.record import RECORD_SCHEMA, encode_record, record_to_batch
@@ -215,6 +216,7 @@ def main() -> None:
     # warm both code paths (imports, caches) on another stream
     list(StreamPacker(cfg, 1, tok, special))
     oracle.reference_batches(cfg, 1, tok, 1)
+    settle_worker_process()  # the process settings a prepack run worker packs with
 
     t0 = time.process_time()
     w0 = time.perf_counter()
