@@ -275,9 +275,10 @@ def load_manifest(out: str) -> dict:
 
 
 def comparable(stream_entry: dict, with_bytes: bool = True) -> dict:
-    """A manifest stream entry without its timing (and, unless ``with_bytes``, without the shard
-    files' sha256/size: shard metadata carries the code fingerprint, records do not)."""
-    d = {k: v for k, v in stream_entry.items() if k != "elapsed_s"}
+    """A manifest stream entry without its timing (wall and CPU seconds) (and, unless
+    ``with_bytes``, without the shard files' sha256/size: shard metadata carries the code
+    fingerprint, records do not)."""
+    d = {k: v for k, v in stream_entry.items() if k not in ("elapsed_s", "cpu_s")}
     if not with_bytes:
         d["shards"] = [{k: v for k, v in sh.items() if k not in ("sha256", "nbytes")} for sh in d["shards"]]
     return d
