@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -158,7 +159,10 @@ def end_to_end(ds, knobs: dict, skip: int, batches: int, reps: int, tok) -> None
         for n, path in configs.items():
             out = tempfile.mkdtemp(prefix=f"e2e-{n}-")
             runs[n].append(prepack_run_cpu(path, out, 0))
-            last_out = out if n == skip + batches else last_out
+            if n == skip + batches and last_out is None:
+                last_out = out  # compared with the reference below
+            else:
+                shutil.rmtree(out)
         cpu_s, kept = reference_cpu_per_batch(cfg, 0, tok, skip, batches, keep=rep == 0)
         ref_runs.append(cpu_s)
         ref = kept if rep == 0 else ref
@@ -169,6 +173,7 @@ def end_to_end(ds, knobs: dict, skip: int, batches: int, reps: int, tok) -> None
           f"{skip + batches} batches {[r[0] for r in runs[skip + batches]]}; "
           f"reference {batches} batches {[round(r, 2) for r in ref_runs]}")
     ours = stream_records(last_out, 0)[skip:]
+    shutil.rmtree(last_out)
     for i, (rec, r) in enumerate(zip(ours, ref, strict=True)):
         diffs = diff_batches(SimpleCustomBatch(record_to_batch(rec)).to_dict(), r)
         if diffs:
