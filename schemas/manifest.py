@@ -113,6 +113,7 @@ class StreamSummary(Document):
     warnings: dict[str, int] = field(default_factory=dict)  # kind -> damaged-but-packed count
     group_samples: dict[str, int] = field(default_factory=dict)  # group -> samples packed
     elapsed_s: float = 0.0  # packing time of the last run (informational, not digested)
+    cpu_s: float = 0.0  # CPU seconds of the packing process, all threads, worker start-up excluded (informational)
 
 
 @dataclass

@@ -17,17 +17,28 @@ What is stored (``PackedBatch``) is the compact, exact content of a reference ba
 - the reference's ``batch_data_indexes`` and, for lineage, where each sample came from.
 
 ``packed_vit_tokens``, ``padded_images`` and ``nested_attention_masks`` are never stored.
+
+On disk (version 2) the pixel table is the one buffer the encoder compresses itself
+(``schemas.compression``: zstd with a small match-finder table, lz4 or none, named in the
+``image_pixels_codec`` column); every other buffer is stored as is.  The content digest covers the
+decoded values, so it does not depend on the codec.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 
 import numpy as np
 import pyarrow as pa
 import xxhash
 
-RECORD_SCHEMA_VERSION = 1
+from schemas.compression import Compression, decompress
+
+# 2: the pixel table is compressed by the record encoder (codec in ``image_pixels_codec``),
+#    the Arrow IPC buffers are not.
+RECORD_SCHEMA_VERSION = 2
 
 ATTN_MODES = ("causal", "full", "noise")
 ATTN_MODE_CODES = {name: code for code, name in enumerate(ATTN_MODES)}
@@ -193,9 +204,12 @@ _ORIGIN_COLUMNS: list[tuple[str, pa.DataType]] = [
     ("origin_source_row", pa.int64()),
 ]
 _ORIGIN_ATTRS = [name[len("origin_") :] for name, _ in _ORIGIN_COLUMNS]
+# How ``image_pixels`` is stored; not part of the content (nor of the digest).
+_CODEC_COLUMN = "image_pixels_codec"
 
 RECORD_SCHEMA = pa.schema(
     [pa.field(n, t, nullable=False) for n, t in _SCALAR_COLUMNS]
+    + [pa.field(_CODEC_COLUMN, pa.string(), nullable=False)]
     + [pa.field(n, pa.list_(t), nullable=False) for n, t in _ARRAY_COLUMNS]
     + [pa.field(n, pa.list_(t), nullable=False) for n, t in _ORIGIN_COLUMNS]
 )
@@ -204,33 +218,117 @@ _NUMPY = {pa.int32(): np.int32, pa.int64(): np.int64, pa.uint8(): np.uint8, pa.f
 ARRAY_DTYPES = {name: np.dtype(_NUMPY[t]) for name, t in _ARRAY_COLUMNS}
 
 
-def batch_to_record(batch: PackedBatch, metadata: dict[str, str] | None = None) -> pa.RecordBatch:
-    """Encode a PackedBatch as one single-row record batch (schema ``RECORD_SCHEMA``)."""
+def _to_record(batch: PackedBatch, codec: str, stored_pixels, metadata: dict[str, str] | None) -> pa.RecordBatch:
     cols = [pa.array([getattr(batch, n)], type=t) for n, t in _SCALAR_COLUMNS]
+    cols.append(pa.array([codec], type=pa.string()))
     for name, typ in _ARRAY_COLUMNS:
-        values = np.ascontiguousarray(getattr(batch, name), dtype=ARRAY_DTYPES[name]).reshape(-1)
+        if name == "image_pixels":
+            values = pa.py_buffer(stored_pixels) if not isinstance(stored_pixels, pa.Buffer) else stored_pixels
+            values = pa.Array.from_buffers(pa.uint8(), values.size, [None, values])
+        else:
+            values = pa.array(np.ascontiguousarray(getattr(batch, name), dtype=ARRAY_DTYPES[name]).reshape(-1), type=typ)
         offsets = pa.array([0, len(values)], type=pa.int32())
-        cols.append(pa.ListArray.from_arrays(offsets, pa.array(values, type=typ)))
+        cols.append(pa.ListArray.from_arrays(offsets, values))
     for (name, typ), attr in zip(_ORIGIN_COLUMNS, _ORIGIN_ATTRS):
         cols.append(pa.array([[getattr(o, attr) for o in batch.origins]], type=pa.list_(typ)))
     schema = RECORD_SCHEMA.with_metadata(metadata) if metadata else RECORD_SCHEMA
     return pa.RecordBatch.from_arrays(cols, schema=schema)
 
 
+def encode_record(batch: PackedBatch, compression: Compression | None = None,
+                  metadata: dict[str, str] | None = None) -> tuple[pa.RecordBatch, str]:
+    """``(record, content digest)`` of a PackedBatch, its pixel table stored with ``compression``.
+
+    The digest is taken from the pixels in hand, so writing never decompresses what it just
+    compressed; it equals ``record_digest`` of the record read back.
+    """
+    pixels = np.ascontiguousarray(batch.image_pixels, dtype=np.uint8).reshape(-1)
+    codec, stored = (compression or Compression(None, None)).compress(pixels)
+    record = _to_record(batch, codec, stored, metadata)
+    return record, _digest(record, pixels)
+
+
+def batch_to_record(batch: PackedBatch, metadata: dict[str, str] | None = None) -> pa.RecordBatch:
+    """Encode a PackedBatch as one single-row record batch (schema ``RECORD_SCHEMA``), pixels
+    stored uncompressed (``encode_record`` compresses them)."""
+    pixels = np.ascontiguousarray(batch.image_pixels, dtype=np.uint8).reshape(-1)
+    return _to_record(batch, "none", pixels, metadata)
+
+
 def record_arrays(record: pa.RecordBatch) -> dict[str, np.ndarray]:
-    """Zero-copy numpy views of a record's array columns (read-only)."""
+    """Zero-copy numpy views of a record's array columns as stored (read-only; ``image_pixels``
+    is the stored, possibly compressed, pixel table: see ``record_pixels``)."""
     out = {}
     for name, _ in _ARRAY_COLUMNS:
         out[name] = record.column(name).flatten().to_numpy(zero_copy_only=True)
     return out
 
 
+def _stored_pixels(record: pa.RecordBatch) -> tuple[str, pa.Array, int]:
+    """(codec, stored pixel bytes as a uint8 array, decoded size) of a record."""
+    codec = record.column(_CODEC_COLUMN)[0].as_py()
+    offsets = record.column("image_offsets").flatten()
+    nbytes = int(offsets[len(offsets) - 1].as_py()) if len(offsets) else 0
+    return codec, record.column("image_pixels").flatten(), nbytes
+
+
+def record_pixels(record: pa.RecordBatch) -> np.ndarray:
+    """The record's pixel table, decoded (row-delta coded uint8, as in ``PackedBatch``; read-only)."""
+    codec, stored, nbytes = _stored_pixels(record)
+    if codec == "none":
+        if len(stored) != nbytes:
+            raise ValueError(f"pixel table is {len(stored)} bytes, the image offsets say {nbytes}")
+        return stored.to_numpy(zero_copy_only=True)
+    data = stored.buffers()[1].slice(stored.offset, len(stored))
+    return np.frombuffer(decompress(codec, data, nbytes), dtype=np.uint8)
+
+
+class _DecodedPixels:
+    """Hand-over of decoded pixel tables from ``record_digest`` to ``record_to_batch``.
+
+    A reader checks a record's digest and then decodes it: without the hand-over the pixel table
+    would be decompressed twice.  Entries are keyed by the address and size of the stored bytes
+    and hold a reference to them, so that memory cannot be reused by another record while its
+    entry lives; ``record_to_batch`` takes its entry out, and only the last few are kept.
+    """
+
+    def __init__(self, keep: int = 2):
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple[int, int], tuple[pa.Array, np.ndarray]] = OrderedDict()
+
+    @staticmethod
+    def _key(stored: pa.Array) -> tuple[int, int]:
+        return stored.buffers()[1].address + stored.offset, len(stored)
+
+    def put(self, record: pa.RecordBatch, pixels: np.ndarray) -> None:
+        stored = record.column("image_pixels").flatten()
+        with self._lock:
+            self._entries[self._key(stored)] = (stored, pixels)
+            while len(self._entries) > self._keep:
+                self._entries.popitem(last=False)
+
+    def take(self, record: pa.RecordBatch) -> np.ndarray | None:
+        stored = record.column("image_pixels").flatten()
+        if len(stored) == 0:
+            return None
+        with self._lock:
+            entry = self._entries.pop(self._key(stored), None)
+        return None if entry is None else entry[1]
+
+
+_decoded = _DecodedPixels()
+
+
 def record_to_batch(record: pa.RecordBatch) -> PackedBatch:
-    """Decode a record written by ``batch_to_record``; arrays are zero-copy read-only views."""
+    """Decode a record written by ``encode_record``/``batch_to_record``; arrays are zero-copy
+    read-only views (the pixel table is decompressed once, or taken from ``record_digest``)."""
     if record.num_rows != 1:
         raise ValueError(f"a packed-batch record has exactly one row, got {record.num_rows}")
     kwargs = {n: record.column(n)[0].as_py() for n, _ in _SCALAR_COLUMNS}
     arrays = record_arrays(record)
+    pixels = _decoded.take(record)
+    arrays["image_pixels"] = record_pixels(record) if pixels is None else pixels
     arrays["image_norm"] = arrays["image_norm"].reshape(-1, 6)
     arrays["vae_latent_shapes"] = arrays["vae_latent_shapes"].reshape(-1, 2)
     kwargs.update(arrays)
@@ -239,19 +337,13 @@ def record_to_batch(record: pa.RecordBatch) -> PackedBatch:
     return PackedBatch(**kwargs)
 
 
-def record_digest(record: pa.RecordBatch) -> str:
-    """Content digest of a record: independent of compression, file layout and metadata.
-
-    Hashes every column's logical values in schema order, so the same packed batch has the same
-    digest whether it was written with zstd level 3, 19 or no compression.  XXH3-128: an
-    integrity and reproducibility check (~30 GB/s, so the loader can afford it on every record);
-    shard files also carry a SHA-256 in the manifest.
-    """
+def _digest(record: pa.RecordBatch, pixels: np.ndarray) -> str:
     h = xxhash.xxh3_128()
     for name, _ in _SCALAR_COLUMNS:
         h.update(name.encode())
         h.update(repr(record.column(name)[0].as_py()).encode())
     arrays = record_arrays(record)
+    arrays["image_pixels"] = pixels
     for name, _ in _ARRAY_COLUMNS:
         a = arrays[name]
         h.update(name.encode())
@@ -261,6 +353,22 @@ def record_digest(record: pa.RecordBatch) -> str:
         h.update(name.encode())
         h.update(repr(record.column(name)[0].as_py()).encode())
     return h.hexdigest()
+
+
+def record_digest(record: pa.RecordBatch) -> str:
+    """Content digest of a record: independent of compression, file layout and metadata.
+
+    Hashes every column's logical values in schema order (the pixel table decoded), so the same
+    packed batch has the same digest whether it was written with zstd level 1, 19, lz4 or no
+    compression.  XXH3-128: an integrity and reproducibility check (~30 GB/s, so the loader can
+    afford it on every record); shard files also carry a SHA-256 in the manifest.  The decoded
+    pixels are handed to a following ``record_to_batch`` of the same record.
+    """
+    pixels = record_pixels(record)
+    digest = _digest(record, pixels)
+    if _stored_pixels(record)[0] != "none":
+        _decoded.put(record, pixels)
+    return digest
 
 
 def batch_fields() -> list[str]:

@@ -139,7 +139,30 @@ def navit_size(width: int, height: int, *, max_size, min_size, stride: int, max_
     return new_w, new_h
 
 
+def rgb_array(img: Image.Image) -> np.ndarray:
+    """(h, w, 3) uint8 pixels of an RGB image, packed by PIL's raw encoder in one call.
+
+    ``np.asarray(img)`` goes through ``tobytes()``, which packs 64 KiB chunks and then joins them:
+    a second copy of every picture (~1% of packing CPU).  Asking the encoder for the whole image
+    at once gives the same bytes in one buffer; should PIL's encoder interface change, the
+    ordinary path is taken.
+    """
+    w, h = img.size
+    if img.mode == "RGB" and w and h:
+        try:
+            encoder = Image._getencoder("RGB", "raw", "RGB")
+            try:
+                encoder.setimage(img.im, (0, 0, w, h))
+                _, status, data = encoder.encode(w * h * 3 + w * 4)
+            finally:
+                encoder.cleanup()
+            if status == 1 and len(data) == w * h * 3:
+                return np.frombuffer(data, dtype=np.uint8).reshape(h, w, 3)
+        except (AttributeError, TypeError, ValueError, OSError):
+            pass
+    return np.asarray(img, dtype=np.uint8)
+
+
 def resize_pixels(img: Image.Image, width: int, height: int) -> np.ndarray:
     """Bicubic (antialiased) PIL resize -> (h, w, 3) uint8, the pixels the reference normalises."""
-    out = img.resize((width, height), Image.Resampling.BICUBIC)
-    return np.asarray(out, dtype=np.uint8)
+    return rgb_array(img.resize((width, height), Image.Resampling.BICUBIC))

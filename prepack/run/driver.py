@@ -121,6 +121,7 @@ def _make_remote(ray):
     @ray.remote(num_cpus=1, max_retries=3)
     def stream_task(cfg, out, stream, metadata, progress, local_ray=False):
         from prepack.run.stream_job import pack_one_stream
+        from prepack.run.worker_process import settle_worker_process
         from prepack.engine.tokenizer import load_tokenizer, special_token_ids
 
         # A local Ray fate-shares with its driver: a SIGKILLed driver takes the raylet along, but
@@ -145,6 +146,7 @@ def _make_remote(ray):
                 progress.update.remote(ev.stream, ev.batches, ev.tokens, ev.done)
 
         check_raylet()
+        settle_worker_process()
         return pack_one_stream(cfg, out, stream, tokenizer, special, metadata, report)
 
     return Progress, stream_task

@@ -155,6 +155,7 @@ def compact_lineage(loc: PackLocation, index: StreamIndex) -> tuple[str, int]:
 def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, tokenizer, special,
                     metadata: dict[str, str], report: Callable[[ProgressEvent], None] | None = None) -> StreamSummary:
     """Pack (or continue, or extend) stream ``stream`` into ``out``; returns its summary (done.json)."""
+    cpu_start = time.process_time()  # the whole process (Ray's threads too): what packing costs per core
     loc = resolve_location(out)
     rank, worker = cfg.stream_rank_worker(stream)
     budget = cfg.prepack.budget()
@@ -212,7 +213,7 @@ def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, 
         num_samples=sum(r.num_samples for r in records), root=index.root, budget=budget,
         lineage_sha256=lineage_sha, lineage_rows=lineage_rows,
         drops=counters.drops, warnings=counters.warnings, group_samples=counters.samples_packed,
-        elapsed_s=round(time.perf_counter() - start, 3),
+        elapsed_s=round(time.perf_counter() - start, 3), cpu_s=round(time.process_time() - cpu_start, 3),
     )
     write_bytes_atomic(loc, done_file(stream), result.to_json().encode())
     for entry in index.shards:  # the stream's lineage file now holds these rows

@@ -28,7 +28,7 @@ from schemas.compression import Compression
 from schemas.location import PackLocation, resolve_location
 from schemas.errors import DamagedFile
 from schemas.manifest import RecordEntry, ShardEntry, StreamIndex, index_file, shard_file, stream_dir
-from schemas.record import RECORD_SCHEMA, RECORD_SCHEMA_VERSION, PackedBatch, batch_to_record, record_digest
+from schemas.record import RECORD_SCHEMA, RECORD_SCHEMA_VERSION, PackedBatch, encode_record
 
 log = logging.getLogger(__name__)
 
@@ -201,11 +201,11 @@ class StreamWriter:
 
     def append(self, batch: PackedBatch) -> ShardEntry | None:
         """Write one packed batch; return the shard's entry if this record completed a shard."""
-        record = batch_to_record(batch)
+        record, digest = encode_record(batch, self.compression)  # the pixel table is compressed here
         if self._ipc is None:
             self._open()
         self._ipc.write_batch(record)
-        self._records.append(RecordEntry(record_digest(record), int(batch.sequence_length), batch.num_samples))
+        self._records.append(RecordEntry(digest, int(batch.sequence_length), batch.num_samples))
         if self._sink.nbytes >= self.shard_bytes:
             return self._commit()
         return None

@@ -299,9 +299,10 @@ def committed_shards(out: str, stream: int) -> list[int]:
 
 
 def comparable(stream_entry: dict, with_bytes: bool = True) -> dict:
-    """A manifest stream entry without its timing (and, unless ``with_bytes``, without the shard
-    files' sha256/size: shard metadata carries the code fingerprint, records do not)."""
-    d = {k: v for k, v in stream_entry.items() if k != "elapsed_s"}
+    """A manifest stream entry without its timing (wall and CPU seconds) (and, unless
+    ``with_bytes``, without the shard files' sha256/size: shard metadata carries the code
+    fingerprint, records do not)."""
+    d = {k: v for k, v in stream_entry.items() if k not in ("elapsed_s", "cpu_s")}
     if not with_bytes:
         d["shards"] = [{k: v for k, v in sh.items() if k not in ("sha256", "nbytes", "ckpt_json_sha256", "ckpt_arrow_sha256",
                                                                 "lineage_sha256")} for sh in d["shards"]]

@@ -53,7 +53,8 @@ class T2ISource(Source):
                 while self.pos[1] < num_groups:
                     rg = self.pos[1]
                     try:
-                        table = pf.read_row_group(rg, columns=[c for c in ("image", "captions") if c in names])
+                        table = pf.read_row_group(rg, columns=[c for c in ("image", "captions") if c in names],
+                                                  use_threads=False)  # a thread pool costs ~2x the CPU here
                     except Exception as e:  # the reference crashes here; we drop the row group
                         self._failed("parquet_row_group_unreadable", f"{path} rg {rg}: {e}")
                         self.pos = [fpos, rg + 1, 0]

@@ -1,0 +1,80 @@
+"""The record's pixel codec: compressed by the encoder, digest over decoded content, decoded once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from schemas.compression import Compression, decompress
+from schemas.record import encode_record, record_digest, record_pixels, record_to_batch
+from tests.helpers.fakepack import make_batch
+
+SPECS = ["none", "zstd:1", "zstd:3", "zstd:-5", "lz4"]
+
+
+def photo_like(batch):
+    """Smooth pixels (compressible, unlike the random ones of make_batch), same table layout."""
+    n = len(batch.image_pixels)
+    batch.image_pixels = (np.arange(n) // 7 % 251).astype(np.uint8)
+    return batch
+
+
+def roundtrip(record: pa.RecordBatch) -> pa.RecordBatch:
+    """The record as a reader sees it: written to an IPC file and read back."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, record.schema, options=Compression.parse("zstd:1").write_options()) as w:
+        w.write_batch(record)
+    return pa.ipc.open_file(pa.BufferReader(sink.getvalue())).get_batch(0)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_digest_is_the_content_digest_for_every_codec(spec):
+    batch = photo_like(make_batch(5))
+    reference, ref_digest = encode_record(batch, Compression.parse("none"))
+    record, digest = encode_record(batch, Compression.parse(spec))
+    assert digest == ref_digest
+    back = roundtrip(record)
+    assert record_digest(back) == digest
+    assert record.column("image_pixels_codec")[0].as_py() == spec.split(":")[0]
+    np.testing.assert_array_equal(record_to_batch(back).image_pixels, batch.image_pixels)
+    if spec.startswith("zstd"):
+        assert record.column("image_pixels").nbytes < len(batch.image_pixels) / 5
+
+
+def test_hand_over_gives_each_record_its_own_pixels():
+    """Digests of two records, then decoding in the other order: no record gets the other's pixels."""
+    zstd = Compression.parse("zstd:1")
+    a, b = photo_like(make_batch(1)), photo_like(make_batch(1))
+    b.image_pixels = b.image_pixels[::-1].copy()
+    ra, rb = roundtrip(encode_record(a, zstd)[0]), roundtrip(encode_record(b, zstd)[0])
+    record_digest(ra), record_digest(rb)
+    np.testing.assert_array_equal(record_to_batch(rb).image_pixels, b.image_pixels)
+    np.testing.assert_array_equal(record_to_batch(ra).image_pixels, a.image_pixels)
+    np.testing.assert_array_equal(record_to_batch(ra).image_pixels, a.image_pixels)  # no digest first: decoded
+
+
+def test_damaged_compressed_pixels_are_caught():
+    """A flipped byte inside the compressed pixel table: decoding fails or the digest differs."""
+    record, digest = encode_record(photo_like(make_batch(2)), Compression.parse("zstd:1"))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, record.schema, options=Compression.parse("zstd:1").write_options()) as w:
+        w.write_batch(record)
+    data = bytearray(sink.getvalue().to_pybytes())
+    blob = record.column("image_pixels").flatten().to_numpy().tobytes()
+    pos = bytes(data).find(blob[len(blob) // 2 : len(blob) // 2 + 64])
+    assert pos > 0
+    data[pos] ^= 0xFF
+    damaged = pa.ipc.open_file(pa.BufferReader(bytes(data))).get_batch(0)
+    try:
+        assert record_digest(damaged) != digest
+    except (pa.ArrowException, OSError, ValueError):
+        pass
+    with pytest.raises(ValueError, match="unknown pixel codec"):
+        decompress("gzip", pa.py_buffer(blob), 10)
+
+
+def test_wrong_decoded_size_is_refused():
+    blob = Compression.parse("zstd:1").compress(np.zeros(1000, np.uint8))[1]
+    with pytest.raises((pa.ArrowException, OSError, ValueError)):
+        decompress("zstd", pa.py_buffer(blob), 999)
