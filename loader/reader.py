@@ -3,7 +3,7 @@
 This is the one shard reader: the training loader and every tool (verify, audit, inspect, stats)
 read shards through ``read_shard``.  What it checks, before a record reaches anyone:
 
-- the shard file's size (and with ``verify="file"`` its sha256) against the stream index;
+- the shard file's size (and with ``verify="file"`` its XXH3-128 digest) against the stream index;
 - the identity stamped into the shard's schema (stream, shard number, config, tokenizer), so a
   shard copied from another stream or pack is named as such;
 - every record's content digest (``schemas.record.record_digest``, compression-independent)
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.fs as pafs
+import xxhash
 
 from schemas.errors import DamagedFile, NotAPack, PackIntegrityError, PrepackError, UsageError
 from schemas.location import PackLocation, resolve_location
@@ -209,7 +210,7 @@ def read_shard(
     """Yield ``(stream record index, record)`` of one committed shard from its record ``first`` on.
 
     ``verify``: False reads as is; True checks size, schema metadata and every record's digest;
-    ``"file"`` also the whole file's sha256 (reading the file whole first).  ``columns`` reads only
+    ``"file"`` also the whole file's XXH3-128 digest (reading the file whole first).  ``columns`` reads only
     those (a projected read: the other buffers are not read); record digests need every column,
     so a projection checks the file's size, identity and record count only.
     """
@@ -232,8 +233,8 @@ def read_shard(
             raise fail(first, f"shard file is {size} bytes, the stream index says {shard.nbytes} (truncated or replaced)")
         if verify == "file":
             data = source.read_buffer()
-            if hashlib.sha256(memoryview(data)).hexdigest() != shard.sha256:
-                raise fail(first, "shard file sha256 differs from the stream index")
+            if xxhash.xxh3_128(memoryview(data)).hexdigest() != shard.xxh3:
+                raise fail(first, "shard file digest (XXH3-128) differs from the stream index")
             source = pa.BufferReader(data)
         try:
             options = _READ_OPTIONS if fields is None else pa.ipc.IpcReadOptions(use_threads=False, included_fields=fields)

@@ -84,7 +84,7 @@ def chain_root(previous: str, digests: "Sequence[str] | bytes", facts: bytes = b
 
 def row_facts(s: "ShardEntry") -> bytes:
     """The parts of an index row besides record digests that the chain covers."""
-    scalars = (s.shard, s.nbytes, s.sha256, s.first_record, s.lineage_sha256, s.lineage_rows,
+    scalars = (s.shard, s.nbytes, s.xxh3, s.first_record, s.lineage_sha256, s.lineage_rows,
                s.ckpt_json_sha256, s.ckpt_arrow_sha256)
     tokens = np.asarray([r.num_tokens for r in s.records] if not isinstance(s.records, RecordList)
                         else s.records.tokens, dtype="<i4")
@@ -185,7 +185,7 @@ class ShardEntry:
     stream: int
     shard: int
     nbytes: int
-    sha256: str  # of the whole shard file
+    xxh3: str  # XXH3-128 of the whole shard file (hex): as strong as the record digests, ~10x cheaper than sha256
     first_record: int  # index of this shard's first record within its stream
     records: Sequence[RecordEntry]
     root: str = ""  # chain_root after this shard's records
@@ -214,7 +214,7 @@ LINEAGE_SCHEMA = pa.schema([
 
 
 INDEX_SCHEMA = pa.schema([
-    ("shard", pa.int32()), ("nbytes", pa.int64()), ("sha256", pa.string()), ("first_record", pa.int64()),
+    ("shard", pa.int32()), ("nbytes", pa.int64()), ("xxh3", pa.string()), ("first_record", pa.int64()),
     ("record_digests", pa.list_(pa.binary(16))), ("record_tokens", pa.list_(pa.int32())),
     ("record_samples", pa.list_(pa.int32())), ("root", pa.string()),
     ("lineage_sha256", pa.string()), ("lineage_rows", pa.int64()),
@@ -265,7 +265,7 @@ class StreamIndex:
         for s in self.shards:
             cols["shard"].append(s.shard)
             cols["nbytes"].append(s.nbytes)
-            cols["sha256"].append(s.sha256)
+            cols["xxh3"].append(s.xxh3)
             cols["first_record"].append(s.first_record)
             cols["record_digests"].append([bytes.fromhex(r.digest) for r in s.records])
             cols["record_tokens"].append([r.num_tokens for r in s.records])
@@ -320,7 +320,7 @@ class StreamIndex:
                 raise DamagedFile(f"{where}: row {i} does not continue the stream (shard {scalars['shard'][i]}, "
                                   f"first record {scalars['first_record'][i]}, expected {i} / {next_record})")
             entry = ShardEntry(
-                stream=stream, shard=i, nbytes=scalars["nbytes"][i], sha256=scalars["sha256"][i], first_record=next_record,
+                stream=stream, shard=i, nbytes=scalars["nbytes"][i], xxh3=scalars["xxh3"][i], first_record=next_record,
                 records=RecordList(digests[16 * lo:16 * hi], tokens[lo:hi], samples[lo:hi]),
                 root=scalars["root"][i],
                 lineage_sha256=scalars["lineage_sha256"][i], lineage_rows=scalars["lineage_rows"][i],

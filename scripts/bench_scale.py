@@ -139,7 +139,7 @@ def build(out: str, streams: int, records: int, world: int, per_shard: int, samp
             n = min(per_shard, records - first)
             recs = [RecordEntry(hashlib.blake2b(f"{s}/{first + i}".encode(), digest_size=16).hexdigest(), 30000, samples)
                     for i in range(n)]
-            index.append(ShardEntry(stream=s, shard=k, nbytes=200 * 2**20, sha256="0" * 64, first_record=first,
+            index.append(ShardEntry(stream=s, shard=k, nbytes=200 * 2**20, xxh3="0" * 32, first_record=first,
                                     records=recs, lineage_sha256="0" * 64, lineage_rows=n * samples,
                                     ckpt_json_sha256="0" * 64, ckpt_arrow_sha256="0" * 64))
         write_index(loc, index)  # the last commit of the stream (one write per stream keeps the build fast)

@@ -141,7 +141,7 @@ def _make_remote(ray):
         def report(ev):
             check_raylet()
             now = time.monotonic()
-            if ev.done or now - last[0] > 0.25:
+            if ev.done or now - last[0] > 1.0:  # each report is a Ray call: once a second is enough for a bar
                 last[0] = now
                 progress.update.remote(ev.stream, ev.batches, ev.tokens, ev.done)
 

@@ -8,7 +8,7 @@ committed shards.  A shard file is written under a temporary name, made durable,
 whatever a crash left behind back into that clean prefix.
 
 Output bytes depend only on the batches, the compression and the metadata: no timestamps, no
-uuids; the sha256 of a shard is computed from the bytes as they are written, never read back.
+uuids; the digest of a shard file is computed from the bytes as they are written, never read back.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import asdict, is_dataclass
 from typing import Any
 
 import pyarrow as pa
+import xxhash
 import pyarrow.fs as pafs
 
 from schemas.compression import Compression
@@ -36,17 +37,17 @@ TMP_SUFFIX = ".tmp"
 
 
 class _HashingSink:
-    """File-like sink for pyarrow that counts and sha256-hashes every byte on its way to ``raw``."""
+    """File-like sink for pyarrow that counts and XXH3-128-hashes every byte on its way to ``raw``."""
 
     def __init__(self, raw):
         self.raw = raw
-        self.sha256 = hashlib.sha256()
+        self.xxh3 = xxhash.xxh3_128()
         self.nbytes = 0
         self.closed = False
 
     def write(self, data) -> int:
         view = memoryview(data)
-        self.sha256.update(view)
+        self.xxh3.update(view)
         self.raw.write(view)
         self.nbytes += view.nbytes
         return view.nbytes
@@ -231,7 +232,7 @@ class StreamWriter:
             stream=self.stream,
             shard=self.next_shard,
             nbytes=self._sink.nbytes,
-            sha256=self._sink.sha256.hexdigest(),
+            xxh3=self._sink.xxh3.hexdigest(),
             first_record=self.next_record,
             records=self._records,
         )

@@ -304,7 +304,7 @@ def comparable(stream_entry: dict, with_bytes: bool = True) -> dict:
     fingerprint, records do not)."""
     d = {k: v for k, v in stream_entry.items() if k not in ("elapsed_s", "cpu_s")}
     if not with_bytes:
-        d["shards"] = [{k: v for k, v in sh.items() if k not in ("sha256", "nbytes", "ckpt_json_sha256", "ckpt_arrow_sha256",
+        d["shards"] = [{k: v for k, v in sh.items() if k not in ("xxh3", "nbytes", "ckpt_json_sha256", "ckpt_arrow_sha256",
                                                                 "lineage_sha256")} for sh in d["shards"]]
         d.pop("root", None)  # the chain covers the file digests too
     return d

@@ -277,7 +277,7 @@ def test_file_level_verification_catches_corruption_outside_records(pack_dir, tm
     data[idx] ^= 0x01
     open(shard, "wb").write(bytes(data))
     assert len(_read_all(path, 3)) == 3  # content is intact: default verification passes
-    with pytest.raises(PackIntegrityError, match="sha256"):
+    with pytest.raises(PackIntegrityError, match="XXH3-128"):
         [b for b in open_stream(path, 3, verify="file")]
 
 

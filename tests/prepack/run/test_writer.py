@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 
@@ -10,6 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
+import xxhash
 from tests.helpers.fakepack import BatchSpec, make_batch, stream_batches
 
 from prepack.run.writer import Compression, StreamWriter, read_index, recover_stream, write_json_atomic
@@ -65,7 +65,7 @@ def test_round_trip_and_shard_entries(tmp_path):
         path = tmp_path / e.file
         assert e.file == f"stream-00003/shard-{k:05d}.arrow" and (e.stream, e.shard, e.first_record) == (3, k, i)
         raw = path.read_bytes()
-        assert e.nbytes == len(raw) and e.sha256 == hashlib.sha256(raw).hexdigest()
+        assert e.nbytes == len(raw) and e.xxh3 == xxhash.xxh3_128(raw).hexdigest()
         schema, records = read_shard(path)
         assert schema.metadata[b"config_hash"] == b"abc" and schema.metadata[b"prepack.shard"] == str(k).encode()
         assert len(records) == len(e.records)
@@ -221,8 +221,8 @@ def test_recover_after_crash_then_resume_gives_identical_output(tmp_path):
 
     rest, _ = write_stream(out, batches[recovered.num_records:], stream=4, shard_bytes=30_000,
                            start_shard=len(recovered.shards), start_record=recovered.num_records)
-    assert [(e.shard, e.first_record, e.records, e.sha256) for e in recovered.shards + rest] == \
-        [(e.shard, e.first_record, e.records, e.sha256) for e in full]
+    assert [(e.shard, e.first_record, e.records, e.xxh3) for e in recovered.shards + rest] == \
+        [(e.shard, e.first_record, e.records, e.xxh3) for e in full]
     for e in full:
         assert (tmp_path / "crash" / e.file).read_bytes() == (tmp_path / "clean" / e.file).read_bytes()
 

@@ -149,7 +149,7 @@ def test_verify_names_file_and_record_after_a_flipped_byte(pack, tmp_path, capsy
     assert not report.ok
     failed = report.failures()
     assert [r.target for r in failed] == [shard.file]
-    assert "sha256" in failed[0].detail and f"stream 1, record {shard.first_record}" in failed[0].detail
+    assert "XXH3-128" in failed[0].detail and f"stream 1, record {shard.first_record}" in failed[0].detail
     # the loader (default check) names the very record
     with pytest.raises(PackIntegrityError, match=f"stream 1, record {shard.first_record + victim}: record content digest"):
         list(read_shard(Pack.open(out), shard))
