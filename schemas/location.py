@@ -71,13 +71,12 @@ class PackLocation:
 
         An S3 client's connections do not survive ``fork``: a DataLoader worker forked from a
         process that already read the pack would share its sockets with the parent and read
-        another request's bytes.  A copy made through pickling (what pyarrow offers to rebuild
-        a filesystem from its options) opens its own."""
+        another request's bytes.  A filesystem rebuilt from its own options (the reconstructor
+        pyarrow declares through ``__reduce__``; nothing is serialised) opens its own."""
         if self.is_local:
             return self
-        import pickle
-
-        return PackLocation(pickle.loads(pickle.dumps(self.fs)), self.base)
+        rebuild, args = self.fs.__reduce__()[:2]
+        return PackLocation(rebuild(*args), self.base)
 
     def read_bytes(self, relpath: str) -> bytes:
         with self.fs.open_input_stream(self.path(relpath)) as f:
