@@ -4,7 +4,8 @@ Why: packing is lossy by design (greedy fill, overflow buffer, drops) and weight
 design (group mix); these numbers say whether the knobs did what was meant.  Fill ratio per
 batch, group mix against the configured weights, samples and images per batch, drops by reason,
 how often each source row was used, and per-stream throughput.  Image counts come from three
-tiny columns of each shard (a projected read: pixels are not read).  ``--html`` renders the same
+tiny columns of each shard (a projected read: pixels are not read), accumulated one stream at a
+time into value counts and a fill histogram: memory does not grow with the pack.  ``--html`` renders the same
 tables with plots into one self-contained page (inline SVG).
 
 The lineage is a dataset of parquet files, never merged: ``lineage/stream-SSSSS.parquet`` per
@@ -21,6 +22,8 @@ import io
 import re
 import logging
 import os
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -91,7 +94,8 @@ class PackStats:
 
     title: str
     max_num_tokens: int
-    records: pl.DataFrame  # stream, shard, record, num_tokens, num_samples, fill, images, vit_uses, vae_uses
+    totals: dict  # batches, tokens, samples, fill_mean, fill_min, fill_max
+    per_batch: pl.DataFrame  # quantity (num_samples|images|vit_uses|vae_uses), value, batches
     fill_hist: pl.DataFrame  # lo, hi, batches
     group_mix: pl.DataFrame  # group, mandatory, weight, configured_share, samples, share
     drops: pl.DataFrame  # kind (drop|warning), reason, count
@@ -100,30 +104,42 @@ class PackStats:
     streams: pl.DataFrame  # stream, rank, worker, records, tokens, samples, elapsed_s, tokens_per_s, records_per_s
 
 
-def _stream_records(pack: Pack, stream: int) -> list[tuple]:
-    """One row per record of ``stream`` with its image counts (a projected read of three small columns)."""
-    rows = []
+_PER_BATCH = ("num_samples", "images", "vit_uses", "vae_uses")
+
+
+def _stream_records(pack: Pack, stream: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """(tokens, samples, stored images, ViT uses, VAE uses) per record of ``stream``, from a
+    projected read of three small columns of each shard (pixels are not read)."""
     for sh in pack.index(stream).shards:
-        for (index, b), r in zip(read_shard(pack, sh, columns=list(_IMAGE_COLUMNS)), sh.records):
-            rows.append((stream, sh.shard, index, r.num_tokens, r.num_samples)
-                        + tuple(len(b.column(n)[0]) for n in _IMAGE_COLUMNS))
+        for (_, b), r in zip(read_shard(pack, sh, columns=list(_IMAGE_COLUMNS)), sh.records):
+            yield (r.num_tokens, r.num_samples, *(len(b.column(n)[0]) for n in _IMAGE_COLUMNS))
     pack.forget(stream)
-    return rows
 
 
-def _records(pack: Pack, max_tokens: int) -> pl.DataFrame:
-    rows = [row for s in range(pack.num_streams) for row in _stream_records(pack, s)]
-    schema = {"stream": pl.Int32, "shard": pl.Int32, "record": pl.Int64, "num_tokens": pl.Int64,
-              "num_samples": pl.Int64, "images": pl.Int64, "vit_uses": pl.Int64, "vae_uses": pl.Int64}
-    df = pl.DataFrame(rows, schema=schema, orient="row")
-    return df.with_columns((pl.col("num_tokens") / max(max_tokens, 1)).alias("fill"))
-
-
-def _fill_hist(records: pl.DataFrame) -> pl.DataFrame:
-    top = max(1.0, float(records["fill"].max() or 0.0))
-    edges = np.round(np.arange(0.0, top + FILL_BIN, FILL_BIN), 6)
-    counts, _ = np.histogram(records["fill"].to_numpy(), bins=edges)
-    return pl.DataFrame({"lo": edges[:-1], "hi": edges[1:], "batches": counts.astype(np.int64)})
+def _batch_tables(pack: Pack, max_tokens: int) -> tuple[dict, pl.DataFrame, pl.DataFrame]:
+    """Totals, per-batch value counts and the fill histogram, accumulated one stream at a time:
+    memory is one stream's index plus counters, whatever the pack's size."""
+    counts = {q: Counter() for q in _PER_BATCH}
+    bins: Counter = Counter()
+    n = tokens = samples = 0
+    fill_sum, fill_min, fill_max = 0.0, float("inf"), 0.0
+    for s in range(pack.num_streams):
+        for toks, smp, *images in _stream_records(pack, s):
+            fill = toks / max(max_tokens, 1)
+            n, tokens, samples, fill_sum = n + 1, tokens + toks, samples + smp, fill_sum + fill
+            fill_min, fill_max = min(fill_min, fill), max(fill_max, fill)
+            bins[int(fill / FILL_BIN)] += 1
+            for q, v in zip(_PER_BATCH, (smp, *images)):
+                counts[q][v] += 1
+    totals = {"batches": n, "tokens": tokens, "samples": samples, "fill_mean": fill_sum / n if n else 0.0,
+              "fill_min": fill_min if n else 0.0, "fill_max": fill_max}
+    per_batch = pl.DataFrame([(q, v, c) for q in _PER_BATCH for v, c in sorted(counts[q].items())],
+                             schema={"quantity": pl.String, "value": pl.Int64, "batches": pl.Int64}, orient="row")
+    top = max(int(1.0 / FILL_BIN), max(bins, default=0) + 1)
+    edges = np.round(np.arange(top + 1) * FILL_BIN, 6)
+    fill_hist = pl.DataFrame({"lo": edges[:-1], "hi": edges[1:],
+                              "batches": np.array([bins.get(i, 0) for i in range(top)], np.int64)})
+    return totals, per_batch, fill_hist
 
 
 def _group_mix(identity: dict, lineage: pl.DataFrame) -> pl.DataFrame:
@@ -169,13 +185,14 @@ def compute_stats(out) -> PackStats:
     summaries = [d for d in (pack.done(s) for s in range(pack.num_streams)) if d is not None]
     lazy = scan_lineage(loc)
     groups = lazy.group_by("group").agg(pl.len().cast(pl.Int64).alias("samples")).collect()
-    records = _records(pack, max_tokens)
+    totals, per_batch, fill_hist = _batch_tables(pack, max_tokens)
     per_row = lazy.group_by("group", *_ROW_KEY).agg(pl.len().cast(pl.Int64).alias("uses")).collect()
     return PackStats(
         title=f"pack {loc.base}",
         max_num_tokens=max_tokens,
-        records=records,
-        fill_hist=_fill_hist(records),
+        totals=totals,
+        per_batch=per_batch,
+        fill_hist=fill_hist,
         group_mix=_group_mix(pack.identity, groups),
         drops=_drops(summaries),
         row_use=per_row.group_by("uses").agg(pl.len().cast(pl.Int64).alias("rows")).sort("uses"),
@@ -202,18 +219,24 @@ def text_table(df: pl.DataFrame, indent: str = "  ") -> list[str]:
     return [fmt(df.columns).rstrip()] + [fmt(r).rstrip() for r in cells]
 
 
-def _summary(col: pl.Series) -> str:
-    return f"mean {col.mean():.2f}, min {col.min()}, median {col.median():g}, max {col.max()}"
+def _summary(st: PackStats, quantity: str) -> str:
+    d = st.per_batch.filter(pl.col("quantity") == quantity)
+    values, counts = d["value"].to_numpy(), d["batches"].to_numpy()
+    if not counts.sum():
+        return "-"
+    median = values[np.searchsorted(np.cumsum(counts), (counts.sum() + 1) / 2)]
+    return (f"mean {float((values * counts).sum() / counts.sum()):.2f}, min {values.min()}, median {median}, "
+            f"max {values.max()}")
 
 
 def format_stats(st: PackStats) -> str:
-    r = st.records
+    t = st.totals
     lines = [
-        f"{st.title}: {st.streams.height} streams, {r.height:,} batches, {int(r['num_tokens'].sum()):,} tokens, "
-        f"{int(r['num_samples'].sum()):,} samples, max_num_tokens {st.max_num_tokens:,}",
+        f"{st.title}: {st.streams.height} streams, {t['batches']:,} batches, {t['tokens']:,} tokens, "
+        f"{t['samples']:,} samples, max_num_tokens {st.max_num_tokens:,}",
         "",
-        f"fill ratio (sequence length / max_num_tokens): mean {r['fill'].mean():.3f}, min {r['fill'].min():.3f}, "
-        f"max {r['fill'].max():.3f}",
+        f"fill ratio (sequence length / max_num_tokens): mean {t['fill_mean']:.3f}, min {t['fill_min']:.3f}, "
+        f"max {t['fill_max']:.3f}",
     ]
     peak = max(int(st.fill_hist["batches"].max() or 0), 1)
     for lo, hi, n in st.fill_hist.filter(pl.col("batches") > 0).iter_rows():
@@ -222,9 +245,9 @@ def format_stats(st: PackStats) -> str:
     lines += text_table(st.group_mix.select(
         "group", "mandatory", "weight", (pl.col("configured_share") * 100).round(1).alias("configured %"),
         "samples", (pl.col("share") * 100).round(1).alias("achieved %")))
-    lines += ["", f"samples per batch: {_summary(r['num_samples'])}",
-              f"images per batch:  stored {_summary(r['images'])}",
-              f"                   ViT uses {_summary(r['vit_uses'])}; VAE uses {_summary(r['vae_uses'])}", ""]
+    lines += ["", f"samples per batch: {_summary(st, 'num_samples')}",
+              f"images per batch:  stored {_summary(st, 'images')}",
+              f"                   ViT uses {_summary(st, 'vit_uses')}; VAE uses {_summary(st, 'vae_uses')}", ""]
     if st.drops.height:
         lines.append("drops and damaged-input warnings by reason:")
         lines += text_table(st.drops)
@@ -275,7 +298,7 @@ def _plots(st: PackStats) -> list[str]:
     fig, ax = _figure()
     h = st.fill_hist
     ax.bar(h["lo"].to_numpy(), h["batches"].to_numpy(), width=FILL_BIN, align="edge", color="#4C72B0", edgecolor="white")
-    ax.axvline(float(st.records["fill"].mean()), color="#C44E52", ls="--", label="mean")
+    ax.axvline(float(st.totals["fill_mean"]), color="#C44E52", ls="--", label="mean")
     ax.legend(frameon=False)
     _style(ax, "Fill ratio per batch", "sequence length / max_num_tokens", "batches")
     svgs.append(_svg(fig))
@@ -295,8 +318,8 @@ def _plots(st: PackStats) -> list[str]:
     axes = fig.subplots(1, 3)
     for ax, col, color, label in zip(axes, ("num_samples", "images", "vae_uses"), ("#4C72B0", "#DD8452", "#55A868"),
                                      ("samples", "stored images", "VAE image uses")):
-        values = st.records[col].to_numpy()
-        ax.hist(values, bins=np.arange(values.min(), values.max() + 2) - 0.5, color=color, edgecolor="white")
+        d = st.per_batch.filter(pl.col("quantity") == col)
+        ax.bar(d["value"].to_numpy(), d["batches"].to_numpy(), width=0.8, color=color, edgecolor="white")
         _style(ax, f"{label} per batch", label, "batches", integer_x=True)
     svgs.append(_svg(fig))
 
@@ -343,7 +366,7 @@ def render_html(st: PackStats) -> str:
              f"<pre>{html_lib.escape(format_stats(st))}</pre>", "<div class='plots'>", *_plots(st), "</div>"]
     for name, df in (("Group mix", st.group_mix), ("Drops and warnings", st.drops), ("Source row reuse", st.row_use),
                      ("Most used source rows", st.top_rows), ("Streams", st.streams),
-                     ("Batches", st.records.drop("fill").with_columns(st.records["fill"].round(4)))):
+                     ("Per batch (value counts)", st.per_batch)):
         parts.append(f"<h2>{name}</h2>{_html_table(df) if df.height else '<p>none</p>'}")
     parts.append("</body></html>")
     return "\n".join(parts)

@@ -144,17 +144,17 @@ def test_stats_agree_with_counts_from_the_records(pack, tmp_path):
     man, batches = all_batches(pack)
     st = compute_stats(pack)
     max_tokens = man.identity["max_num_tokens"]
-    keys = sorted(batches)
-    recs = st.records.sort("stream", "record")
-    assert list(zip(recs["stream"], recs["record"])) == keys
-    b = [batches[k] for k in keys]
-    assert recs["num_tokens"].to_list() == [x.sequence_length for x in b]
-    assert recs["num_samples"].to_list() == [x.num_samples for x in b]
-    assert recs["images"].to_list() == [len(x.image_heights) for x in b]
-    assert recs["vit_uses"].to_list() == [len(x.vit_image_ids) for x in b]
-    assert recs["vae_uses"].to_list() == [len(x.vae_image_ids) for x in b]
-    assert np.allclose(recs["fill"].to_numpy(), [x.sequence_length / max_tokens for x in b])
-    assert sum(recs["vit_uses"]) > 0 and sum(recs["vae_uses"]) > 0
+    b = [batches[k] for k in sorted(batches)]
+    t = st.totals
+    assert (t["batches"], t["tokens"], t["samples"]) == (len(b), sum(x.sequence_length for x in b),
+                                                         sum(x.num_samples for x in b))
+    fills = [x.sequence_length / max_tokens for x in b]
+    assert math.isclose(t["fill_mean"], sum(fills) / len(fills)) and (t["fill_min"], t["fill_max"]) == (min(fills), max(fills))
+    per_batch = {(q, v): n for q, v, n in st.per_batch.iter_rows()}
+    for q, of in (("num_samples", lambda x: x.num_samples), ("images", lambda x: len(x.image_heights)),
+                  ("vit_uses", lambda x: len(x.vit_image_ids)), ("vae_uses", lambda x: len(x.vae_image_ids))):
+        assert {v: n for (qq, v), n in per_batch.items() if qq == q} == dict(Counter(of(x) for x in b)), q
+    assert any(v > 0 for (q, v) in per_batch if q == "vit_uses") and any(v > 0 for (q, v) in per_batch if q == "vae_uses")
 
     bins = Counter(int(x.sequence_length / max_tokens / 0.05) for x in b)
     assert {int(round(lo / 0.05)): n for lo, n in zip(st.fill_hist["lo"], st.fill_hist["batches"]) if n} == dict(bins)
