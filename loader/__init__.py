@@ -8,10 +8,12 @@ install it without Ray, PIL, transformers or the packer.
 from loader.batch import SimpleCustomBatch
 from loader.dataloader import build_dataloader
 from loader.dataset import PackedShardDataset, streams_for_rank
-from loader.reader import Pack, PackIntegrityError
+from loader.reader import Follow, FollowTimeout, Pack, PackIntegrityError
 from loader.stream import open_stream
 
 __all__ = [
+    "Follow",
+    "FollowTimeout",
     "PackIntegrityError",
     "Pack",
     "PackedShardDataset",

@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import xxhash
 
-from schemas.errors import DamagedFile, NotAPack, PackIntegrityError, PrepackError, UsageError
+from schemas.errors import DamagedFile, FollowTimeout, NotAPack, PackIntegrityError, UsageError
 from schemas.location import PackLocation, resolve_location
 from schemas.manifest import (
     PACK_INFO_NAME,
@@ -43,10 +43,6 @@ from schemas.manifest import (
 from schemas.record import RECORD_SCHEMA, RECORD_SCHEMA_VERSION, record_digest
 
 _READ_OPTIONS = pa.ipc.IpcReadOptions(use_threads=False)  # one core per reader; parallelism comes from streams
-
-
-class FollowTimeout(PrepackError, TimeoutError):
-    """A followed stream got no new committed shard within the timeout."""
 
 
 @dataclass(frozen=True)

@@ -73,3 +73,7 @@ class SourceStalled(PrepackError, RuntimeError):
 
 class PackingError(PrepackError, RuntimeError):
     """The packer cannot go on (e.g. batches refused too many times in a row)."""
+
+
+class FollowTimeout(PrepackError, TimeoutError):
+    """A followed stream got no new committed shard within the timeout."""

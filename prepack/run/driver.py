@@ -1,4 +1,4 @@
-"""Run a pack: one Ray task per stream, progress from the workers, then manifest and lineage.
+"""Run a pack: one Ray task per stream (or inline), progress from the workers, then the manifest.
 
 Local by default (``ray.init(address="local")`` on loopback, no dashboard, no usage stats); a
 cluster when ``--address`` or ``RAY_ADDRESS`` names one (as under ``ray job submit``).  Streams

@@ -73,7 +73,7 @@ def identity_mismatch(existing: dict, new: dict, *, check_code: bool = False) ->
         return "the tokenizer differs from the one this output was packed with"
     if check_code and existing.get("code_fingerprint") != new["code_fingerprint"]:
         return (f"the packing code differs (code fingerprint {new['code_fingerprint']} vs "
-                f"{existing.get('code_fingerprint')} in the manifest)")
+                f"{existing.get('code_fingerprint')} in pack.json)")
     return None
 
 

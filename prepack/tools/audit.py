@@ -7,7 +7,7 @@ reached with ``ckpt-(k+1)``.  ``all_streams`` re-packs whole streams from their 
 which also proves every checkpoint (each shard boundary's state must equal the stored one).
 
 An audit is only meaningful with the same config, tokenizer, code and data: it is refused, with
-one line saying why, when a fingerprint differs from the manifest's or a source is unreachable.
+one line saying why, when a fingerprint differs from pack.json's or a source is unreachable.
 """
 
 from __future__ import annotations
