@@ -87,14 +87,14 @@ def init_ray(address: str | None, num_cpus: int | None = None):
     """Connect to ``address`` (or $RAY_ADDRESS), else start a local Ray on loopback.
 
     The local Ray listens on 127.0.0.1 only and dies with this process, so it runs without token
-    authentication unless RAY_AUTH_MODE says otherwise.  Ray's start-up messages are shown with
-    ``-v`` only.
+    authentication unless RAY_AUTH_MODE says otherwise (so no token warning).  Ray's info
+    messages are shown with ``-v`` only; its warnings (a retried task, a dead worker) always.
     """
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     quiet = not logging.getLogger().isEnabledFor(logging.INFO)
-    level = logging.ERROR if quiet else logging.INFO
+    level = logging.WARNING if quiet else logging.INFO  # warnings stay: a retried task is worth a line
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, logging_level=level, log_to_driver=True)
@@ -111,6 +111,14 @@ def _make_remote(ray):
     class Progress:
         def __init__(self):
             self.state: dict[int, tuple[int, int, bool]] = {}
+            self.attempts: dict[int, int] = {}
+
+        def started(self, stream: int) -> None:
+            self.attempts[stream] = self.attempts.get(stream, 0) + 1
+
+        def retried(self) -> dict:
+            """stream -> attempts, for streams whose task started more than once (Ray retried it)."""
+            return {s: n for s, n in self.attempts.items() if n > 1}
 
         def update(self, stream: int, batches: int, tokens: int, done: bool) -> None:
             self.state[stream] = (batches, tokens, done)
@@ -135,6 +143,7 @@ def _make_remote(ray):
                 raise RuntimeError(f"stream {stream}: this worker's raylet (pid {raylet}) is gone; stopping")
 
         check_raylet()
+        progress.started.remote(stream)
         tokenizer, special = special_token_ids(load_tokenizer(cfg.tokenizer))
         last = [0.0]
 
@@ -292,6 +301,7 @@ def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus, lock:
         pending = {stream_task.remote(cfg, out, s, metadata, progress, local): s for s in todo}
         budget = cfg.prepack.batches_per_stream
         started = last_log = time.monotonic()
+        announced: dict[int, int] = {}
         bar = None
         if show_progress:
             from tqdm import tqdm
@@ -316,6 +326,11 @@ def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus, lock:
                             ray.cancel(other, force=True)
                         cause = getattr(e, "cause", None) or e
                         raise StreamFailed(f"stream {s} failed: {type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}") from e
+                for s, n in ray.get(progress.retried.remote()).items():
+                    if announced.get(s) != n:
+                        announced[s] = n
+                        log.warning("stream %d: Ray retried its stream_task (attempt %d; its worker died); it resumes "
+                                    "after its last committed shard", s, n)
                 if bar is not None:
                     snap = ray.get(progress.snapshot.remote())
                     bar.n = sum(v[0] for v in snap.values())
