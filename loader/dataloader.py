@@ -4,7 +4,7 @@ Upstream BAGEL and NeMo AutoModel iterate a torchdata ``StatefulDataLoader`` who
 collated ``SimpleCustomBatch`` (``.cuda(device).to_dict()``, ``batch_data_indexes``).  A pack's
 records already are whole packed batches, so the loader runs with ``batch_size=None`` (no
 collate): each item is one ``SimpleCustomBatch``.  Its ``state_dict()`` holds only ints, strings,
-lists and dicts, so ``torch.load(..., weights_only=True)`` restores it in a new process.
+lists and dicts, so torch's weights-only loader (NeMo's checkpointer default) restores it in a new process.
 """
 
 from __future__ import annotations
