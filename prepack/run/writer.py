@@ -25,6 +25,7 @@ import pyarrow as pa
 import xxhash
 import pyarrow.fs as pafs
 
+from prepack.run.direct_file import DirectFile
 from schemas.compression import Compression
 from schemas.location import PackLocation, resolve_location
 from schemas.errors import DamagedFile
@@ -81,16 +82,18 @@ class _AtomicFile:
     """A file written under ``final + .tmp`` and published by ``commit`` (durably on local disk).
 
     On object stores (atomic PUT, rename = copy) the final name is written directly: the object
-    only appears once complete, and the shard index remains the commit marker.
+    only appears once complete, and the shard index remains the commit marker.  ``direct``: a
+    local file is written past the page cache (``DirectFile``; shard files, written once and
+    large).
     """
 
-    def __init__(self, loc: PackLocation, relpath: str):
+    def __init__(self, loc: PackLocation, relpath: str, *, direct: bool = False):
         self.loc = loc
         self.final = loc.path(relpath)
         self.tmp = self.final if loc.atomic_put else self.final + TMP_SUFFIX
         if loc.is_local:
             os.makedirs(os.path.dirname(self.final), exist_ok=True)
-            self.raw = open(self.tmp, "wb")
+            self.raw = DirectFile(self.tmp) if direct else open(self.tmp, "wb")
         else:
             loc.fs.create_dir(self.final.rsplit("/", 1)[0], recursive=True)
             self.raw = loc.fs.open_output_stream(self.tmp)
@@ -110,7 +113,10 @@ class _AtomicFile:
 
     def abort(self) -> None:
         if not self.raw.closed:
-            self.raw.close()
+            try:
+                self.raw.close()
+            except OSError:  # e.g. the disk filled up: the file is deleted below anyway
+                pass
         try:
             self.loc.fs.delete_file(self.tmp)
         except FileNotFoundError:
@@ -195,7 +201,7 @@ class StreamWriter:
         return RECORD_SCHEMA.with_metadata(meta)
 
     def _open(self) -> None:
-        self._file = _AtomicFile(self.loc, shard_file(self.stream, self.next_shard))
+        self._file = _AtomicFile(self.loc, shard_file(self.stream, self.next_shard), direct=True)
         self._sink = _HashingSink(self._file.raw)
         self._ipc = pa.ipc.new_file(self._sink, self._schema(), options=self.compression.write_options())
         self._records = []

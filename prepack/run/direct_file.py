@@ -1,0 +1,129 @@
+"""A write-only local file that bypasses the page cache (``O_DIRECT``), for shard files.
+
+Why: a packing worker writes each record once (~10-15 MB per NeMo-sized batch) and never reads
+it back.  Through the page cache every record costs the kernel a copy into freshly allocated
+cache pages, then background writeback; the allocation alone was 3 ms a record on an idle
+machine here and up to 30 ms when the pages had to be faulted in again from the hypervisor
+(measured with ``scripts/bench_pack.py``; ``O_DIRECT`` costs ~1 ms either way).  Records are
+staged in a page-aligned buffer and written in aligned blocks; the final partial block is written
+padded and the file truncated to its true size, so the bytes on disk are exactly what was written.
+
+Where ``O_DIRECT`` is unavailable (another OS, tmpfs or a FUSE mount that refuses it at open or
+at the first write) the same object writes through the page cache instead: same bytes, same
+interface.  Readers are unaffected (a reader on the same host reads from disk, not from cache).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+
+log = logging.getLogger(__name__)
+
+_BLOCK = 4096  # a multiple of every common logical block size (512, 4096)
+_STAGING = 4 * 2**20  # staging buffer: a multiple of _BLOCK
+
+
+def _round_up(n: int) -> int:
+    return -(-n // _BLOCK) * _BLOCK
+
+
+class DirectFile:
+    """``open(path, "wb")`` for large sequential writes, without the page cache where possible.
+
+    ``write`` stages bytes; full staging buffers go to disk as they fill.  ``flush`` writes what
+    is staged (the last block padded) and truncates the file to the bytes written so far; more
+    writes may follow it.  ``close`` flushes.  ``direct`` says whether ``O_DIRECT`` is in use.
+    """
+
+    def __init__(self, path: str):
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        o_direct = getattr(os, "O_DIRECT", 0)
+        self.direct = bool(o_direct)
+        self._fd = -1
+        if o_direct:
+            try:
+                self._fd = os.open(path, flags | o_direct, 0o644)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self.direct = False
+        if self._fd < 0:
+            self._fd = os.open(path, flags, 0o644)
+        self._buf = mmap.mmap(-1, _STAGING)  # page-aligned, as O_DIRECT requires
+        self._mv = memoryview(self._buf)
+        self._offset = 0  # file offset of the staging buffer's first byte (block-aligned)
+        self._fill = 0  # bytes staged
+        self._dirty = False  # staged bytes not yet on disk
+        self.closed = False
+
+    # -- file-object interface used by the writers -----------------------------------------------
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        n, pos = len(view), 0
+        while pos < n:
+            take = min(_STAGING - self._fill, n - pos)
+            self._mv[self._fill : self._fill + take] = view[pos : pos + take]
+            self._fill += take
+            pos += take
+            self._dirty = True
+            if self._fill == _STAGING:
+                self._pwrite(self._mv, self._offset)
+                self._offset += _STAGING
+                self._fill = 0
+                self._dirty = False
+        return n
+
+    def tell(self) -> int:
+        return self._offset + self._fill
+
+    def flush(self) -> None:
+        """Write the staged bytes (the last block padded), then truncate to the true size."""
+        if not self._dirty:
+            return
+        end = _round_up(self._fill) if self.direct else self._fill
+        self._pwrite(self._mv[:end], self._offset)
+        if end != self._fill:  # drop the padding
+            os.ftruncate(self._fd, self._offset + self._fill)
+        self._dirty = False
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self.closed = True
+            os.close(self._fd)
+            self._mv.release()
+            self._buf.close()
+
+    def __enter__(self) -> "DirectFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- internals ------------------------------------------------------------------------------
+    def _pwrite(self, view: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(view):
+            try:
+                done += os.pwrite(self._fd, view[done:], offset + done)
+            except OSError as e:
+                if e.errno != errno.EINVAL or not self.direct:
+                    raise
+                self._go_buffered()  # the filesystem took O_DIRECT at open but refuses the write
+
+    def _go_buffered(self) -> None:
+        import fcntl  # POSIX only, like O_DIRECT itself
+
+        log.debug("O_DIRECT refused by this filesystem: writing through the page cache")
+        flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+        self.direct = False
