@@ -56,6 +56,10 @@ def cmd_run(args) -> int:
     from schemas.config import load_config
 
     cfg = load_config(args.config)
+    if args.no_ray:  # this process packs: give it a packing worker's allocator and GC settings
+        from prepack.run.worker_process import settle_worker_process
+
+        settle_worker_process()
     summary = run_pack(cfg, args.out, streams=_streams(args.streams), address=args.address,
                        progress=not args.no_progress and sys.stderr.isatty() or args.progress,
                        num_cpus=args.num_cpus, inline=args.no_ray)
