@@ -29,6 +29,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -143,12 +144,16 @@ def decode_rows(coded: np.ndarray) -> np.ndarray:
     return np.cumsum(coded, axis=1, dtype=np.uint8)
 
 
-def image_table(images: list[np.ndarray]) -> dict[str, np.ndarray]:
-    """The PackedBatch image-table fields for decoded (h, w, 3) uint8 images."""
+def image_table(images: list[np.ndarray], alloc: Callable[[int], np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """The PackedBatch image-table fields for decoded (h, w, 3) uint8 images.
+
+    ``alloc(n)`` gives the uint8 array of n bytes the table is coded into (default: a new one).
+    """
     offsets = np.zeros(len(images) + 1, np.int64)
     if images:
         np.cumsum([im.size for im in images], out=offsets[1:])
-    pixels = np.empty(int(offsets[-1]), np.uint8)  # coded straight into place: one pass, one copy
+    size = int(offsets[-1])
+    pixels = np.empty(size, np.uint8) if alloc is None else alloc(size)  # coded straight into place
     for im, a, b in zip(images, offsets[:-1], offsets[1:]):
         encode_rows(im, out=pixels[a:b].reshape(im.shape))
     return {

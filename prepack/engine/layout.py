@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 from functools import lru_cache
+from typing import Callable
 
 import numpy as np
 import torch
@@ -211,10 +212,11 @@ class SequenceBuilder:
         self.sample_num_splits.append(n_splits)
         self.origins.append(sample.origin)
 
-    def build(self) -> PackedBatch:
-        """The compact batch; pixels are resized here (once per distinct picture)."""
+    def build(self, alloc: Callable[[int], np.ndarray] | None = None) -> PackedBatch:
+        """The compact batch; pixels are resized here (once per distinct picture).  ``alloc``: where
+        the pixel table goes (``image_table``)."""
         k = self.knobs
-        table = image_table([img.pixels() for img in self.images])
+        table = image_table([img.pixels() for img in self.images], alloc)
         cat = lambda parts: np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)  # noqa: E731
         return PackedBatch(
             use_flex=k.use_flex,

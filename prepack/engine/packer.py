@@ -67,10 +67,18 @@ def _np_state_from_json(d: dict) -> tuple:
 
 
 class StreamPacker:
-    """Iterate packed batches of one stream until its budget is spent."""
+    """Iterate packed batches of one stream until its budget is spent.
 
-    def __init__(self, cfg: PrepackConfig, stream: int, tokenizer, special, state: StreamState | None = None):
+    ``reuse_pixel_table``: every batch's pixel table is coded into one buffer kept by the packer,
+    so a batch's ``image_pixels`` is valid only until the next batch is made.  For a consumer that
+    writes each batch before asking for the next (the stream writer): the ~20 MB table then stops
+    costing fresh pages every batch.
+    """
+
+    def __init__(self, cfg: PrepackConfig, stream: int, tokenizer, special, state: StreamState | None = None,
+                 *, reuse_pixel_table: bool = False):
         self.cfg = cfg
+        self._table_buffer: np.ndarray | None = np.empty(0, np.uint8) if reuse_pixel_table else None
         self.stream = stream
         self.rank, self.worker = cfg.stream_rank_worker(stream)
         self.seed = cfg.stream_seed(stream)
@@ -176,12 +184,18 @@ class StreamPacker:
                 return None
             self.counters.warn("batch_over_max_num_tokens")
         self.refused_in_row = 0
-        batch = builder.build()
+        batch = builder.build(None if self._table_buffer is None else self._reused_table)
         for o in builder.origins:
             self.counters.samples_packed[o.group] = self.counters.samples_packed.get(o.group, 0) + 1
         self.batches += 1
         self.tokens += batch.sequence_length
         return batch
+
+    def _reused_table(self, size: int) -> np.ndarray:
+        """The first ``size`` bytes of the packer's table buffer, grown (with headroom) as needed."""
+        if self._table_buffer.size < size:
+            self._table_buffer = np.empty(size + size // 4, np.uint8)
+        return self._table_buffer[:size]
 
     def __iter__(self) -> Iterator[PackedBatch]:
         k = self.cfg.knobs

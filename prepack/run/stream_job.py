@@ -169,10 +169,11 @@ def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, 
     index = recover_stream(loc, stream)
     next_shard, next_record = len(index.shards), index.num_records
     if next_shard == 0:
-        packer = StreamPacker(cfg, stream, tokenizer, special)
+        packer = StreamPacker(cfg, stream, tokenizer, special, reuse_pixel_table=True)  # written before the next
         index.ckpt0_json_sha256, index.ckpt0_arrow_sha256 = write_checkpoint(loc, stream, 0, packer)
     else:
-        packer = StreamPacker(cfg, stream, tokenizer, special, state=read_checkpoint(loc, stream, next_shard, index))
+        packer = StreamPacker(cfg, stream, tokenizer, special, state=read_checkpoint(loc, stream, next_shard, index),
+                              reuse_pixel_table=True)
         log.info("stream %d: continuing at shard %d (record %d)", stream, next_shard, next_record)
     writer = StreamWriter(loc, stream, shard_bytes=cfg.prepack.shard_bytes, compression=cfg.prepack.compression,
                           metadata=metadata, start_shard=next_shard, start_record=next_record)

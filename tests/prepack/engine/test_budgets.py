@@ -48,3 +48,17 @@ def test_passes_budget_covers_every_group_at_least_once(data, tokenizer_and_spec
     c = p.final_counters()  # nothing left unaccounted at the end of the budget
     assert sum(c.samples_read.values()) == sum(c.samples_packed.values()) + sum(
         v for k, v in c.drops.items() if ":" not in k)
+
+
+def test_reused_pixel_table_gives_the_same_batches(data, tokenizer_and_special):
+    """The writer's mode (one table buffer for every batch) packs the same records, and really
+    reuses the buffer: each batch must be consumed before the next is made."""
+    want, _, _ = digests(data, tokenizer_and_special, batches_per_stream=5)
+    cfg = load_config(data.config(knobs=KNOBS, prepack={"batches_per_stream": 5}))
+    got, tables = [], []
+    for b in StreamPacker(cfg, 0, *tokenizer_and_special, reuse_pixel_table=True):
+        got.append(record_digest(batch_to_record(b)))  # consumed now, as the writer does
+        tables.append(b.image_pixels)
+    assert got == want
+    assert len(tables) == 5 and all(t.size for t in tables)
+    assert sum(np.shares_memory(tables[i], tables[i + 1]) for i in range(4)) >= 3
