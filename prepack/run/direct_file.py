@@ -10,7 +10,9 @@ padded and the file truncated to its true size, so the bytes on disk are exactly
 
 Where ``O_DIRECT`` is unavailable (another OS, tmpfs or a FUSE mount that refuses it at open or
 at the first write) the same object writes through the page cache instead: same bytes, same
-interface.  Readers are unaffected (a reader on the same host reads from disk, not from cache).
+interface; ``PREPACK_DIRECT_IO=0`` in a worker's environment asks for that everywhere (e.g. on a
+network filesystem where direct writes are slow).  Readers are unaffected (a reader on the same
+host reads from disk, not from cache).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 
 log = logging.getLogger(__name__)
 
+DIRECT_IO_ENV = "PREPACK_DIRECT_IO"  # "0": write shards through the page cache
 _BLOCK = 4096  # a multiple of every common logical block size (512, 4096)
 _STAGING = 4 * 2**20  # staging buffer: a multiple of _BLOCK
 
@@ -40,7 +43,7 @@ class DirectFile:
 
     def __init__(self, path: str):
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
-        o_direct = getattr(os, "O_DIRECT", 0)
+        o_direct = getattr(os, "O_DIRECT", 0) if os.environ.get(DIRECT_IO_ENV, "1") != "0" else 0
         self.direct = bool(o_direct)
         self._fd = -1
         if o_direct:

@@ -139,3 +139,13 @@ def test_shards_are_the_same_bytes_with_and_without_o_direct(tmp_path, monkeypat
     for e in direct_entries:
         rel = shard_file(0, e.shard)
         assert (tmp_path / "direct" / rel).read_bytes() == (tmp_path / "buffered" / rel).read_bytes()
+
+
+def test_environment_can_turn_o_direct_off(tmp_path, monkeypatch):
+    monkeypatch.setenv(direct_file.DIRECT_IO_ENV, "0")
+    chunks = _chunks(4, 70_000)
+    with DirectFile(str(tmp_path / "f.bin")) as f:
+        for c in chunks:
+            f.write(c)
+        assert not f.direct
+    assert (tmp_path / "f.bin").read_bytes() == b"".join(chunks)
