@@ -78,7 +78,6 @@ class StreamPacker:
     def __init__(self, cfg: PrepackConfig, stream: int, tokenizer, special, state: StreamState | None = None,
                  *, reuse_pixel_table: bool = False):
         self.cfg = cfg
-        self._table_buffer: np.ndarray | None = np.empty(0, np.uint8) if reuse_pixel_table else None
         self.stream = stream
         self.rank, self.worker = cfg.stream_rank_worker(stream)
         self.seed = cfg.stream_seed(stream)
@@ -105,6 +104,7 @@ class StreamPacker:
         self.batches = 0
         self.tokens = 0
         self.refused_in_row = 0
+        self._table_buffer: np.ndarray | None = np.empty(0, np.uint8) if reuse_pixel_table else None
         weights = [g.weight for g in cfg.groups]
         total = sum(weights)
         self.cumprobs = [sum(weights[: i + 1]) / total for i in range(len(weights))]

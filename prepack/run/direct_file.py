@@ -117,7 +117,10 @@ class DirectFile:
         done = 0
         while done < len(view):
             try:
-                done += os.pwrite(self._fd, view[done:], offset + done)
+                n = os.pwrite(self._fd, view[done:], offset + done)
+                if n <= 0:
+                    raise OSError(errno.EIO, f"write returned {n} at offset {offset + done}")
+                done += n
             except OSError as e:
                 if e.errno != errno.EINVAL or not self.direct:
                     raise

@@ -169,7 +169,7 @@ def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, 
     index = recover_stream(loc, stream)
     next_shard, next_record = len(index.shards), index.num_records
     if next_shard == 0:
-        packer = StreamPacker(cfg, stream, tokenizer, special, reuse_pixel_table=True)  # written before the next
+        packer = StreamPacker(cfg, stream, tokenizer, special, reuse_pixel_table=True)  # each batch is written before the next
         index.ckpt0_json_sha256, index.ckpt0_arrow_sha256 = write_checkpoint(loc, stream, 0, packer)
     else:
         packer = StreamPacker(cfg, stream, tokenizer, special, state=read_checkpoint(loc, stream, next_shard, index),
