@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from prepack.run.identity import budget_change, identity_mismatch, pack_identity, record_metadata, write_identity
 from prepack.run.lock import RunLock, acquire_lock, pid_alive
-from prepack.run.stream_job import read_done
+from prepack.run.stream_job import drop_lineage_leftovers, read_done
 from prepack.run.writer import read_index, write_bytes_atomic
 from schemas.config import PrepackConfig
 from schemas.errors import PackRefused, StreamFailed
@@ -248,6 +248,9 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
         identity, _ = _settle_identity(loc, out, identity)
         budget = cfg.prepack.budget()
         dones = {s: read_done(loc, s) for s in wanted}
+        for s in wanted:
+            if dones[s] is not None and dones[s].budget == budget:
+                drop_lineage_leftovers(loc, s)  # what a run killed just after finishing s left
         todo = [s for s in wanted if dones[s] is None or dones[s].budget != budget]
         if not todo:  # nothing to pack; write the manifest only if an earlier job could not yet
             written = loc.fs.get_file_info(loc.path(MANIFEST_NAME)).type.name == "File"

@@ -12,11 +12,13 @@ written; a later run with a larger budget continues from the last checkpoint.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from prepack.engine.checkpoint import state_from_payload, state_to_payload
@@ -40,6 +42,7 @@ from schemas.manifest import (
 )
 
 log = logging.getLogger(__name__)
+_SHARD_LINEAGE = re.compile(r"shard-\d+\.lineage\.parquet")
 
 
 
@@ -161,6 +164,7 @@ def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, 
     budget = cfg.prepack.budget()
     previous = read_done(loc, stream)
     if previous is not None and previous.budget == budget:
+        drop_lineage_leftovers(loc, stream)
         return previous
     loc.fs.create_dir(loc.path(stream_dir(stream)), recursive=True)
     if previous is not None:  # extending a finished stream: it is no longer done
@@ -225,6 +229,27 @@ def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, 
     if report is not None:
         report(ProgressEvent(stream, packer.batches, packer.tokens, done=True))
     return result
+
+
+def drop_lineage_leftovers(loc: PackLocation, stream: int) -> int:
+    """Delete the shard lineage files of a finished stream; returns how many there were.
+
+    A finished stream's lineage is ``lineage/stream-S.parquet``; its shard lineage files are
+    deleted after ``done.json`` is written, so a run killed in between leaves them behind.  Called
+    for every finished stream a run is asked for (one listing each).
+    """
+    sdir = loc.path(stream_dir(stream))
+    names = [i.base_name for i in loc.fs.get_file_info(pafs.FileSelector(sdir, allow_not_found=True))
+             if i.type == pafs.FileType.File and _SHARD_LINEAGE.fullmatch(i.base_name)]
+    for name in names:
+        try:
+            loc.fs.delete_file(f"{sdir}/{name}")
+        except FileNotFoundError:
+            pass
+    if names:
+        log.warning("stream %d: removed %d shard lineage files that an interrupted run left after finishing it",
+                    stream, len(names))
+    return len(names)
 
 
 def read_done(loc: PackLocation, stream: int) -> StreamSummary | None:

@@ -7,6 +7,7 @@ a pack that another process is writing.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,7 @@ from loader.reader import Pack
 from prepack.run.driver import run_pack
 from prepack.tools.verify import verify_pack
 from schemas.errors import PackRefused
+from schemas.manifest import shard_lineage_file
 from tests.helpers.packs import make_dataset, small_config
 from tests.helpers.paths import REPO
 
@@ -158,3 +160,26 @@ def test_follow_resumes_from_a_state_and_times_out(data, fresh12, tmp_path, toke
     resumed.load_state_dict(state)
     whole = read_ids(PackedShardDataset(fresh12, rank=0, world_size=1))
     assert read_ids(head) + read_ids(resumed) == whole
+
+
+def test_rerun_removes_lineage_files_left_by_a_run_killed_after_done(data, fresh12, tmp_path, tokenizer_and_special):
+    """done.json is written before the shard lineage files are deleted: a run killed in between
+    leaves them; the next run over the finished pack removes them and changes nothing else."""
+    out = str(tmp_path / "out")
+    shutil.copytree(fresh12, out)
+    before = {p: open(os.path.join(out, p), "rb").read() for p in _files(out)}
+    leftovers = [shard_lineage_file(1, k) for k in range(2)]
+    for rel in leftovers:
+        with open(os.path.join(out, rel), "wb") as f:
+            f.write(b"left by a killed run")
+    again = run_pack(small_config(data, shard_bytes=400_000, batches_per_stream=12), out, inline=True,
+                     tokenizer=tokenizer_and_special, progress=False)
+    assert again.already_done
+    assert not any(os.path.exists(os.path.join(out, rel)) for rel in leftovers)
+    assert {p: open(os.path.join(out, p), "rb").read() for p in _files(out)} == before
+    assert verify_pack(out).ok
+
+
+def _files(root: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs
+                  if not f.startswith(".prepack.lock"))
