@@ -17,6 +17,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from loader.reader import Pack, read_shard
 from prepack.tools.report import CheckReport
@@ -146,12 +147,30 @@ def check_stream(pack: Pack, stream: int, rep: CheckReport, pool: ThreadPoolExec
         data = _check_file(loc, rep, "lineage", stream_lineage_file(stream), done.lineage_sha256)
         if data is not None:
             check_lineage_rows(data, index.shards, stream_lineage_file(stream), rep)
-    elif done is None:  # still packing: lineage is per shard
-        for sh in index.shards:
+    elif done is None:  # still packing: lineage is per shard, but an extended stream's earlier shards are compacted
+        compacted = _compacted_shards(loc, index, rep)
+        for sh in index.shards[compacted:]:
             data = _check_file(loc, rep, "lineage", shard_lineage_file(stream, sh.shard), sh.lineage_sha256)
             if data is not None:
                 check_lineage_rows(data, [sh], shard_lineage_file(stream, sh.shard), rep)
     return done
+
+
+def _compacted_shards(loc: PackLocation, index: StreamIndex, rep: CheckReport) -> int:
+    """How many leading shards of a stream being extended have their lineage in
+    ``lineage/stream-S.parquet`` (compacted when it was last done; one row group per shard),
+    after checking that file's rows against them.  0 when there is no such file."""
+    rel = stream_lineage_file(index.stream)
+    try:
+        data = loc.read_bytes(rel)
+    except FileNotFoundError:
+        return 0
+    try:
+        groups = min(pq.ParquetFile(pa.BufferReader(data)).num_row_groups, len(index.shards))
+    except Exception:  # unreadable: check_lineage_rows says so against every shard
+        groups = len(index.shards)
+    check_lineage_rows(data, index.shards[:groups], rel, rep)
+    return groups
 
 
 def _check_done(pack: Pack, index: StreamIndex, rep: CheckReport) -> StreamSummary | None:

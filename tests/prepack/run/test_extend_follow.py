@@ -20,7 +20,7 @@ from loader.reader import Pack
 from prepack.run.driver import run_pack
 from prepack.tools.verify import verify_pack
 from schemas.errors import PackRefused
-from schemas.manifest import shard_lineage_file
+from schemas.manifest import MANIFEST_NAME, done_file, shard_lineage_file, stream_lineage_file
 from tests.helpers.packs import make_dataset, small_config
 from tests.helpers.paths import REPO
 
@@ -183,3 +183,18 @@ def test_rerun_removes_lineage_files_left_by_a_run_killed_after_done(data, fresh
 def _files(root: str) -> list[str]:
     return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs
                   if not f.startswith(".prepack.lock"))
+
+
+def test_verify_a_stream_being_extended(fresh12, tmp_path):
+    """Right after an extension starts (done.json and manifest.json removed), the earlier shards'
+    lineage is in lineage/stream-S.parquet, not in shard files: verify checks it there."""
+    out = str(tmp_path / "out")
+    shutil.copytree(fresh12, out)
+    os.remove(os.path.join(out, done_file(0)))
+    os.remove(os.path.join(out, MANIFEST_NAME))
+    report = verify_pack(out)
+    assert report.ok, [r for r in report.rows if not r.ok]
+    assert any(r.ok and r.target == stream_lineage_file(0) and r.check == "lineage rows" for r in report.rows)
+    with open(os.path.join(out, stream_lineage_file(0)), "r+b") as f:  # damage: fewer rows than samples
+        f.truncate(100)
+    assert [r.target for r in verify_pack(out).rows if not r.ok] == [stream_lineage_file(0)]
