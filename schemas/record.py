@@ -366,7 +366,7 @@ def record_digest(record: pa.RecordBatch) -> str:
     Hashes every column's logical values in schema order (the pixel table decoded), so the same
     packed batch has the same digest whether it was written with zstd level 1, 19, lz4 or no
     compression.  XXH3-128: an integrity and reproducibility check (~30 GB/s, so the loader can
-    afford it on every record); shard files also carry a SHA-256 in the manifest.  The decoded
+    afford it on every record); each shard file's XXH3-128 is in its stream index.  The decoded
     pixels are handed to a following ``record_to_batch`` of the same record.
     """
     pixels = record_pixels(record)

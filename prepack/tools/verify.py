@@ -2,9 +2,10 @@
 
 Per stream, in memory bounded by that stream: the index (schema, contiguity, digest chain), the
 start checkpoint and every shard's end checkpoint (sha256 recorded at commit), every shard (size,
-sha256, schema identity and each record's digest, through the loader's own ``read_shard``), the
-lineage (sha256 and one row per packed sample of each record) and ``done.json`` (totals and root
-agree with the index).  Then the pack: ``pack.json`` (format, stored config hashes to its
+XXH3-128 file digest, schema identity and each record's digest, through the loader's own
+``read_shard``), the lineage (sha256 and one row per packed sample of each record; a stream being
+extended has its earlier shards' rows in its compacted lineage file) and ``done.json`` (totals
+and root agree with the index).  Then the pack: ``pack.json`` (format, stored config hashes to its
 config_hash) and ``manifest.json`` (each stream's summary equals its ``done.json``).  A file that
 is damaged or missing fails with its path named; nothing is repaired.
 """
