@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,7 +32,9 @@ import xxhash
 from schemas.errors import DamagedFile, FollowTimeout, NotAPack, PackIntegrityError, UsageError
 from schemas.location import PackLocation, resolve_location
 from schemas.manifest import (
+    MANIFEST_NAME,
     PACK_INFO_NAME,
+    PackSummary,
     ShardEntry,
     StreamIndex,
     StreamSummary,
@@ -39,9 +42,12 @@ from schemas.manifest import (
     done_file,
     index_file,
     load_checked,
+    stream_dir,
+    stream_lineage_file,
 )
 from schemas.record import RECORD_SCHEMA, RECORD_SCHEMA_VERSION, record_digest
 
+_LATER_FILE = re.compile(r"(shard|ckpt)-(\d+)\.(arrow|json)")  # see Pack._evidence_of_records
 _READ_OPTIONS = pa.ipc.IpcReadOptions(use_threads=False)  # one core per reader; parallelism comes from streams
 
 
@@ -69,7 +75,7 @@ class Pack:
     location: PackLocation
     identity: dict
     _indexes: dict[int, StreamIndex] = field(default_factory=dict, repr=False)
-    _done: dict[int, StreamSummary] = field(default_factory=dict, repr=False)
+    _done: dict[int, StreamSummary | None] = field(default_factory=dict, repr=False)
 
     @classmethod
     def open(cls, path: "str | os.PathLike | PackLocation", filesystem: pafs.FileSystem | None = None) -> "Pack":
@@ -105,21 +111,74 @@ class Pack:
             raise UsageError(f"stream {stream} is not in this pack ({self.num_streams} streams)")
 
     def index(self, stream: int, *, refresh: bool = False) -> StreamIndex:
-        """The stream's committed shards (read once, or again with ``refresh``); empty before its first commit."""
+        """The stream's committed shards (read once, or again with ``refresh``); empty before its first commit.
+
+        Never silently less: an index that is missing while anything of the pack says the stream
+        has records, or that holds fewer records than the stream's ``done.json``, is ``DamagedFile``.
+        """
         if refresh or stream not in self._indexes:
             self.check_stream(stream)
+            summary = self._read_done(stream)  # before the index: done.json is written after the last commit
+            path = self.location.path(index_file(stream))
             try:
                 data = self.location.read_bytes(index_file(stream))
             except FileNotFoundError:
+                evidence = self._evidence_of_records(stream, summary)
+                if evidence:
+                    raise DamagedFile(f"{path}: missing, but {evidence}") from None
                 index = StreamIndex(stream, [])
             else:
-                index = StreamIndex.from_bytes(data, stream, self.location.path(index_file(stream)))
+                index = StreamIndex.from_bytes(data, stream, path)
+            if summary is not None:
+                _check_index_covers(index, summary, path, self.location.path(done_file(stream)))
             old = self._indexes.get(stream)
             if old is not None and index.num_records < old.num_records:
-                raise DamagedFile(f"{self.location.path(index_file(stream))}: the stream index shrank from "
-                                  f"{old.num_records} to {index.num_records} records")
+                raise DamagedFile(f"{path}: the stream index shrank from {old.num_records} to {index.num_records} records")
             self._indexes[stream] = index
         return self._indexes[stream]
+
+    def _read_done(self, stream: int) -> StreamSummary | None:
+        """The stream's done.json, whatever budget it finished (None when absent)."""
+        try:
+            data = self.location.read_bytes(done_file(stream))
+        except FileNotFoundError:
+            summary = None
+        else:
+            summary = StreamSummary.from_json(data, self.location.path(done_file(stream)))
+        self._done[stream] = summary
+        return summary
+
+    def _evidence_of_records(self, stream: int, summary: StreamSummary | None) -> str:
+        """Why a stream without an index must have committed records ("" when nothing says so).
+
+        Written only after shard 0's commit: done.json, the stream's compacted lineage, shard
+        files from 1 on, checkpoints from 2 on, and the manifest.  (shard-00000 and ckpt-00001
+        alone are what a crash before the first commit leaves.)"""
+        if summary is not None and summary.num_records > 0:
+            return f"{done_file(stream)} says the stream has {summary.num_records} records"
+        loc = self.location
+        infos = loc.fs.get_file_info(pafs.FileSelector(loc.path(stream_dir(stream)), allow_not_found=True))
+        for info in sorted(infos, key=lambda i: i.base_name):
+            m = _LATER_FILE.fullmatch(info.base_name)
+            if m and int(m[2]) >= (1 if m[1] == "shard" else 2):
+                return f"{stream_dir(stream)}/{info.base_name} exists (written only after the stream's first commit)"
+        if loc.fs.get_file_info(loc.path(stream_lineage_file(stream))).type == pafs.FileType.File:
+            return f"{stream_lineage_file(stream)} exists (written when the stream finished)"
+        try:
+            raw = loc.read_bytes(MANIFEST_NAME)
+        except FileNotFoundError:
+            return ""
+        summary_of_pack = PackSummary.from_json(raw, loc.path(MANIFEST_NAME))
+        listed = [s for s in summary_of_pack.streams if s.stream == stream and s.num_records > 0]
+        return f"{MANIFEST_NAME} says the stream has {listed[0].num_records} records" if listed else ""
+
+    def _finished_without_done(self, stream: int) -> bool:
+        """Whether the pack has its manifest (every stream finished) while ``stream`` has no done.json.
+
+        A follower would otherwise wait for a done.json that will never come."""
+        if self._done.get(stream) is not None:
+            return False
+        return self.location.fs.get_file_info(self.location.path(MANIFEST_NAME)).type == pafs.FileType.File
 
     def forget(self, stream: int) -> None:
         """Drop what was read of ``stream`` (tools that walk every stream keep one in memory)."""
@@ -127,17 +186,14 @@ class Pack:
         self._done.pop(stream, None)
 
     def done(self, stream: int) -> StreamSummary | None:
-        """The stream's done.json if it has finished the pack's budget, else None."""
+        """The stream's done.json if it has finished the pack's budget, else None (as of the last
+        read of its index)."""
         if stream not in self._done:
-            try:
-                data = self.location.read_bytes(done_file(stream))
-            except FileNotFoundError:
-                return None
-            summary = StreamSummary.from_json(data, self.location.path(done_file(stream)))
-            if summary.budget != self.identity.get("budget"):
-                return None  # finished an earlier, smaller budget: being extended
-            self._done[stream] = summary
-        return self._done[stream]
+            self.index(stream, refresh=True)
+        summary = self._done.get(stream)
+        if summary is None or summary.budget != self.identity.get("budget"):
+            return None  # not finished, or finished an earlier, smaller budget: being extended
+        return summary
 
     def num_records(self, stream: int) -> int:
         """Records committed in ``stream`` as of the last read of its index."""
@@ -152,18 +208,34 @@ class Pack:
         last_change = time.monotonic()
         seen = self.index(stream).num_records
         while True:
-            done = self.done(stream)  # read before the index: done.json is written after the last commit
-            n = self.index(stream, refresh=True).num_records
+            n = self.index(stream, refresh=True).num_records  # reads done.json first, then the index
+            done = self.done(stream)
             if record < n:
                 return True
             if done is not None:
                 return False
+            if self._finished_without_done(stream):
+                raise DamagedFile(f"{self.location.path(done_file(stream))}: missing, but {MANIFEST_NAME} says the "
+                                  "pack is finished")
             if n != seen:
                 seen, last_change = n, time.monotonic()
             if follow.timeout_s is not None and time.monotonic() - last_change > follow.timeout_s:
                 raise FollowTimeout(f"stream {stream}: no new committed shard for {follow.timeout_s:g} s "
                                     f"(waiting for record {record}; {n} committed)")
             time.sleep(follow.poll_s)
+
+
+def _check_index_covers(index: StreamIndex, summary: StreamSummary, where: str, done_path: str) -> None:
+    """The index holds every record the stream's done.json counts, ending a shard with its root
+    (an index may hold more: the stream is being extended past that budget)."""
+    ends = {sh.first_record + len(sh.records): sh.root for sh in index.shards}
+    if summary.num_records == 0 or ends.get(summary.num_records) == summary.root:
+        return
+    if index.num_records < summary.num_records:
+        raise DamagedFile(f"{where}: holds {index.num_records} records, but {done_path} says the stream has "
+                          f"{summary.num_records} (an older or damaged index)")
+    raise DamagedFile(f"{where}: its records do not end a shard with the digest root {done_path} records "
+                      f"(the index and done.json are of different packs, or one is damaged)")
 
 
 def iter_records(

@@ -3,7 +3,10 @@
 Why: metadata files (done.json, manifest.json, pack.json, checkpoints) are read back by other
 processes, other machines and later versions; a wrong or damaged field must fail at the read,
 naming the file, not later as a KeyError deep in the packer.  ``dump_checked`` adds a sha256 of
-the content so a damaged file names itself even where no index records its digest.
+the content so a damaged file names itself even where no index records its digest, and
+``load_checked`` accepts only the exact bytes ``dump_checked`` writes (Python's JSON output is
+stable), so a changed byte that decodes to the same content (whitespace, key order, escapes) is
+damage too.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ def load_checked(data: "bytes | str", where: str) -> dict:
     body = {k: v for k, v in d.items() if k != CHECKSUM_KEY}
     if hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest() != d[CHECKSUM_KEY]:
         raise DamagedFile(f"{where}: damaged (its checksum does not match its content)")
+    if dump_checked(body) != (data.encode() if isinstance(data, str) else bytes(data)):
+        raise DamagedFile(f"{where}: damaged (same content, but its bytes are not the ones written)")
     return body
 
 

@@ -32,11 +32,12 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import xxhash
 
 from schemas.documents import Document, dump_checked, load_checked  # noqa: F401  (re-exported)
 from schemas.errors import DamagedFile, PackFormatError
 
-FORMAT_VERSION = 2  # of the whole layout above; pack.json names it
+FORMAT_VERSION = 3  # of the whole layout above; pack.json names it (3: stream indexes are sealed)
 MANIFEST_NAME = "manifest.json"
 PACK_INFO_NAME = "pack.json"
 LINEAGE_DIR = "lineage"
@@ -222,6 +223,27 @@ INDEX_SCHEMA = pa.schema([
 ])
 
 
+# An index seals itself: its schema metadata carries the XXH3-128 of the file's own bytes, taken
+# with this placeholder standing where the digest is (an Arrow IPC file holds its schema twice: the
+# stream header and the footer).  Every byte of the file is covered, padding and flatbuffer slack
+# included, without a second file that a crash could leave out of step with the commit marker.
+_SEAL_KEY = "prepack.index_xxh3"
+_SEAL_PLACEHOLDER = b"~" * 32
+
+
+def _seal(data: bytes) -> bytes:
+    if data.count(_SEAL_PLACEHOLDER) != 2:  # header and footer schema; anything else is not our writer
+        raise RuntimeError(f"index seal placeholder found {data.count(_SEAL_PLACEHOLDER)} times, expected 2")
+    return data.replace(_SEAL_PLACEHOLDER, xxhash.xxh3_128(data).hexdigest().encode())
+
+
+def _seal_holds(data: bytes, seal: bytes) -> bool:
+    """Whether ``data`` is exactly the bytes that were sealed with ``seal`` (a hex digest)."""
+    if len(seal) != len(_SEAL_PLACEHOLDER):
+        return False
+    return xxhash.xxh3_128(data.replace(seal, _SEAL_PLACEHOLDER)).hexdigest().encode() == seal
+
+
 def _int_values(arr: pa.Array) -> np.ndarray:
     """An int32 Arrow array (no nulls) as a numpy view: ``to_numpy`` would import pandas (~50 MB)."""
     return np.frombuffer(arr.buffers()[1], dtype=np.int32)[arr.offset:arr.offset + len(arr)]
@@ -274,28 +296,41 @@ class StreamIndex:
                 cols[name].append(getattr(s, name))
         meta = {"prepack.format_version": str(FORMAT_VERSION), "prepack.stream": str(self.stream),
                 "prepack.ckpt0_json_sha256": self.ckpt0_json_sha256,
-                "prepack.ckpt0_arrow_sha256": self.ckpt0_arrow_sha256}
+                "prepack.ckpt0_arrow_sha256": self.ckpt0_arrow_sha256, _SEAL_KEY: _SEAL_PLACEHOLDER.decode()}
         batch = pa.RecordBatch.from_pydict(cols, schema=INDEX_SCHEMA.with_metadata(meta))
         sink = pa.BufferOutputStream()
         with pa.ipc.new_file(sink, batch.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as w:
             w.write_batch(batch)
-        return sink.getvalue().to_pybytes()
+        return _seal(sink.getvalue().to_pybytes())
 
     @classmethod
     def from_bytes(cls, data: bytes, stream: int, where: str) -> "StreamIndex":
-        """Parse and check an index: schema, stream, contiguous shards and records, digest chain."""
+        """Parse and check an index: its seal (every byte), schema, stream, contiguous shards and
+        records, digest chain."""
+        if not data:
+            raise DamagedFile(f"{where}: empty file (a stream index is never empty)")
         try:
             reader = pa.ipc.open_file(pa.BufferReader(data))
+        except (pa.ArrowException, OSError) as e:
+            raise DamagedFile(f"{where}: not a readable stream index ({e})") from None
+        raw_meta = reader.schema.metadata or {}
+        seal = raw_meta.get(_SEAL_KEY.encode(), b"")
+        if not seal and raw_meta.get(b"prepack.format_version", b"") != str(FORMAT_VERSION).encode():
+            version = raw_meta.get(b"prepack.format_version", b"?").decode(errors="replace")
+            raise PackFormatError(f"{where}: index of format {version!r}, this bagel-prepack reads {FORMAT_VERSION}")
+        if not _seal_holds(bytes(data), seal):  # before any record buffer is decoded
+            raise DamagedFile(f"{where}: damaged (its bytes do not match the digest it was sealed with)")
+        meta = {k.decode(): v.decode() for k, v in raw_meta.items()}
+        if meta.get("prepack.format_version") != str(FORMAT_VERSION):
+            raise PackFormatError(f"{where}: index of format {meta.get('prepack.format_version')!r}, "
+                                  f"this bagel-prepack reads {FORMAT_VERSION}")
+        try:
             if reader.num_record_batches != 1:  # the writer writes one; anything else is not ours
                 raise DamagedFile(f"{where}: {reader.num_record_batches} record batches, expected 1")
             table = reader.get_batch(0)
             table.validate(full=True)
         except (pa.ArrowException, OSError) as e:
             raise DamagedFile(f"{where}: not a readable stream index ({e})") from None
-        meta = {k.decode(): v.decode() for k, v in (reader.schema.metadata or {}).items()}
-        if meta.get("prepack.format_version") != str(FORMAT_VERSION):
-            raise PackFormatError(f"{where}: index of format {meta.get('prepack.format_version')!r}, "
-                                  f"this bagel-prepack reads {FORMAT_VERSION}")
         if reader.schema.remove_metadata() != INDEX_SCHEMA:
             raise DamagedFile(f"{where}: unexpected index columns")
         if meta.get("prepack.stream") != str(stream):

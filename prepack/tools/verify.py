@@ -35,7 +35,6 @@ from schemas.manifest import (
     checkpoint_file,
     done_file,
     index_file,
-    shard_file,
     shard_lineage_file,
     stream_lineage_file,
 )
@@ -123,13 +122,9 @@ def check_stream(pack: Pack, stream: int, rep: CheckReport, pool: ThreadPoolExec
     except PrepackError as e:
         rep.add("stream index", index_file(stream), False, str(e))
         return None
-    if not index.shards and loc.fs.get_file_info(loc.path(index_file(stream))).type.name != "File":
-        started = loc.fs.get_file_info(loc.path(done_file(stream))).type.name == "File" or \
-            loc.fs.get_file_info(loc.path(shard_file(stream, 0))).type.name == "File"
-        rep.add("stream index", index_file(stream), not started,
-                "missing, but the stream has shards or done.json" if started else "nothing committed yet")
-        if started:
-            return None
+    if not index.shards:  # Pack.index raised if anything said the stream had records
+        rep.add("stream index", index_file(stream), True, "nothing committed yet")
+        return None
     rep.add("stream index", index_file(stream), True,
             f"{len(index.shards)} shards, {index.num_records} records, digest chain ok")
     if metadata_only:
@@ -221,7 +216,13 @@ def check_summary(pack: Pack, dones: dict[int, StreamSummary | None], rep: Check
         raw = pack.location.read_bytes(MANIFEST_NAME)
     except FileNotFoundError:
         unfinished = sum(1 for d in dones.values() if d is None)
-        rep.add("manifest", MANIFEST_NAME, True, f"not written: {unfinished} streams still packing")
+        # Not OK once every stream is done: the manifest is the finished pack's summary (and its
+        # sign of being finished), so its absence means the run that finished last died before
+        # writing it, or it was deleted.  Nothing is lost: a rerun rewrites it from done.json.
+        rep.add("manifest", MANIFEST_NAME, unfinished > 0,
+                f"not written: {unfinished} streams still packing" if unfinished else
+                "missing, though every stream is done: rerun the same 'prepack run CONFIG --out OUT' "
+                "(it packs nothing and writes the manifest from each stream's done.json)")
         return
     try:
         summary = PackSummary.from_json(raw, MANIFEST_NAME)
@@ -229,9 +230,16 @@ def check_summary(pack: Pack, dones: dict[int, StreamSummary | None], rep: Check
         rep.add("manifest", MANIFEST_NAME, False, str(e))
         return
     wrong = [s.stream for s in summary.streams if dones.get(s.stream) != s]
-    ok = not wrong and len(summary.streams) == pack.num_streams and summary.identity == pack.identity
-    rep.add("manifest", MANIFEST_NAME, ok, f"{len(summary.streams)} streams = their done.json" if ok else
-            f"streams {wrong[:5]} differ from their done.json, or the identity from pack.json")
+    problems = []
+    if wrong:
+        problems.append(f"{len(wrong)} streams differ from their done.json (first: {done_file(wrong[0])}), "
+                        "or it could not be checked")
+    if len(summary.streams) != pack.num_streams:
+        problems.append(f"lists {len(summary.streams)} streams, {PACK_INFO_NAME} says {pack.num_streams}")
+    if summary.identity != pack.identity:
+        problems.append(f"its identity differs from {PACK_INFO_NAME}")
+    rep.add("manifest", MANIFEST_NAME, not problems,
+            "; ".join(problems) or f"{len(summary.streams)} streams = their done.json")
 
 
 def verify_pack(out: "str | os.PathLike | PackLocation", *, threads: int | None = None,

@@ -34,6 +34,7 @@ from prepack.run.writer import Compression, write_bytes_atomic, write_json_atomi
 from schemas.config import load_config
 from schemas.location import resolve_location
 from schemas.manifest import (
+    FORMAT_VERSION,
     MANIFEST_NAME,
     PACK_INFO_NAME,
     StreamIndex,
@@ -87,26 +88,55 @@ def test_verify_passes_on_fresh_pack(pack):
     assert main(["verify", pack]) == 0
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
-@pytest.mark.parametrize("victim", ["ckpt-json", "ckpt-arrow", "index", "lineage", "done", "pack"])
-def test_verify_fails_naming_any_damaged_metadata_file(pack, tmp_path, victim, damage):
+VICTIMS = {"pack": PACK_INFO_NAME, "manifest": MANIFEST_NAME, "done": done_file(1), "index": index_file(1),
+           "ckpt-json": checkpoint_file(1, 1, "json"), "ckpt-arrow": checkpoint_file(1, 2, "arrow"),
+           "shard": "stream-00001/shard-00001.arrow", "lineage": stream_lineage_file(0)}
+
+
+def damage_offsets(n: int) -> list[int]:
+    """Where to flip a byte: the first and last, and one at each sixteenth of the file, so a
+    test fails wherever a file's unchecked bytes happen to lie on this machine."""
+    return sorted({0, n - 1, *(n * i // 16 for i in range(1, 16))})
+
+
+@pytest.mark.parametrize("victim", sorted(VICTIMS))
+def test_verify_catches_every_changed_byte_naming_the_file(pack, tmp_path, victim):
     out = copy_pack(pack, tmp_path)
-    rel = {"ckpt-json": checkpoint_file(1, 1, "json"), "ckpt-arrow": checkpoint_file(1, 2, "arrow"),
-           "index": index_file(1), "lineage": stream_lineage_file(0), "done": done_file(1),
-           "pack": PACK_INFO_NAME}[victim]
+    rel = VICTIMS[victim]
     path = os.path.join(out, rel)
+    clean = open(path, "rb").read()
+    damages = [(f"flip byte {i}", clean[:i] + bytes([clean[i] ^ 0x01]) + clean[i + 1:]) for i in damage_offsets(len(clean))]
+    damages += [(f"truncate to {n}", clean[:n]) for n in (0, len(clean) // 2, len(clean) - 1)]
+    damages += [("append a byte", clean + b"\n"), ("delete", None)]
+    missed = []
+    for what, data in damages:
+        if data is None:
+            os.remove(path)
+        else:
+            open(path, "wb").write(data)
+        report = verify_pack(out)
+        if report.ok or not [r for r in report.failures() if rel in r.target or rel in r.detail]:
+            missed.append(f"{what}: " + "; ".join(report.lines()[-3:]))
+        open(path, "wb").write(clean)
+    assert verify_pack(out).ok
+    assert not missed, f"verify missed damage to {rel}:\n" + "\n".join(missed)
+
+
+def test_verify_cli_exits_nonzero_on_damage(pack, tmp_path):
+    out = copy_pack(pack, tmp_path)
+    path = os.path.join(out, index_file(1))
     data = bytearray(open(path, "rb").read())
-    if damage == "flip":
-        data[len(data) // 2] ^= 0x01
-        open(path, "wb").write(bytes(data))
-    elif damage == "truncate":
-        open(path, "wb").write(bytes(data[: len(data) // 2]))
-    else:
-        os.remove(path)
+    data[-1] ^= 0x01
+    open(path, "wb").write(bytes(data))
+    assert main(["verify", out]) == 1
+
+
+def test_verify_reports_a_finished_pack_without_manifest(pack, tmp_path, capsys):
+    out = copy_pack(pack, tmp_path)
+    os.remove(os.path.join(out, MANIFEST_NAME))
     report = verify_pack(out)
-    assert not report.ok
-    named = [r for r in report.failures() if rel in r.target or rel in r.detail]
-    assert named, "\n".join(report.lines())
+    [row] = [r for r in report.rows if r.check == "manifest"]
+    assert not row.ok and "every stream is done" in row.detail and "prepack run" in row.detail
     assert main(["verify", out]) == 1
 
 
@@ -177,17 +207,21 @@ def test_verify_checks_identity_metadata_and_lineage(pack, tmp_path):
     assert all("prepack.config_hash" in r.detail for r in report.failures() if r.check == "shard")
 
 
-def test_old_format_is_refused_with_one_line(pack, tmp_path, capsys):
+@pytest.mark.parametrize("old", [1, 2])
+def test_old_format_is_refused_with_one_line(pack, tmp_path, capsys, old):
     out = copy_pack(pack, tmp_path)
     ident = identity_of(out)
-    del ident["format_version"]
-    ident["manifest_version"] = 1
+    if old == 1:
+        del ident["format_version"]
+        ident["manifest_version"] = 1
+    else:  # format 2: stream indexes without their seal
+        ident["format_version"] = 2
     write_checked(out, PACK_INFO_NAME, ident)
     for cmd in (["verify", out], ["stats", out], ["audit", out], ["inspect", out, "--stream", "0", "--record", "0"]):
         assert main(cmd) == 1
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and "on-disk format 1" in err[0] and "Re-pack it" in err[0], err
-    with pytest.raises(PackFormatError, match="reads format 2"):
+        assert len(err) == 1 and f"on-disk format {old}" in err[0] and "Re-pack it" in err[0], err
+    with pytest.raises(PackFormatError, match=f"reads format {FORMAT_VERSION}"):
         open_stream(out, 0)
 
 
