@@ -152,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--no-ray", action="store_true",
                    help="pack in this process, one stream after another (debugging; same bytes as with Ray)")
+    r.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                   help="every drop and warning of every stream as it happens, and Ray's info lines (-vv debug)")
     r.set_defaults(func=cmd_run)
 
     d = sub.add_parser("demo-data", help="write the small demo dataset configs/demo.yaml points at")

@@ -112,6 +112,7 @@ class StreamSummary(Document):
     lineage_rows: int = 0
     drops: dict[str, int] = field(default_factory=dict)  # reason -> samples/rows dropped
     warnings: dict[str, int] = field(default_factory=dict)  # kind -> damaged-but-packed count
+    examples: dict[str, str] = field(default_factory=dict)  # drop reason / warning kind -> its first occurrence
     group_samples: dict[str, int] = field(default_factory=dict)  # group -> samples packed
     elapsed_s: float = 0.0  # packing time of the last run (informational, not digested)
     cpu_s: float = 0.0  # CPU seconds of the packing process, all threads, worker start-up excluded (informational)

@@ -4,7 +4,14 @@ Local by default (``ray.init(address="local")`` on loopback, no dashboard, no us
 cluster when ``--address`` or ``RAY_ADDRESS`` names one (as under ``ray job submit``).  Streams
 are independent, so S streams use up to S workers with no coordination.  A rerun continues every
 stream after its last committed shard; a finished output is a no-op; another config over an
-existing output, or two concurrent runs on one output, are refused.
+existing output is refused.  A run leases the streams it packs (``lock.py``), so several jobs
+pack disjoint streams of one output at once; whichever finishes the last stream writes the
+manifest.
+
+A worker node may vanish at any moment (preemption): Ray retries its stream tasks on the other
+nodes and each resumes after its last commit.  Nothing the run needs lives on a worker node:
+the progress actor is pinned to the driver's node, and every call to it is guarded, so progress
+reporting can never fail a run.
 """
 
 from __future__ import annotations
@@ -14,26 +21,23 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from prepack.run.identity import budget_change, identity_mismatch, pack_identity, record_metadata, write_identity
-from prepack.run.lock import RunLock, acquire_lock, pid_alive
+from dataclasses import asdict
+
+from prepack.run.identity import read_identity, settle_identity
+from prepack.run.lock import StreamLease, acquire_streams, live_leases, pid_alive
+from prepack.run.progress import RunProgress
 from prepack.run.stream_job import drop_lineage_leftovers, read_done
 from prepack.run.writer import read_index, write_bytes_atomic
 from schemas.config import PrepackConfig
 from schemas.errors import PackRefused, StreamFailed
 from schemas.location import PackLocation, redact_uri, resolve_location
-from schemas.manifest import (
-    FORMAT_VERSION,
-    MANIFEST_NAME,
-    PACK_INFO_NAME,
-    PackSummary,
-    StreamSummary,
-    check_format,
-    load_checked,
-)
+from schemas.manifest import FORMAT_VERSION, MANIFEST_NAME, PackSummary, StreamSummary
 
 log = logging.getLogger(__name__)
 
 LOG_EVERY_S = 30.0
+NODE_CHECK_S = 5.0  # how often the driver looks for lost nodes
+TASK_RETRIES = 10  # per stream task, for system failures (a lost worker or node); each retry resumes
 
 
 @dataclass
@@ -48,6 +52,7 @@ class RunSummary:
     extra: dict = field(default_factory=dict)
     # what this run itself packed (resumed streams count only their new shards); None: all of ``streams``
     packed_now: tuple[int, int] | None = None  # (records, tokens)
+    retried: str = ""  # a line naming the streams Ray retried, if any
 
     def lines(self) -> list[str]:
         recs = sum(s.num_records for s in self.streams)
@@ -76,6 +81,8 @@ class RunSummary:
         out.append("drops: " + (", ".join(f"{k}={v}" for k, v in sorted(drops.items())) or "none"))
         if warns:
             out.append("damaged input packed as the reference does: " + ", ".join(f"{k}={v}" for k, v in sorted(warns.items())))
+        if self.retried:
+            out.append(self.retried)
         if not self.manifest_written:
             out.append("manifest not written yet: some streams of this config are still unpacked "
                        "(their committed shards are readable now)")
@@ -107,31 +114,31 @@ def init_ray(address: str | None, num_cpus: int | None = None):
 
 
 def _make_remote(ray):
-    @ray.remote
+    @ray.remote(num_cpus=0)
     class Progress:
+        """A mailbox for progress reports: on the driver's node, holds plain data only."""
+
         def __init__(self):
-            self.state: dict[int, tuple[int, int, bool]] = {}
-            self.attempts: dict[int, int] = {}
+            self.reports: dict[int, dict] = {}
+            self.attempts: dict[int, list[str]] = {}  # stream -> node id of each attempt
 
-        def started(self, stream: int) -> None:
-            self.attempts[stream] = self.attempts.get(stream, 0) + 1
+        def started(self, stream: int, node: str) -> None:
+            self.attempts.setdefault(stream, []).append(node)
 
-        def retried(self) -> dict:
-            """stream -> attempts, for streams whose task started more than once (Ray retried it)."""
-            return {s: n for s, n in self.attempts.items() if n > 1}
+        def update(self, stream: int, payload: dict) -> None:
+            self.reports[stream] = payload
 
-        def update(self, stream: int, batches: int, tokens: int, done: bool) -> None:
-            self.state[stream] = (batches, tokens, done)
+        def poll(self) -> tuple[dict, dict]:
+            return dict(self.reports), {s: list(n) for s, n in self.attempts.items()}
 
-        def snapshot(self) -> dict:
-            return dict(self.state)
-
-    @ray.remote(num_cpus=1, max_retries=3)
-    def stream_task(cfg, out, stream, metadata, progress, local_ray=False):
+    @ray.remote(num_cpus=1, max_retries=TASK_RETRIES)
+    def stream_task(cfg, out, stream, metadata, progress, local_ray=False, log_level=logging.WARNING):
         from prepack.run.stream_job import pack_one_stream
         from prepack.run.worker_process import settle_worker_process
         from prepack.engine.tokenizer import load_tokenizer, special_token_ids
 
+        if log_level < logging.WARNING:  # -v: each drop's detail from the worker, as it happens
+            logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
         # A local Ray fate-shares with its driver: a SIGKILLed driver takes the raylet along, but
         # its orphaned workers would go on packing (and even start a task pushed just before)
         # for seconds, racing a rerun over the same files.  So on a local Ray (same host, same
@@ -142,8 +149,14 @@ def _make_remote(ray):
             if raylet and not pid_alive(raylet):
                 raise RuntimeError(f"stream {stream}: this worker's raylet (pid {raylet}) is gone; stopping")
 
+        def tell(method, *args) -> None:  # progress is best effort: it may never fail the stream
+            try:
+                getattr(progress, method).remote(*args)
+            except Exception:  # noqa: BLE001  (a dead or unreachable actor)
+                pass
+
         check_raylet()
-        progress.started.remote(stream)
+        tell("started", stream, ray.get_runtime_context().get_node_id())
         tokenizer, special = special_token_ids(load_tokenizer(cfg.tokenizer))
         last = [0.0]
 
@@ -152,7 +165,7 @@ def _make_remote(ray):
             now = time.monotonic()
             if ev.done or now - last[0] > 1.0:  # each report is a Ray call: once a second is enough for a bar
                 last[0] = now
-                progress.update.remote(ev.stream, ev.batches, ev.tokens, ev.done)
+                tell("update", ev.stream, ev.payload())
 
         check_raylet()
         settle_worker_process()
@@ -166,7 +179,10 @@ def finalize(loc: PackLocation, cfg: PrepackConfig, identity: dict) -> tuple[boo
     """Write manifest.json (a summary per stream) once every stream has finished this budget.
 
     Reads one ``done.json`` per stream: memory and time O(streams), never O(records); lineage
-    stays per stream (``lineage/``), so nothing is merged here.
+    stays per stream (``lineage/``), so nothing is merged here.  Several jobs may finish at once:
+    each that sees every stream done writes the same manifest (of two finishing together at least
+    one sees the other's done.json).  Not written when pack.json has moved on to a larger budget
+    (another job is extending the pack).
     """
     budget = cfg.prepack.budget()
     entries = []
@@ -175,7 +191,12 @@ def finalize(loc: PackLocation, cfg: PrepackConfig, identity: dict) -> tuple[boo
         if done is None or done.budget != budget:
             return False, entries
         entries.append(done)
-    summary = PackSummary(format_version=FORMAT_VERSION, identity=identity, streams=entries)
+    stored = read_identity(loc)
+    if stored is None or stored.get("budget") != budget:
+        log.warning("not writing the manifest: pack.json now has budget %s (another run is extending the pack)",
+                    stored and stored.get("budget"))
+        return False, entries
+    summary = PackSummary(format_version=FORMAT_VERSION, identity=stored, streams=entries)
     write_bytes_atomic(loc, MANIFEST_NAME, summary.to_json().encode())
     return True, entries
 
@@ -194,33 +215,6 @@ def output_bytes(loc) -> int:
     return sum(i.size or 0 for i in loc.fs.get_file_info(FileSelector(loc.base, recursive=True)) if i.type.name == "File")
 
 
-def _settle_identity(loc: PackLocation, out: str, identity: dict) -> tuple[dict, bool]:
-    """The identity to pack under, and whether this run extends the budget of an existing pack.
-
-    A new output gets ``identity`` in pack.json.  An existing one must hold this format, config
-    and tokenizer; a larger budget of the same kind is written into its pack.json (an extension).
-    """
-    try:
-        existing = load_checked(loc.read_bytes(PACK_INFO_NAME), loc.path(PACK_INFO_NAME))
-    except FileNotFoundError:
-        write_identity(loc, identity)
-        return identity, False
-    check_format(existing, loc.path(PACK_INFO_NAME))
-    why = identity_mismatch(existing, identity) or budget_change(existing, identity)
-    if why:
-        raise PackRefused(f"{out}: {why}; use a new --out or the original config")
-    if existing["budget"] == identity["budget"]:
-        return existing, False  # keep the original identity (code fingerprint of the first run)
-    extended = {**existing, "budget": identity["budget"], "config": identity["config"]}
-    try:
-        loc.fs.delete_file(loc.path(MANIFEST_NAME))  # no longer complete; rewritten when it is
-    except FileNotFoundError:
-        pass
-    write_identity(loc, extended)
-    log.info("extending %s from %s to %s", out, existing["budget"], identity["budget"])
-    return extended, True
-
-
 # -- run --------------------------------------------------------------------------------------
 def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, address: str | None = None,
              progress: bool = True, num_cpus: int | None = None, inline: bool = False,
@@ -234,7 +228,6 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
 
     start = time.perf_counter()
     tokenizer, special = tokenizer or special_token_ids(load_tokenizer(cfg.tokenizer))
-    identity = pack_identity(cfg, tokenizer_fingerprint(tokenizer), special)
     wanted = list(range(cfg.num_streams)) if streams is None else sorted(set(streams))
     for s in wanted:
         cfg.stream_rank_worker(s)  # range check with a clear message
@@ -243,78 +236,125 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
         loc.fs.create_dir(loc.base, recursive=True)
     except OSError as e:  # no such bucket, no access, store unreachable: the user's to fix, in one line
         raise PackRefused(f"cannot write to {redact_uri(out)}: {str(e).strip().splitlines()[0]}") from None
-    lock = acquire_lock(loc)
+    pack = settle_identity(loc, cfg, tokenizer_fingerprint(tokenizer), special, other_jobs=lambda: live_leases(loc))
+    budget = cfg.prepack.budget()
+    dones = {s: read_done(loc, s) for s in wanted}
+    todo = [s for s in wanted if dones[s] is None or dones[s].budget != budget]
+    for s in set(wanted) - set(todo):
+        drop_lineage_leftovers(loc, s)  # what a run killed just after finishing s left
+    if not todo:  # nothing to pack; write the manifest only if an earlier job could not yet
+        written = loc.fs.get_file_info(loc.path(MANIFEST_NAME)).type.name == "File"
+        if not written:
+            written, _ = finalize(loc, cfg, pack.identity)
+        return RunSummary(out, [dones[s] for s in wanted], written, 0.0, already_done=True,
+                          max_num_tokens=cfg.knobs.max_num_tokens, output_bytes=output_bytes(loc))
+    lease = acquire_streams(loc, todo)
     try:
-        identity, _ = _settle_identity(loc, out, identity)
-        budget = cfg.prepack.budget()
-        dones = {s: read_done(loc, s) for s in wanted}
-        for s in wanted:
-            if dones[s] is not None and dones[s].budget == budget:
-                drop_lineage_leftovers(loc, s)  # what a run killed just after finishing s left
-        todo = [s for s in wanted if dones[s] is None or dones[s].budget != budget]
-        if not todo:  # nothing to pack; write the manifest only if an earlier job could not yet
-            written = loc.fs.get_file_info(loc.path(MANIFEST_NAME)).type.name == "File"
-            if not written:
-                written, _ = finalize(loc, cfg, identity)
-            return RunSummary(out, [dones[s] for s in wanted], written, 0.0, already_done=True,
-                              max_num_tokens=cfg.knobs.max_num_tokens, output_bytes=output_bytes(loc))
         before = [_committed_totals(loc, s) for s in todo]  # shards an earlier run already committed
+        run = RunProgress(todo, cfg.prepack.batches_per_stream, asdict(cfg.knobs))
         if inline:
             from prepack.run.stream_job import pack_one_stream
 
+            def report(ev) -> None:
+                run.update(ev.stream, ev.payload())
+                for line in run.new_kinds():
+                    log.warning("%s", line)
+
             for s in todo:
-                lock.check()
-                pack_one_stream(cfg, out, s, tokenizer, special, record_metadata(identity))
+                lease.check()
+                pack_one_stream(cfg, out, s, tokenizer, special, pack.metadata, report)
         else:
-            _run_tasks(cfg, out, todo, record_metadata(identity), address, progress, num_cpus, lock)
-        lock.check()  # never write the manifest over a run that took the output over
-        written, _ = finalize(loc, cfg, identity)
+            _run_tasks(cfg, out, todo, pack.metadata, address, progress, num_cpus, lease, run)
+        lease.check()  # never write the manifest over a run that took our streams over
+        written, _ = finalize(loc, cfg, pack.identity)
         entries = [read_done(loc, s) for s in wanted]
         now = [e for e in entries if e.stream in todo]
         packed_now = (sum(e.num_records for e in now) - sum(b[0] for b in before),
                       sum(e.num_tokens for e in now) - sum(b[1] for b in before))
         return RunSummary(out, entries, written, time.perf_counter() - start,
                           max_num_tokens=cfg.knobs.max_num_tokens, output_bytes=output_bytes(loc),
-                          packed_now=packed_now)
+                          packed_now=packed_now, retried=run.retry_summary())
     finally:
-        lock.release()
+        lease.release()
 
 
-def progress_postfix(snap: dict[int, tuple[int, int, bool]], todo: list[int], budget: int | None,
-                     elapsed: float) -> str:
-    """Overall tokens and rate, then per stream: each one when few, the spread when many."""
-    tokens = sum(v[1] for v in snap.values())
-    done = sum(1 for v in snap.values() if v[2])
-    rate = tokens / elapsed if elapsed > 0 else 0.0
-    counts = [snap.get(s, (0, 0, False))[0] for s in todo]
-    of = f"/{budget}" if budget else ""
-    if len(todo) <= 6:
-        per = " ".join(f"s{s}:{c}{of}" for s, c in zip(todo, counts))
-    else:
-        per = f"per stream {min(counts)}..{max(counts)}{of}"
-    return f"{tokens:,} tok, {rate:,.0f} tok/s, {per}, done {done}/{len(todo)}"
+def _pinned_progress(ray, Progress):
+    """The progress actor, on the driver's own node (a worker node may vanish; this one holds the run)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    return Progress.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False)).remote()
 
 
-def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus, lock: RunLock) -> None:
+class _Watch:
+    """The driver's guarded view of the cluster: progress reports, task attempts, lost nodes.
+
+    Every call may fail (an actor or the GCS briefly unreachable): it then returns what it knew."""
+
+    def __init__(self, ray, progress):
+        self.ray, self.progress = ray, progress
+        self.reports: dict = {}
+        self.attempts: dict = {}
+        self.dead: dict[str, str] = {}  # node id -> address, for nodes seen alive then dead
+        self._alive: dict[str, str] = {}
+        self._last_nodes = 0.0
+        self._warned = False
+
+    def poll(self) -> None:
+        try:
+            self.reports, self.attempts = self.ray.get(self.progress.poll.remote(), timeout=10)
+        except Exception as e:  # noqa: BLE001  (progress is best effort)
+            if not self._warned:
+                self._warned = True
+                log.info("progress reports unavailable for now (%s); packing goes on", type(e).__name__)
+
+    def lost_nodes(self) -> list[str]:
+        """Lines for nodes that died since the last look (looked at every NODE_CHECK_S)."""
+        if time.monotonic() - self._last_nodes < NODE_CHECK_S:
+            return []
+        self._last_nodes = time.monotonic()
+        try:
+            nodes = self.ray.nodes()
+        except Exception:  # noqa: BLE001
+            return []
+        lines = []
+        for n in nodes:
+            nid, addr = n.get("NodeID", ""), n.get("NodeManagerAddress", "?")
+            if n.get("Alive"):
+                self._alive[nid] = addr
+            elif nid in self._alive and nid not in self.dead:
+                self.dead[nid] = addr
+                lines.append(f"node {addr} ({nid[:8]}) was lost; Ray retries its stream tasks on the other nodes")
+        return lines
+
+
+def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus, lease: StreamLease,
+               run: RunProgress) -> None:
     ray = init_ray(address, num_cpus)
     try:
         Progress, stream_task = _make_remote(ray)
-        progress = Progress.remote()
+        watch = _Watch(ray, _pinned_progress(ray, Progress))
         local = not (address or os.environ.get("RAY_ADDRESS"))
-        pending = {stream_task.remote(cfg, out, s, metadata, progress, local): s for s in todo}
-        budget = cfg.prepack.batches_per_stream
+        level = logging.getLogger().getEffectiveLevel()
+        pending = {stream_task.remote(cfg, out, s, metadata, watch.progress, local, level): s for s in todo}
         started = last_log = time.monotonic()
-        announced: dict[int, int] = {}
         bar = None
         if show_progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=(budget * len(todo)) if budget else None, unit="batch", dynamic_ncols=True,
+            bar = tqdm(total=(run.budget * len(todo)) if run.budget else None, unit="batch", dynamic_ncols=True,
                        desc=f"packing {len(todo)} streams")
+
+        def say(lines) -> None:
+            for line in lines:
+                if bar is not None:
+                    bar.clear()
+                log.warning("%s", line)
+
         try:
             while pending:
                 try:
-                    lock.check()  # another run took over our lease: stop writing at once
+                    lease.check()  # another run took our streams over: stop writing at once
                 except Exception:
                     for ref in pending:
                         ray.cancel(ref, force=True)
@@ -329,21 +369,19 @@ def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus, lock:
                             ray.cancel(other, force=True)
                         cause = getattr(e, "cause", None) or e
                         raise StreamFailed(f"stream {s} failed: {type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}") from e
-                for s, n in ray.get(progress.retried.remote()).items():
-                    if announced.get(s) != n:
-                        announced[s] = n
-                        log.warning("stream %d: Ray retried its stream_task (attempt %d; its worker died); it resumes "
-                                    "after its last committed shard", s, n)
+                watch.poll()
+                for s, payload in watch.reports.items():
+                    run.update(s, payload)
+                say(watch.lost_nodes())
+                say(run.retried(watch.attempts, watch.dead))
+                say(run.new_kinds())
                 if bar is not None:
-                    snap = ray.get(progress.snapshot.remote())
-                    bar.n = sum(v[0] for v in snap.values())
-                    bar.set_postfix_str(progress_postfix(snap, todo, budget, bar.format_dict.get("elapsed") or 0.0))
+                    bar.n = run.batches
+                    bar.set_postfix_str(run.postfix(bar.format_dict.get("elapsed") or 0.0))
                     bar.refresh()
                 elif time.monotonic() - last_log >= LOG_EVERY_S:  # no terminal (e.g. ray job logs)
                     last_log = time.monotonic()
-                    snap = ray.get(progress.snapshot.remote())
-                    log.info("%d batches; %s", sum(v[0] for v in snap.values()),
-                             progress_postfix(snap, todo, budget, last_log - started))
+                    log.info("%d batches; %s", run.batches, run.postfix(last_log - started))
         finally:
             if bar is not None:
                 bar.close()

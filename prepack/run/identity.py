@@ -1,13 +1,17 @@
-"""What identifies a pack: config, tokenizer and code fingerprints (``pack.json``).
+"""What identifies a pack (``pack.json``): made, checked and extended here, and nowhere else.
 
-A resume over an existing output, and an audit, are refused when these differ: a different
-config or tokenizer would silently mix two datasets in one output, and different code may pack
-differently.
+A resume over an existing output, and an audit, are refused when config or tokenizer differ: they
+would silently mix two datasets in one output (different code may pack differently: audits check
+it too).  ``settle_identity`` is the one step a run takes: create ``pack.json`` once (several jobs
+may start on one output at the same moment: each reads back what landed and checks it), check it,
+or extend its budget.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 from prepack import __version__
@@ -22,9 +26,13 @@ from schemas.config import (
     PrepackSection,
     TransformArgs,
 )
-from schemas.manifest import FORMAT_VERSION, PACK_INFO_NAME, dump_checked
+from schemas.errors import PackRefused
+from schemas.location import PackLocation, redact_uri
+from schemas.manifest import FORMAT_VERSION, MANIFEST_NAME, PACK_INFO_NAME, check_format, dump_checked, load_checked
 from schemas.record import RECORD_SCHEMA_VERSION
 
+
+log = logging.getLogger(__name__)
 
 # The modules whose code decides the bytes of a pack (the CLI, driver and reports do not).
 _CONTENT_MODULES = (
@@ -103,6 +111,66 @@ def write_identity(out, identity: dict) -> None:
     from prepack.run.writer import write_bytes_atomic
 
     write_bytes_atomic(out, PACK_INFO_NAME, dump_checked(identity))
+
+
+def read_identity(loc: PackLocation) -> dict | None:
+    """``pack.json`` as stored (format-checked), or None when the output has none yet."""
+    try:
+        raw = loc.read_bytes(PACK_INFO_NAME)
+    except FileNotFoundError:
+        return None
+    return check_format(load_checked(raw, loc.path(PACK_INFO_NAME)), loc.path(PACK_INFO_NAME))
+
+
+@dataclass(frozen=True)
+class SettledIdentity:
+    """The identity a run packs under: pack.json as stored, and the metadata every shard carries."""
+
+    identity: dict
+    extended: bool  # this run raised the budget of an existing pack
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return record_metadata(self.identity)
+
+    @property
+    def budget(self) -> dict:
+        return self.identity["budget"]
+
+
+def settle_identity(loc: PackLocation, cfg: PrepackConfig, tokenizer_fp: str, special,
+                    other_jobs=lambda: []) -> SettledIdentity:
+    """Create, check or extend ``pack.json`` for a run of ``cfg`` over ``loc``.
+
+    A new output gets this run's identity; a concurrent job may have written its own at the same
+    moment, so what is read back is what counts, checked like any existing one: it must hold this
+    format, config and tokenizer; a larger budget of the same kind is an extension (refused while
+    ``other_jobs()`` names live jobs packing the output: they pack to the old budget).
+    """
+    where = redact_uri(loc.base)
+    mine = pack_identity(cfg, tokenizer_fp, special)
+    existing = read_identity(loc)
+    if existing is None:
+        write_identity(loc, mine)
+        existing = read_identity(loc) or mine
+    why = identity_mismatch(existing, mine) or budget_change(existing, mine)
+    if why:
+        raise PackRefused(f"{where}: {why}; use a new --out or the original config")
+    if existing["budget"] == mine["budget"]:
+        return SettledIdentity(existing, False)  # keep the stored identity (code fingerprint of the first run)
+    busy = other_jobs()
+    if busy:
+        raise PackRefused(f"{where}: extending the budget to {_fmt(mine['budget'])} needs the output to itself, but "
+                          f"{len(busy)} other prepack run(s) are packing it (e.g. pid {busy[0].get('pid')} on "
+                          f"{busy[0].get('host')}); wait for them to finish")
+    extended = {**existing, "budget": mine["budget"], "config": mine["config"]}
+    try:
+        loc.fs.delete_file(loc.path(MANIFEST_NAME))  # no longer complete; rewritten when it is
+    except FileNotFoundError:
+        pass
+    write_identity(loc, extended)
+    log.info("extending %s from %s to %s", where, _fmt(existing["budget"]), _fmt(mine["budget"]))
+    return SettledIdentity(extended, True)
 
 
 def record_metadata(identity: dict) -> dict[str, str]:

@@ -1,24 +1,28 @@
-"""One run per output: the lock a ``prepack run`` holds on ``OUT/.prepack.lock``.
+"""Stream leases: which live ``prepack run`` packs which streams of an output.
 
-Two kinds, because the two kinds of storage offer different atomic operations:
+Ownership is per stream, so any number of jobs, from any hosts, pack disjoint streams of one
+output side by side.  Each job writes ONE lease object, ``OUT/.prepack/leases/<holder>.json``,
+naming the streams it packs, its host and pid, and an expiry; it renews that one object every
+``lease_s/3`` whatever the number of streams, so lock traffic is O(jobs): per job and renewal one
+LIST of the lease folder and one PUT (plus one GET of each lease that appeared since the last
+renewal).  The same protocol runs on a local or shared folder and on an object store (pyarrow
+offers no atomic create on stores; a local write is tmp + rename).
 
-* **Local folder**: the holder (pid, host) is written to a temporary file that is then hard-linked
-  into place; ``link`` fails when the lock exists, so creation is atomic and the lock is never
-  empty.  A lock whose process is gone from this host (or is a zombie) is taken over at once.
-* **Object store** (``s3://``, ``gs://``, ...): there is no atomic create through pyarrow (no
-  If-None-Match), and the holder may be on another machine whose PID means nothing here.  So the
-  lock is a **lease**: an object naming the holder (a random id, host, pid) and an expiry, renewed
-  by a background thread of the live driver every ``lease/3`` seconds.  A newcomer takes it over
-  when (a) its holder ran on this host and that process is gone, (b) its expiry is further in the
-  past than ``MAX_CLOCK_SKEW_S`` (wall clocks are trusted that far), or (c) it watched the object
-  for one lease period and it was never renewed (needs no clock agreement at all).  A lock that
-  is renewed while watched belongs to a live run: refused.  A claim is a PUT followed, after a
-  settle delay, by a read-back: of several runs claiming at once, only the one whose PUT landed
-  last reads back its own id; the others are refused.  The live driver checks on every renewal
-  that the object still names it; if not (it was paused longer than a lease and another run took
-  over), ``check`` raises ``LockLost`` and the run stops.
+Acquiring ``streams``:
 
-What the lease does not guarantee is written in docs/architecture.md (section "The lock").
+1. LIST the leases and read each; one that shares a stream with ours is *live* (refused, naming
+   the stream and the holder), *stale* (taken over), or *unknown* (watched for one lease period:
+   renewed -> live, unchanged -> stale).  A lease is stale when its holder ran on this host and
+   that process is gone, when its expiry is more than ``MAX_CLOCK_SKEW_S`` in the past, or when
+   it was watched for a lease period without a renewal (no clock agreement needed).
+2. PUT our lease (``took_over`` names the stale holders) and delete the stale ones.
+3. LIST again: any other lease sharing a stream that we did not take over means two jobs claimed
+   at the same moment.  LIST after PUT is consistent, so of two such claimers at least one sees
+   the other; each that sees one withdraws and is refused (both may be: run again).
+
+A renewal that finds our lease gone, or a new lease that took ours over, means another job
+decided we were dead (we were not heard from for a whole lease): ``check`` raises ``LockLost``
+and the run stops.  What this does not guarantee is in docs/architecture.md ("Leases").
 """
 
 from __future__ import annotations
@@ -32,16 +36,22 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import pyarrow.fs as pafs
+
 from schemas.errors import LockLost, PackRefused, UsageError
 from schemas.location import PackLocation
 
 log = logging.getLogger(__name__)
 
-LOCK_NAME = ".prepack.lock"
-HOST_ENV = "PREPACK_LOCK_HOST"  # the host name a lock records (tests simulate other machines with it)
+LEASE_DIR = ".prepack/leases"
+HOST_ENV = "PREPACK_LOCK_HOST"  # the host name a lease records (tests simulate other machines with it)
 LEASE_ENV = "PREPACK_LOCK_LEASE_S"
 DEFAULT_LEASE_S = 30.0
 MAX_CLOCK_SKEW_S = 60.0  # an expiry further in the past than this is stale without watching
+_SUFFIX = ".json"
+
+LEASE_HINT = ("wait for it, or pack other streams; if that run is dead, run again: its lease is taken over "
+              "once it has gone a lease period unrenewed (at once on its own host)")
 
 
 def lock_host() -> str:
@@ -50,7 +60,7 @@ def lock_host() -> str:
 
 def pid_alive(pid: int) -> bool:
     """Whether ``pid`` is a live process on this host (a zombie, i.e. an exited process its parent
-    has not reaped yet, holds no lock: it counts as dead)."""
+    has not reaped yet, holds no lease: it counts as dead)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -65,75 +75,33 @@ def pid_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def _holder_pid(held: dict) -> int | None:
-    pid = held.get("pid")
-    return pid if isinstance(pid, int) and not isinstance(pid, bool) else None
+def format_streams(streams: "list[int] | set[int]") -> str:
+    """``0-127,130`` for a set of stream ids."""
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in _ranges(streams))
 
 
-def _refusal(held: dict, path: str, extra: str = "",
-             hint: str = "wait for it, or delete the lock file if that run is dead") -> PackRefused:
-    return PackRefused(f"another prepack run (pid {held.get('pid')} on {held.get('host')}) holds {path}{extra}; {hint}")
+def _ranges(streams: "list[int] | set[int]") -> list[list[int]]:
+    """Streams as [first, last] ranges: a lease of 4,096 consecutive streams stays one pair."""
+    out: list[list[int]] = []
+    for s in sorted(streams):
+        if out and s == out[-1][1] + 1:
+            out[-1][1] = s
+        else:
+            out.append([s, s])
+    return out
 
 
-LEASE_HINT = "wait for it; if it is dead, run again: its lease is taken over once it has gone a lease period unrenewed"
+def _streams_of(held: dict) -> set[int]:
+    out: set[int] = set()
+    for pair in held.get("streams") or []:
+        if isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, int) for x in pair):
+            out.update(range(pair[0], pair[1] + 1))
+    return out
 
 
-class RunLock:
-    """A held lock: ``check`` raises ``LockLost`` once it is no longer ours; ``release`` drops it."""
-
-    def check(self) -> None:
-        pass
-
-    def release(self) -> None:
-        raise NotImplementedError
-
-
-# -- local folders ----------------------------------------------------------------------------------
-class LocalLock(RunLock):
-    def __init__(self, path: str):
-        self.path = path
-
-    def release(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-
-
-def _acquire_local(loc: PackLocation) -> LocalLock:
-    me = {"pid": os.getpid(), "host": lock_host(), "since": time.time()}
-    path = loc.path(LOCK_NAME)
-    for _ in range(2):
-        # Write the holder first, then link it into place: the lock never exists empty, even
-        # if this process dies between the two steps (link fails if a lock already exists).
-        tmp = f"{path}.{me['pid']}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(me, f)
-        try:
-            os.link(tmp, path)
-            return LocalLock(path)
-        except FileExistsError:
-            pass
-        finally:
-            os.unlink(tmp)
-        try:
-            with open(path) as f:
-                held = json.loads(f.read() or "{}")
-        except (OSError, ValueError):
-            held = {}
-        pid = _holder_pid(held)
-        if held.get("host") == me["host"] and pid is not None and not pid_alive(pid):
-            log.warning("removing stale lock of dead process %s", pid)
-            os.unlink(path)
-            continue
-        raise _refusal(held, path)
-    raise PackRefused(f"could not take the lock {path}")
-
-
-# -- object stores ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LeaseTiming:
-    """How long a lease lasts unrenewed; renewal and claim settling follow from it."""
+    """How long a lease lasts unrenewed; renewal follows from it."""
 
     lease_s: float = DEFAULT_LEASE_S
 
@@ -154,59 +122,117 @@ class LeaseTiming:
     def renew_every_s(self) -> float:
         return self.lease_s / 3
 
-    @property
-    def settle_s(self) -> float:
-        """Wait between a claim's PUT and its read-back: longer than a contender's read -> PUT."""
-        return min(2.0, self.lease_s / 5)
+
+# -- the lease folder ---------------------------------------------------------------------------
+def _lease_path(loc: PackLocation, holder: str) -> str:
+    return loc.path(f"{LEASE_DIR}/{holder}{_SUFFIX}")
 
 
-def _read_raw(loc: PackLocation, path: str) -> bytes | None:
+def _list(loc: PackLocation) -> list[str]:
+    """Holder ids of the leases present (one LIST)."""
+    infos = loc.fs.get_file_info(pafs.FileSelector(loc.path(LEASE_DIR), allow_not_found=True))
+    return sorted(i.base_name[:-len(_SUFFIX)] for i in infos
+                  if i.type == pafs.FileType.File and i.base_name.endswith(_SUFFIX))
+
+
+def _read(loc: PackLocation, holder: str) -> bytes | None:
     try:
-        with loc.fs.open_input_stream(path) as f:
+        with loc.fs.open_input_stream(_lease_path(loc, holder)) as f:
             return f.read()
     except FileNotFoundError:
         return None
 
 
-def _parse(raw: bytes) -> dict:
+def _parse(raw: bytes | None) -> dict:
     try:
-        held = json.loads(raw)
+        held = json.loads(raw) if raw else {}
     except ValueError:
         return {}
     return held if isinstance(held, dict) else {}
 
 
-class LeaseLock(RunLock):
-    """A lease on an object-store lock object, renewed by a daemon thread until ``release``."""
+def _write(loc: PackLocation, doc: dict) -> None:
+    data = json.dumps(doc, sort_keys=True).encode()
+    if loc.is_local:  # a reader must never see half a lease: tmp + rename
+        from prepack.run.writer import write_bytes_atomic
 
-    def __init__(self, loc: PackLocation, path: str, doc: dict, timing: LeaseTiming):
-        self.loc, self.path, self.doc, self.timing = loc, path, doc, timing
+        write_bytes_atomic(loc, f"{LEASE_DIR}/{doc['holder']}{_SUFFIX}", data)
+    else:  # an object appears whole
+        with loc.fs.open_output_stream(_lease_path(loc, doc["holder"])) as f:
+            f.write(data)
+
+
+def _delete(loc: PackLocation, holder: str) -> None:
+    try:
+        loc.fs.delete_file(_lease_path(loc, holder))
+    except FileNotFoundError:
+        pass
+
+
+def _who(held: dict) -> str:
+    return (f"pid {held.get('pid')} on {held.get('host')}, packing streams "
+            f"{format_streams(_streams_of(held)) or '?'}")
+
+
+def _held_lease(held: dict, timing: LeaseTiming) -> float:
+    lease = held.get("lease_s")
+    return float(lease) if isinstance(lease, (int, float)) and not isinstance(lease, bool) and lease > 0 else timing.lease_s
+
+
+def _stale_reason(held: dict, raw: bytes, me: dict, watched: "tuple[bytes, float] | None",
+                  timing: LeaseTiming) -> tuple[str | None, bool]:
+    """(why the lease ``held`` may be taken over or None, whether it is proven live)."""
+    pid = held.get("pid")
+    if held.get("host") == me["host"] and isinstance(pid, int) and not isinstance(pid, bool):
+        return (None, True) if pid_alive(pid) else (f"its process {pid} on this host is gone", False)
+    expires = held.get("expires")
+    if isinstance(expires, (int, float)) and time.time() > expires + MAX_CLOCK_SKEW_S:
+        return f"its lease expired {time.time() - expires:.0f} s ago", False
+    if watched is not None and watched[0] != raw:
+        return None, True  # renewed while we watched: a live run
+    lease = _held_lease(held, timing)
+    if watched is not None and time.monotonic() - watched[1] >= lease:
+        return f"not renewed for {lease:.0f} s", False
+    return None, False
+
+
+# -- a held lease -------------------------------------------------------------------------------
+class StreamLease:
+    """This job's lease on its streams, renewed by a daemon thread until ``release``.
+
+    ``check`` raises ``LockLost`` once another job has taken the streams over."""
+
+    def __init__(self, loc: PackLocation, doc: dict, timing: LeaseTiming, seen: set[str]):
+        self.loc, self.doc, self.timing = loc, doc, timing
+        self.streams = _streams_of(doc)
+        self._seen = set(seen)
         self._lost: str | None = None
         self._stop = threading.Event()
         self._last_ok = time.monotonic()
-        self._thread = threading.Thread(target=self._renew_loop, name="prepack-lock-lease", daemon=True)
+        self._thread = threading.Thread(target=self._renew_loop, name="prepack-stream-lease", daemon=True)
         self._thread.start()
 
     @property
     def holder(self) -> str:
         return self.doc["holder"]
 
-    def _write(self) -> None:
-        with self.loc.fs.open_output_stream(self.path) as f:
-            f.write(json.dumps(self.doc, sort_keys=True).encode())
-
     def renew(self) -> None:
-        """Extend the lease, after checking it is still ours (one renewal; the thread loops this)."""
-        raw = _read_raw(self.loc, self.path)
-        held = _parse(raw) if raw is not None else {}
-        if held.get("holder") != self.holder:
-            who = f"pid {held.get('pid')} on {held.get('host')}" if held else "nobody (it was deleted)"
-            self._lost = (f"this run lost its lock {self.path}: it now names {who}; another run took over "
-                          "(this driver was not heard from for a whole lease). Stopping; the other run owns the output")
+        """One renewal: LIST, read only the leases new since the last one, PUT ours."""
+        present = set(_list(self.loc))
+        if self.holder not in present:
+            self._lost = (f"this run's lease {_lease_path(self.loc, self.holder)} was deleted: another run took its "
+                          "streams over (this driver was not heard from for a whole lease). Stopping")
             return
+        for other in sorted(present - self._seen - {self.holder}):
+            held = _parse(_read(self.loc, other))
+            if self.holder in (held.get("took_over") or []) and _streams_of(held) & self.streams:
+                self._lost = (f"another prepack run ({_who(held)}) took this run's streams over (this driver was not "
+                              "heard from for a whole lease). Stopping; the other run owns them")
+                return
+        self._seen = present
         now = time.time()
         self.doc.update(renewed=now, expires=now + self.timing.lease_s, seq=int(self.doc.get("seq", 0)) + 1)
-        self._write()
+        _write(self.loc, self.doc)
         self._last_ok = time.monotonic()
 
     def _renew_loop(self) -> None:
@@ -214,9 +240,10 @@ class LeaseLock(RunLock):
             try:
                 self.renew()
             except OSError as e:  # a blip of the store: retry at the next period, give up after a lease
-                log.warning("could not renew the lock %s: %s", self.path, e)
+                log.warning("could not renew the lease %s: %s", _lease_path(self.loc, self.holder), e)
                 if time.monotonic() - self._last_ok > self.timing.lease_s:
-                    self._lost = f"could not renew the lock {self.path} for {self.timing.lease_s:.0f} s ({e})"
+                    self._lost = f"could not renew the lease {_lease_path(self.loc, self.holder)} for " \
+                                 f"{self.timing.lease_s:.0f} s ({e})"
             if self._lost:
                 log.error("%s", self._lost)
                 return
@@ -226,84 +253,89 @@ class LeaseLock(RunLock):
             raise LockLost(self._lost)
 
     def stop_renewing(self) -> None:
-        """Stop the renewal thread without touching the lock (what a killed driver leaves)."""
+        """Stop the renewal thread without touching the lease (what a killed driver leaves)."""
         self._stop.set()
         self._thread.join()
 
     def release(self) -> None:
         self.stop_renewing()
         try:
-            raw = _read_raw(self.loc, self.path)
-            if raw is not None and _parse(raw).get("holder") == self.holder:
-                self.loc.fs.delete_file(self.path)
-        except OSError as e:  # the lease expires by itself; a rerun takes it over
-            log.warning("could not remove the lock %s (%s); it expires in %.0f s", self.path, e, self.timing.lease_s)
+            if _parse(_read(self.loc, self.holder)).get("holder") == self.holder:
+                _delete(self.loc, self.holder)
+        except OSError as e:  # the lease expires by itself
+            log.warning("could not remove the lease %s (%s); it expires in %.0f s",
+                        _lease_path(self.loc, self.holder), e, self.timing.lease_s)
 
 
-def _held_lease(held: dict, timing: LeaseTiming) -> float:
-    """The lease period the holder renews within (ours if its lock does not say)."""
-    lease = held.get("lease_s")
-    return float(lease) if isinstance(lease, (int, float)) and not isinstance(lease, bool) and lease > 0 else timing.lease_s
-
-
-def _stale_reason(held: dict, raw: bytes, me: dict, watched: tuple[bytes, float] | None,
-                  timing: LeaseTiming) -> tuple[str | None, bool]:
-    """(why the lock ``held`` may be taken over or None, whether it is proven live)."""
-    pid = _holder_pid(held)
-    if held.get("host") == me["host"] and pid is not None:
-        return (None, True) if pid_alive(pid) else (f"its process {pid} on this host is gone", False)
-    expires = held.get("expires")
-    if isinstance(expires, (int, float)) and time.time() > expires + MAX_CLOCK_SKEW_S:
-        return f"its lease expired {time.time() - expires:.0f} s ago", False
-    if watched is not None and watched[0] != raw:
-        return None, True  # renewed (or claimed) while we watched: a live run
-    lease = _held_lease(held, timing)
-    if watched is not None and time.monotonic() - watched[1] >= lease:
-        return f"not renewed for {lease:.0f} s", False
-    return None, False
-
-
-def _acquire_lease(loc: PackLocation, timing: LeaseTiming) -> LeaseLock:
-    path = loc.path(LOCK_NAME)
-    me = {"holder": uuid.uuid4().hex, "host": lock_host(), "pid": os.getpid(), "since": time.time(),
-          "lease_s": timing.lease_s, "seq": 0}
-    watched: tuple[bytes, float] | None = None  # (lock bytes, monotonic time first seen)
-    announced = False
-    while True:
-        raw = _read_raw(loc, path)
-        if raw is not None:
-            held = _parse(raw)
-            reason, live = _stale_reason(held, raw, me, watched, timing)
-            if live:
-                raise _refusal(held, path, hint=LEASE_HINT)
-            if reason is None:  # looks live: watch it for a lease period
-                if watched is None:
-                    watched = (raw, time.monotonic())
-                if not announced:
-                    announced = True
-                    log.warning("%s is held by pid %s on %s; waiting up to %.0f s to see whether that run renews it",
-                                path, held.get("pid"), held.get("host"), _held_lease(held, timing))
-                time.sleep(min(1.0, timing.renew_every_s / 2))
-                continue
-            log.warning("taking over the lock %s of pid %s on %s: %s", path, held.get("pid"), held.get("host"), reason)
-        # claim: re-read right before the PUT (a contender may have claimed meanwhile), then read back
-        if _read_raw(loc, path) != raw:
-            watched = None
+def live_leases(loc: PackLocation, timing: LeaseTiming | None = None, exclude: str = "") -> list[dict]:
+    """Leases of other jobs that are not provably stale right now (no watching)."""
+    timing = timing or LeaseTiming.from_env()
+    me = {"host": lock_host()}
+    out = []
+    for holder in _list(loc):
+        if holder == exclude:
             continue
-        now = time.time()
-        doc = dict(me, renewed=now, expires=now + timing.lease_s)
-        with loc.fs.open_output_stream(path) as f:
-            f.write(json.dumps(doc, sort_keys=True).encode())
-        time.sleep(timing.settle_s)
-        back = _read_raw(loc, path)
-        got = _parse(back) if back is not None else {}
-        if got.get("holder") == me["holder"]:
-            return LeaseLock(loc, path, doc, timing)
-        raise _refusal(got, path, " (it claimed the lock at the same moment as this run)", LEASE_HINT)
+        raw = _read(loc, holder)
+        held = _parse(raw)
+        if held and _stale_reason(held, raw, me, None, timing)[0] is None:
+            out.append(held)
+    return out
 
 
-def acquire_lock(loc: PackLocation, timing: LeaseTiming | None = None) -> RunLock:
-    """Take the output's lock or raise ``PackRefused`` (see the module docstring for the rules)."""
-    if loc.is_local:
-        return _acquire_local(loc)
-    return _acquire_lease(loc, timing or LeaseTiming.from_env())
+def acquire_streams(loc: PackLocation, streams: "list[int] | set[int]", timing: LeaseTiming | None = None) -> StreamLease:
+    """Lease ``streams`` of the output at ``loc`` for this job, or raise ``PackRefused`` naming a
+    stream another live job holds (see the module docstring for the rules)."""
+    timing = timing or LeaseTiming.from_env()
+    wanted = set(streams)
+    me = {"holder": uuid.uuid4().hex, "host": lock_host(), "pid": os.getpid(), "since": time.time(),
+          "lease_s": timing.lease_s, "seq": 0, "streams": _ranges(wanted)}
+    watched: dict[str, tuple[bytes, float]] = {}
+    announced: set[str] = set()
+    while True:
+        stale: dict[str, str] = {}
+        waiting = False
+        holders = _list(loc)
+        for holder in holders:
+            raw = _read(loc, holder)
+            if raw is None:
+                continue  # released meanwhile
+            held = _parse(raw)
+            shared = _streams_of(held) & wanted
+            if not shared:
+                continue
+            reason, live = _stale_reason(held, raw, me, watched.get(holder), timing)
+            if live:
+                raise PackRefused(f"stream {min(shared)} is being packed by another prepack run ({_who(held)}); "
+                                  f"{LEASE_HINT}")
+            if reason is None:
+                watched.setdefault(holder, (raw, time.monotonic()))
+                if holder not in announced:
+                    announced.add(holder)
+                    log.warning("stream %d is leased by pid %s on %s; waiting up to %.0f s to see whether that run "
+                                "renews its lease", min(shared), held.get("pid"), held.get("host"),
+                                _held_lease(held, timing))
+                waiting = True
+            else:
+                stale[holder] = f"stream {min(shared)}: taking over the lease of pid {held.get('pid')} on " \
+                                f"{held.get('host')} ({reason})"
+        if not waiting:
+            break
+        time.sleep(min(1.0, timing.renew_every_s / 2))
+    now = time.time()
+    doc = dict(me, renewed=now, expires=now + timing.lease_s, took_over=sorted(stale))
+    loc.fs.create_dir(loc.path(LEASE_DIR), recursive=True)
+    _write(loc, doc)
+    for holder, why in sorted(stale.items()):
+        log.warning("%s", why)
+        _delete(loc, holder)
+    present = _list(loc)
+    for holder in present:
+        if holder == doc["holder"] or holder in stale:
+            continue
+        held = _parse(_read(loc, holder))
+        shared = _streams_of(held) & wanted
+        if shared:
+            _delete(loc, doc["holder"])
+            raise PackRefused(f"another prepack run ({_who(held)}) claimed stream {min(shared)} at the same moment "
+                              "as this one; run again (one of you will then proceed)")
+    return StreamLease(loc, doc, timing, set(present))

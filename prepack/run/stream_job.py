@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from prepack.engine.accounting import Counters
 from prepack.engine.checkpoint import state_from_payload, state_to_payload
 from prepack.engine.packer import StreamPacker, StreamState
 from prepack.run.writer import StreamWriter, recover_stream, sha256_hex, write_bytes_atomic, write_index
@@ -52,7 +53,14 @@ class ProgressEvent:
     batches: int
     tokens: int
     done: bool = False
-    extra: dict = field(default_factory=dict)
+    counters: "Counters | None" = None  # the packer's live counts (drops, warnings, first examples)
+
+    def payload(self) -> dict:
+        """What a progress report carries to the driver: small, plain data."""
+        c = self.counters
+        return {"batches": self.batches, "tokens": self.tokens, "done": self.done,
+                "drops": dict(c.drops) if c else {}, "warnings": dict(c.warnings) if c else {},
+                "examples": dict(c.examples) if c else {}}
 
 
 def _lineage_rows(stream: int, first_record: int, batches: list[tuple[list, list[int]]]) -> pa.Table:
@@ -200,7 +208,7 @@ def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, 
             if entry is not None:
                 commit(entry)
             if report is not None:
-                report(ProgressEvent(stream, packer.batches, packer.tokens))
+                report(ProgressEvent(stream, packer.batches, packer.tokens, counters=packer.counters))
         entry = writer.finish()
         if entry is not None:
             commit(entry)
@@ -217,7 +225,8 @@ def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, 
         num_records=len(records), num_tokens=sum(r.num_tokens for r in records),
         num_samples=sum(r.num_samples for r in records), root=index.root, budget=budget,
         lineage_sha256=lineage_sha, lineage_rows=lineage_rows,
-        drops=counters.drops, warnings=counters.warnings, group_samples=counters.samples_packed,
+        drops=counters.drops, warnings=counters.warnings, examples=counters.examples,
+        group_samples=counters.samples_packed,
         elapsed_s=round(time.perf_counter() - start, 3), cpu_s=round(time.process_time() - cpu_start, 3),
     )
     write_bytes_atomic(loc, done_file(stream), result.to_json().encode())
@@ -227,7 +236,7 @@ def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, 
         except FileNotFoundError:
             pass
     if report is not None:
-        report(ProgressEvent(stream, packer.batches, packer.tokens, done=True))
+        report(ProgressEvent(stream, packer.batches, packer.tokens, done=True, counters=packer.counters))
     return result
 
 

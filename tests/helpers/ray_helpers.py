@@ -259,13 +259,22 @@ def wait_until(cond: Callable[[], bool], timeout: float, what: str, proc: subpro
 
 # -- output checks --------------------------------------------------------------------------------
 def leftovers(out: str) -> list[str]:
-    """Temporary files anywhere under ``out`` (and a lock left behind)."""
+    """Temporary files anywhere under ``out`` (and a stream lease left behind)."""
     bad = []
     for dirpath, _, files in os.walk(out):
         for f in files:
-            if f.endswith(".tmp") or f == ".prepack.lock":
-                bad.append(os.path.relpath(os.path.join(dirpath, f), out))
+            rel = os.path.relpath(os.path.join(dirpath, f), out)
+            if f.endswith(".tmp") or rel.startswith(".prepack" + os.sep):
+                bad.append(rel)
     return bad
+
+
+def lease_files(out: str) -> list[str]:
+    """The stream leases present in a local output (one per live or killed run)."""
+    from prepack.run.lock import LEASE_DIR
+
+    d = os.path.join(out, LEASE_DIR)
+    return sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".json")) if os.path.isdir(d) else []
 
 
 def load_manifest(out: str) -> dict:

@@ -62,12 +62,44 @@ def test_bad_yaml_is_one_line(tmp_path):
 
 
 def test_progress_postfix_shows_each_stream_or_the_spread():
-    from prepack.run.driver import progress_postfix
+    from prepack.run.progress import RunProgress
 
-    few = progress_postfix({0: (3, 3000, False), 1: (6, 6000, True)}, [0, 1], 6, 2.0)
-    assert "9,000 tok" in few and "4,500 tok/s" in few and "s0:3/6 s1:6/6" in few and "done 1/2" in few
-    many = progress_postfix({s: (s, 10, False) for s in range(10)}, list(range(10)), None, 0.0)
-    assert "per stream 0..9" in many and "done 0/10" in many
+    few = RunProgress([0, 1], 6, {})
+    few.update(0, {"batches": 3, "tokens": 3000, "done": False})
+    few.update(1, {"batches": 6, "tokens": 6000, "done": True})
+    line = few.postfix(2.0)
+    assert "9,000 tok" in line and "4,500 tok/s" in line and "s0:3/6 s1:6/6" in line and "done 1/2" in line
+    many = RunProgress(list(range(10)), None, {})
+    for s in range(10):
+        many.update(s, {"batches": s, "tokens": 10, "done": False})
+    assert "per stream 0..9" in many.postfix(0.0) and "done 0/10" in many.postfix(0.0)
+
+
+def test_each_drop_reason_is_announced_once_per_run_with_its_meaning():
+    from prepack.run.progress import RunProgress
+
+    run = RunProgress(list(range(8)), 10, {"max_num_tokens_per_sample": 4096})
+    for s in range(8):
+        run.update(s, {"batches": 1, "tokens": 1, "drops": {"overlength_sample": s + 1},
+                       "examples": {"overlength_sample": str(4601 + s)}})
+    lines = run.new_kinds()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("overlength_sample: a sample of 4601 tokens exceeds max_num_tokens_per_sample=4096")
+    assert "first in stream 0" in lines[0]
+    run.update(3, {"batches": 2, "tokens": 2, "drops": {"overlength_sample": 9}, "warnings": {"truncated_image": 1}})
+    later = run.new_kinds()
+    assert len(later) == 1 and "truncated_image" in later[0], later
+
+
+def test_retried_streams_are_announced_once_per_attempt_with_the_cause():
+    from prepack.run.progress import RunProgress
+
+    run = RunProgress([0, 1, 2], 5, {})
+    lines = run.retried({0: ["n1"], 1: ["n1", "n2"], 2: ["n2", "n2"]}, {"n1": "127.0.0.1:1234"})
+    assert len(lines) == 2 and "stream 1 retried (attempt 2 of its stream_task): its node 127.0.0.1:1234 was lost" in lines[0]
+    assert "stream 2 retried (attempt 2 of its stream_task): its worker died" in lines[1]
+    assert run.retried({1: ["n1", "n2"], 2: ["n2", "n2"]}, {}) == []
+    assert "streams 1-2" in run.retry_summary()
 
 
 def test_a_bug_prints_its_traceback_and_says_so(monkeypatch, capsys):

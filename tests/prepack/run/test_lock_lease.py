@@ -1,6 +1,7 @@
-"""The object-store lock (a lease) against a real S3 server, in process: who gets it, who is
-refused, when a dead holder's lease is taken over, and that a run whose lease was taken over
-finds out.  Other hosts are simulated with ``PREPACK_LOCK_HOST``.
+"""Stream leases, in process, on a local folder and on a real S3 server: who gets which streams,
+who is refused (naming the stream and the holder), when a dead holder's lease is taken over, that
+a run whose lease was taken over finds out, and that renewal costs O(1) requests whatever the
+number of streams.  Other hosts are simulated with ``PREPACK_LOCK_HOST``.
 """
 
 from __future__ import annotations
@@ -13,37 +14,48 @@ import time
 
 import pytest
 
-from prepack.run.lock import HOST_ENV, LOCK_NAME, LeaseLock, LeaseTiming, acquire_lock, lock_host
+from prepack.run import lock as lockmod
+from prepack.run.lock import (
+    HOST_ENV,
+    LEASE_DIR,
+    LeaseTiming,
+    StreamLease,
+    acquire_streams,
+    format_streams,
+    lock_host,
+)
 from schemas.errors import LockLost, PackRefused
 from schemas.location import resolve_location
-
-pytestmark = pytest.mark.slow  # needs the S3 server (started once per session)
 
 FAST = LeaseTiming(lease_s=2.0)
 
 
-def _loc(s3, name):
-    loc = resolve_location(s3.new_prefix(name))
+@pytest.fixture(params=["local", "s3"])
+def loc(request, tmp_path):
+    if request.param == "local":
+        where = str(tmp_path / "out")
+    else:
+        s3 = request.getfixturevalue("s3")
+        where = s3.new_prefix(f"lease-{request.node.name[-40:]}".replace("[", "-").replace("]", ""))
+    loc = resolve_location(where)
     loc.fs.create_dir(loc.base, recursive=True)
     return loc
 
 
-def _write_lock(loc, doc) -> None:
-    with loc.fs.open_output_stream(loc.path(LOCK_NAME)) as f:
+def _write_lease(loc, holder: str, doc) -> None:
+    loc.fs.create_dir(loc.path(LEASE_DIR), recursive=True)
+    with loc.fs.open_output_stream(loc.path(f"{LEASE_DIR}/{holder}.json")) as f:
         f.write(doc if isinstance(doc, bytes) else json.dumps(doc).encode())
 
 
-def _read_lock(loc) -> dict | None:
-    try:
-        return json.loads(loc.read_bytes(LOCK_NAME))
-    except FileNotFoundError:
-        return None
+def _holders(loc) -> list[str]:
+    return lockmod._list(loc)
 
 
-def _timed_acquire(loc) -> tuple[LeaseLock, float]:
+def _timed(loc, streams) -> tuple[StreamLease, float]:
     t = time.monotonic()
-    lock = acquire_lock(loc, FAST)
-    return lock, time.monotonic() - t
+    lease = acquire_streams(loc, streams, FAST)
+    return lease, time.monotonic() - t
 
 
 def _dead_pid() -> int:
@@ -52,116 +64,165 @@ def _dead_pid() -> int:
     return p.pid
 
 
-def test_live_holder_on_this_host_is_refused_at_once(s3):
-    loc = _loc(s3, "lock-live")
-    held = acquire_lock(loc, FAST)
+def test_format_streams():
+    assert format_streams([5, 0, 1, 2, 3, 9, 10]) == "0-3,5,9-10" and format_streams([]) == ""
+
+
+def test_disjoint_streams_are_leased_side_by_side_and_overlap_is_refused_naming_both(loc):
+    a = acquire_streams(loc, range(0, 4), FAST)
+    b = acquire_streams(loc, range(4, 8), FAST)
     try:
         t = time.monotonic()
-        with pytest.raises(PackRefused, match=r"another prepack run .* holds .*\.prepack\.lock"):
-            acquire_lock(loc, FAST)
+        with pytest.raises(PackRefused, match=r"stream 3 is being packed by another prepack run \(pid \d+ on .*streams 0-3"):
+            acquire_streams(loc, [3, 9], FAST)
         assert time.monotonic() - t < 1.0  # same host, live pid: no need to watch
-        assert _read_lock(loc)["holder"] == held.holder
+        assert sorted(_holders(loc)) == sorted([a.holder, b.holder])  # the refused one left nothing
+        a.check(), b.check()
     finally:
-        held.release()
-    assert _read_lock(loc) is None
+        a.release(), b.release()
+    assert _holders(loc) == []
 
 
-def test_live_holder_on_another_host_is_refused_once_it_renews(s3, monkeypatch):
-    loc = _loc(s3, "lock-other-live")
-    held = acquire_lock(loc, FAST)
+def test_live_holder_on_another_host_is_refused_once_it_renews(loc, monkeypatch):
+    held = acquire_streams(loc, [0, 1], FAST)
     try:
         monkeypatch.setenv(HOST_ENV, "another-host")
         t = time.monotonic()
-        with pytest.raises(PackRefused, match="another prepack run"):
-            acquire_lock(loc, FAST)
+        with pytest.raises(PackRefused, match="stream 1 is being packed"):
+            acquire_streams(loc, [1, 2], FAST)
         assert time.monotonic() - t < FAST.lease_s  # refused at the first renewal seen, not after a lease
-        held.check()  # the holder keeps its lock
-        assert _read_lock(loc)["holder"] == held.holder
+        other, waited = _timed(loc, [2, 3])  # disjoint: no watching at all
+        assert waited < 1.0
+        other.release()
+        held.check()
     finally:
         held.release()
 
 
-def test_dead_holder_on_another_host_is_taken_over_after_a_lease(s3, monkeypatch):
-    loc = _loc(s3, "lock-takeover")
+def test_dead_holder_on_another_host_is_taken_over_after_a_lease(loc, monkeypatch):
     monkeypatch.setenv(HOST_ENV, "host-a")
-    first = acquire_lock(loc, FAST)
-    first.stop_renewing()  # host a is lost: the lock stays, nobody renews it
+    first = acquire_streams(loc, [0, 1, 2], FAST)
+    first.stop_renewing()  # host a is lost: its lease stays, nobody renews it
     monkeypatch.setenv(HOST_ENV, "host-b")
-    second, waited = _timed_acquire(loc)
+    second, waited = _timed(loc, [2])
     try:
         assert FAST.lease_s <= waited < FAST.lease_s + 3, waited
-        assert _read_lock(loc)["host"] == "host-b"
-        # host a comes back (it was only paused): its next renewal finds the lock taken
+        assert first.holder not in _holders(loc)
+        # host a comes back (it was only paused): its next renewal finds its lease taken over
         first.renew()
-        with pytest.raises(LockLost, match="lost its lock"):
+        with pytest.raises(LockLost):
             first.check()
-        first.release()  # must not delete host b's lock
-        assert _read_lock(loc)["holder"] == second.holder
+        first.release()  # must not delete host b's lease
+        assert second.holder in _holders(loc)
         second.check()
     finally:
         second.release()
 
 
-def test_dead_process_on_this_host_is_taken_over_at_once(s3):
-    loc = _loc(s3, "lock-deadpid")
+def test_a_holder_revived_after_the_takeover_stops_at_its_next_renewal(loc, monkeypatch):
+    """The takeover deleted the old lease, but the old holder's renewal wrote it back just after."""
+    monkeypatch.setenv(HOST_ENV, "host-a")
+    first = acquire_streams(loc, [0, 1], FAST)
+    first.stop_renewing()
+    monkeypatch.setenv(HOST_ENV, "host-b")
+    second = acquire_streams(loc, [1], FAST)
+    try:
+        lockmod._write(loc, first.doc)  # the late renewal lands after the takeover
+        first.renew()
+        with pytest.raises(LockLost, match="took this run's streams over"):
+            first.check()
+        second.renew()
+        second.check()  # the one that took over keeps going
+    finally:
+        first.release(), second.release()
+
+
+def test_dead_process_on_this_host_is_taken_over_at_once(loc):
     now = time.time()
-    _write_lock(loc, {"holder": "x", "host": lock_host(),
-                      "pid": _dead_pid(), "since": now, "renewed": now, "expires": now + 3600, "lease_s": 3600})
-    lock, waited = _timed_acquire(loc)
-    lock.release()
+    _write_lease(loc, "x", {"holder": "x", "host": lock_host(), "pid": _dead_pid(), "streams": [[0, 3]],
+                            "since": now, "renewed": now, "expires": now + 3600, "lease_s": 3600})
+    lease, waited = _timed(loc, [1])
+    lease.release()
+    assert waited < 2.0 and "x" not in _holders(loc)
+
+
+def test_long_expired_lease_is_taken_over_at_once(loc):
+    _write_lease(loc, "x", {"holder": "x", "host": "gone-host", "pid": 1, "streams": [[0, 0]],
+                            "expires": time.time() - 3600, "lease_s": 30})
+    lease, waited = _timed(loc, [0])
+    lease.release()
     assert waited < 2.0
 
 
-def test_long_expired_lease_is_taken_over_at_once(s3, monkeypatch):
-    loc = _loc(s3, "lock-expired")
-    _write_lock(loc, {"holder": "x", "host": "gone-host", "pid": 1, "expires": time.time() - 3600, "lease_s": 30})
-    lock, waited = _timed_acquire(loc)
-    lock.release()
+def test_damaged_lease_object_holds_no_stream(loc):
+    _write_lease(loc, "junk", b"\x00not json")
+    lease, waited = _timed(loc, [0])
+    lease.release()
     assert waited < 2.0
 
 
-def test_damaged_lock_object_is_taken_over_after_a_lease(s3):
-    loc = _loc(s3, "lock-damaged")
-    _write_lock(loc, b"\x00not json")
-    lock, waited = _timed_acquire(loc)
-    lock.release()
-    assert waited >= FAST.lease_s
-
-
-def test_simultaneous_claims_one_wins(s3):
-    loc = _loc(s3, "lock-race")
-    got: list[LeaseLock] = []
+def test_simultaneous_claims_at_most_one_proceeds(loc):
+    got: list[StreamLease] = []
     refused: list[PackRefused] = []
     go = threading.Barrier(4)
 
-    def claim():
+    def claim(streams):
         go.wait()
         try:
-            got.append(acquire_lock(loc, FAST))
+            got.append(acquire_streams(loc, streams, FAST))
         except PackRefused as e:
             refused.append(e)
 
-    threads = [threading.Thread(target=claim) for _ in range(4)]
+    threads = [threading.Thread(target=claim, args=([0, 1],)) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     try:
-        assert len(got) == 1 and len(refused) == 3, (len(got), [str(e) for e in refused])
-        assert _read_lock(loc)["holder"] == got[0].holder
+        assert len(got) <= 1 and len(got) + len(refused) == 4, (len(got), [str(e) for e in refused])
+        assert sorted(_holders(loc)) == sorted(g.holder for g in got)
     finally:
-        for lock in got:
-            lock.release()
+        for lease in got:
+            lease.release()
 
 
-def test_lease_is_renewed_while_held(s3):
-    loc = _loc(s3, "lock-renew")
-    lock = acquire_lock(loc, FAST)
+def test_simultaneous_claims_of_disjoint_streams_all_proceed(loc):
+    got: list[StreamLease] = []
+    go = threading.Barrier(4)
+
+    def claim(k):
+        go.wait()
+        got.append(acquire_streams(loc, [k], FAST))
+
+    threads = [threading.Thread(target=claim, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     try:
-        first = _read_lock(loc)
-        time.sleep(FAST.lease_s * 1.2)
-        later = _read_lock(loc)
-        assert later["holder"] == first["holder"] and later["seq"] > first["seq"]
-        assert later["expires"] > first["expires"]
+        assert len(got) == 4
     finally:
-        lock.release()
+        for lease in got:
+            lease.release()
+
+
+def test_renewal_is_one_list_and_one_write_for_4096_streams(loc, monkeypatch):
+    lease = acquire_streams(loc, range(4096), FAST)
+    lease.stop_renewing()
+    calls = {"list": 0, "read": 0, "write": 0}
+    for name, key in (("_list", "list"), ("_read", "read"), ("_write", "write")):
+        real = getattr(lockmod, name)
+
+        def counted(*a, _real=real, _key=key):
+            calls[_key] += 1
+            return _real(*a)
+
+        monkeypatch.setattr(lockmod, name, counted)
+    try:
+        seq = lease.doc["seq"]
+        lease.renew()
+        lease.check()
+        assert calls == {"list": 1, "read": 0, "write": 1}, calls
+        assert lease.doc["seq"] == seq + 1 and lease.doc["streams"] == [[0, 4095]]
+    finally:
+        lease.release()

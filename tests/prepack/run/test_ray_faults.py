@@ -24,6 +24,7 @@ import pytest
 
 from prepack.tools.stats import scan_lineage
 from tests.helpers.ray_helpers import (
+    lease_files,
     RayRun,
     check_stream_contiguity,
     committed_shards,
@@ -134,7 +135,7 @@ def test_driver_sigkill_then_rerun(point, config, reference, tmp_path):
 
         # what the kill left: a partial pack, its lock, no manifest
         assert not os.path.exists(os.path.join(out, "manifest.json"))
-        assert os.path.exists(os.path.join(out, ".prepack.lock"))
+        assert lease_files(out), "the killed run's lease should still be there"
         done = [s for s in (0, 1) if exists(out, s, "done.json")]
         assert done != [0, 1], "both streams finished: orphaned workers went on packing after the driver died, or the kill came too late"
         if point == "stream_done":
@@ -176,16 +177,22 @@ def test_worker_sigkill_task_retried(config, reference, tmp_path):
     assert {p: os.stat(p).st_mtime_ns for p in kept} == kept
 
 
-def _lock(pid: int) -> str:
-    return json.dumps({"pid": pid, "host": socket.gethostname(), "since": time.time() - 3600})
+def _lease(pid: int) -> str:
+    """A lease on both streams, as a run of ``pid`` on this host leaves it."""
+    return json.dumps({"holder": "left", "pid": pid, "host": socket.gethostname(), "since": time.time() - 3600,
+                       "expires": time.time() + 3600, "lease_s": 30, "streams": [[0, 1]]})
 
 
 @pytest.mark.parametrize("holder", ["dead", "zombie", "live"])
 def test_lock_left_by_a_process(holder, config, reference, tmp_path):
-    """A lock whose process is gone (or exited but not reaped) is taken over; a live one refuses."""
+    """A lease whose process is gone (or exited but not reaped) is taken over; a live one refuses.
+
+    Stream 1 is left unfinished (its done.json and the manifest removed), so the run needs it."""
     ref_out, ref_man = reference
     out = str(tmp_path / "out")
     shutil.copytree(ref_out, out)
+    os.remove(os.path.join(out, "manifest.json"))
+    os.remove(os.path.join(out, "stream-00001", "done.json"))
     if holder == "live":
         proc = subprocess.Popen(["sleep", "120"])
     else:
@@ -194,9 +201,12 @@ def test_lock_left_by_a_process(holder, config, reference, tmp_path):
             proc.wait()
         else:  # exited, not reaped: still in the process table as a zombie
             wait_until(lambda: process_state(proc.pid) == "Z", 30, "the child to exit")
-    lock = os.path.join(out, ".prepack.lock")
+    from prepack.run.lock import LEASE_DIR
+
+    os.makedirs(os.path.join(out, LEASE_DIR))
+    lock = os.path.join(out, LEASE_DIR, "left.json")
     with open(lock, "w") as f:
-        f.write(_lock(proc.pid))
+        f.write(_lease(proc.pid))
     try:
         with RayRun() as rr:
             r = rr.run(prepack("run", config, "--out", out), timeout=120)
@@ -205,12 +215,12 @@ def test_lock_left_by_a_process(holder, config, reference, tmp_path):
         proc.wait()
     if holder == "live":
         assert r.returncode != 0
-        assert f"another prepack run (pid {proc.pid}" in r.stderr, r.stderr[-2000:]
+        assert f"stream 1 is being packed by another prepack run (pid {proc.pid}" in r.stderr, r.stderr[-2000:]
         with open(lock) as f:
-            assert json.loads(f.read())["pid"] == proc.pid  # the holder's lock is left alone
+            assert json.loads(f.read())["pid"] == proc.pid  # the holder's lease is left alone
     else:
         assert r.returncode == 0, r.stderr[-2000:]
-        assert "removing stale lock" in r.stderr
-        assert summary(r.stdout)[0].startswith(f"already complete: 2 streams, {2 * BATCHES} batches"), r.stdout
-        assert not os.path.exists(lock)
+        assert "taking over the lease" in r.stderr and "is gone" in r.stderr, r.stderr[-2000:]
+        assert summary(r.stdout)[0].startswith(f"packed: 2 streams, {2 * BATCHES} batches"), r.stdout
+        assert not os.path.exists(lock) and not lease_files(out)
         check_final(out, ref_man)

@@ -11,6 +11,7 @@ import os
 
 import pytest
 from tests.helpers.ray_helpers import (
+    lease_files,
     RayRun,
     check_stream_contiguity,
     leftovers,
@@ -27,7 +28,6 @@ from tests.helpers.ray_helpers import (
 
 pytestmark = pytest.mark.slow  # starts Ray or runs the reference for many batches
 
-LOCK = ".prepack.lock"
 
 
 def snapshot(out: str) -> dict[str, tuple[int, int]]:
@@ -62,10 +62,11 @@ def packed(demo):
     out = str(root / "out")
     with RayRun() as rr:
         first = rr.popen(prepack("run", config, "--out", out), str(root / "first"))
-        wait_until(lambda: os.path.exists(os.path.join(out, LOCK)), 120, "the first run's lock", first)
+        wait_until(lambda: bool(lease_files(out)), 120, "the first run's lease", first)
+        leases = lease_files(out)
         second = rr.run(prepack("run", config, "--out", out), timeout=120)
         first_still_running = first.poll() is None
-        lock_kept = os.path.exists(os.path.join(out, LOCK))
+        lock_kept = lease_files(out) == leases
         rc = first.wait(timeout=300)
         stdout, stderr = read_log(first)
     return {"out": out, "config": config, "rc": rc, "stdout": stdout, "stderr": stderr, "second": second,
@@ -110,8 +111,8 @@ def test_second_concurrent_run_is_refused(packed):
     assert packed["first_still_running"], "the first run ended before the second one checked the lock (inconclusive)"
     assert second.returncode != 0
     msg = error_line(second.stderr)
-    assert "another prepack run" in msg and LOCK in msg, msg
-    assert packed["lock_kept"], "the refused run removed the lock of the run holding it"
+    assert "is being packed by another prepack run" in msg and "stream 0" in msg, msg
+    assert packed["lock_kept"], "the refused run removed the lease of the run holding it, or left its own"
     assert packed["rc"] == 0
 
 

@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from prepack.run.lock import HOST_ENV, LEASE_ENV, LOCK_NAME
+from prepack.run.lock import HOST_ENV, LEASE_DIR, LEASE_ENV
 from tests.helpers.packs import pack_in_process
 from tests.helpers.ray_helpers import RayRun, cmdline, make_demo, prepack, read_log, summary, variant, wait_until
 from tests.helpers.s3checks import local_files, same_pack_objects, secret_leaks, stream_fingerprints
@@ -92,14 +92,15 @@ def _kill_driver(rr, driver, host_lost: bool) -> None:
 def _rerun(rr, s3, uri, config, reference, host: str | None, texts: dict[str, str]):
     """The same command again after a kill: it takes the lock over, resumes, and ends with the reference's objects."""
     left = s3.objects(uri)
-    assert LOCK_NAME in left, "the killed run's lock should still be there"
-    assert left.keys() - {LOCK_NAME} != reference[1].keys(), "the kill came after the pack was complete (inconclusive)"
+    leases = {k for k in left if k.startswith(LEASE_DIR + "/")}
+    assert leases, "the killed run's lease should still be there"
+    assert left.keys() - leases != reference[1].keys(), "the kill came after the pack was complete (inconclusive)"
     t = time.monotonic()
     rerun = rr.run(prepack("run", config, "--out", uri), timeout=240, **{LEASE_ENV: LEASE, **({HOST_ENV: host} if host else {})})
     took = time.monotonic() - t
     assert rerun.returncode == 0, rerun.stderr[-4000:]
     check_final(s3, uri, reference, {**texts, "rerun": rerun.stdout + rerun.stderr}, rr.tmp)
-    assert "taking over the lock" in rerun.stderr, rerun.stderr[-3000:]
+    assert "taking over the lease" in rerun.stderr, rerun.stderr[-3000:]
     if host:  # it could not see the holder's process: it watched the lease lapse first
         assert "not renewed for 3 s" in rerun.stderr and took > float(LEASE), rerun.stderr[-3000:]
     else:
@@ -130,7 +131,8 @@ def test_concurrent_runs_refused_worker_then_driver_killed(s3, reference, tmp_pa
     with RayRun() as rr:
         driver = rr.popen(prepack("run", config, "--out", uri, "--num-cpus", "1", "--progress"),
                           str(tmp_path / "run"), **{LEASE_ENV: LEASE})
-        wait_until(lambda: s3.exists(f"{uri}/{LOCK_NAME}"), 120, "the run's lock", driver, poll=0.2)
+        wait_until(lambda: any(k.startswith(LEASE_DIR + "/") for k in s3.objects(uri)), 120, "the run's lease", driver,
+                   poll=0.2)
         same_host = rr.popen(prepack("run", config, "--out", uri), str(tmp_path / "same"), **{LEASE_ENV: LEASE})
         other_host = rr.popen(prepack("run", config, "--out", uri), str(tmp_path / "other"),
                               **{LEASE_ENV: LEASE, HOST_ENV: "host-b"})
@@ -138,7 +140,7 @@ def test_concurrent_runs_refused_worker_then_driver_killed(s3, reference, tmp_pa
                    (("same", same_host), ("other", other_host))}
         assert driver.poll() is None, "the run ended before the concurrent runs were checked (inconclusive)"
         for name, (code, err) in refused.items():
-            assert code == 1 and "another prepack run" in err and LOCK_NAME in err, (name, err[-2000:])
+            assert code == 1 and "is being packed by another prepack run" in err, (name, err[-2000:])
 
         wait_until(lambda: sum(batches_so_far(driver).values()) >= 2, 240, "two batches", driver, poll=0.05)
         workers = [p for p in rr.pids() if cmdline(p).startswith("ray::stream_task")]

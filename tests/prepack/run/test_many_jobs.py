@@ -1,0 +1,149 @@
+"""Many jobs, one output: ``prepack run --streams`` processes packing disjoint streams at the same
+time, on a local folder and on the S3 test server, give the pack one job gives; a job asking for a
+stream a live job holds is refused naming it and the holder; a killed job's streams are resumed by
+its rerun while the other job goes on; a follower reads the same batches throughout.
+
+The jobs run ``--no-ray`` (each packs its streams in its own process): the leases, pack.json and
+the manifest are what is under test, not Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from loader import open_stream
+from prepack.run.lock import LEASE_DIR
+from prepack.tools.verify import verify_pack
+from schemas.manifest import MANIFEST_NAME
+from tests.helpers import datagen as dg
+from tests.helpers.packs import KNOBS, pack_in_process
+from tests.helpers.s3checks import same_pack_objects
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+STREAMS = 4  # W=2, K=2
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory, tokenizer_and_special):
+    import numpy as np
+
+    root = str(tmp_path_factory.mktemp("jobs"))
+    data = os.path.join(root, "data")
+    os.makedirs(data)
+    rs = np.random.RandomState(7)
+    ds = dg.Dataset(data)
+    dg.add_t2i(ds, [dg.good_t2i_rows(rs, 4, i * 4) for i in range(STREAMS)], row_group_size=2)
+    lines, files = dg.good_sft(rs, 12)
+    dg.add_sft(ds, lines, files)
+    config = ds.config(knobs=KNOBS, num_workers=2,
+                       prepack={"world_size": 2, "batches_per_stream": 6, "shard_bytes": 300_000})
+    ref = pack_in_process(config, os.path.join(root, "reference"), tokenizer_and_special)
+    return config, ref
+
+
+def files_of(root: str) -> dict[str, bytes]:
+    out = {}
+    for d, _, names in os.walk(root):
+        for n in names:
+            rel = os.path.relpath(os.path.join(d, n), root).replace(os.sep, "/")
+            if not rel.startswith(".prepack/"):
+                out[rel] = open(os.path.join(d, n), "rb").read()
+    return out
+
+
+def job(config: str, out: str, streams: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "prepack.cli", "run", config, "--out", out, "--streams", streams,
+                             "--no-ray"], cwd=REPO, env={**os.environ, **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(p: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, out, err
+
+
+def follow_all(out: str, stream: int, got: dict) -> None:
+    try:
+        got[stream] = [b.to_dict()["packed_text_ids"].tolist()
+                       for b in open_stream(out, stream, follow=True, poll_s=0.1, timeout_s=240)]
+    except Exception as e:  # noqa: BLE001  (reported by the test)
+        got[stream] = e
+
+
+def reference_batches(ref: str) -> dict[int, list]:
+    return {s: [b.to_dict()["packed_text_ids"].tolist() for b in open_stream(ref, s)] for s in range(STREAMS)}
+
+
+def test_two_jobs_fill_one_local_output_and_an_overlapping_one_is_refused(dataset, tmp_path):
+    config, ref = dataset
+    out = str(tmp_path / "out")
+    a = job(config, out, "0,1")
+    deadline = time.monotonic() + 120
+    while not (os.path.isdir(os.path.join(out, LEASE_DIR)) and os.listdir(os.path.join(out, LEASE_DIR))):
+        assert a.poll() is None and time.monotonic() < deadline, "job a ended before its lease was seen"
+        time.sleep(0.05)
+    followed: dict = {}
+    followers = [threading.Thread(target=follow_all, args=(out, s, followed)) for s in range(STREAMS)]
+    for t in followers:
+        t.start()
+    b = job(config, out, "2-3")
+    c = job(config, out, "1,2")  # overlaps both: refused, whichever it meets first
+    rc_c, _, err_c = finish(c)
+    (rc_a, out_a, err_a), (rc_b, out_b, err_b) = finish(a), finish(b)
+    for t in followers:
+        t.join(timeout=300)
+    assert rc_a == 0 and rc_b == 0, (err_a[-2000:], err_b[-2000:])
+    assert rc_c == 1 and "is being packed by another prepack run" in err_c, err_c[-2000:]
+    assert len(err_c.strip().splitlines()) == 1, err_c
+    assert "stream 1 " in err_c or "stream 2 " in err_c, err_c
+    assert (out_a + out_b).count("manifest not written yet") <= 1  # the job finishing last wrote it
+    assert os.path.exists(os.path.join(out, MANIFEST_NAME))
+    assert same_pack_objects(files_of(out), files_of(ref)) == []
+    assert verify_pack(out).ok
+    assert os.listdir(os.path.join(out, LEASE_DIR)) == []  # every lease released
+    assert followed == reference_batches(ref)
+
+
+def test_a_killed_job_is_resumed_while_the_other_goes_on(dataset, tmp_path):
+    config, ref = dataset
+    out = str(tmp_path / "out")
+    a, b = job(config, out, "0,1"), job(config, out, "2,3")
+    index = os.path.join(out, "stream-00000", "index.arrow")
+    deadline = time.monotonic() + 180
+    while not os.path.exists(index):
+        assert a.poll() is None and time.monotonic() < deadline, "job a ended before its first commit"
+        time.sleep(0.02)
+    os.kill(a.pid, signal.SIGKILL)
+    a.wait()
+    rerun = job(config, out, "0,1")  # at once: the dead job's lease (same host, dead pid) is taken over
+    (rc_r, _, err_r), (rc_b, _, err_b) = finish(rerun), finish(b)
+    assert rc_r == 0 and rc_b == 0, (err_r[-2000:], err_b[-2000:])
+    assert "taking over the lease" in err_r, err_r[-2000:]
+    if not os.path.exists(os.path.join(out, MANIFEST_NAME)):  # b finished last but saw a's streams unfinished
+        rc, _, err = finish(job(config, out, "0-3"))  # the no-op rerun writes it
+        assert rc == 0, err
+    assert same_pack_objects(files_of(out), files_of(ref)) == []
+    assert verify_pack(out).ok
+
+
+@pytest.mark.slow
+def test_two_jobs_fill_one_s3_output(dataset, s3, tmp_path):
+    config, ref = dataset
+    uri = s3.new_prefix("many-jobs")
+    env = s3.env
+    a, b = job(config, uri, "0,1", env), job(config, uri, "2,3", env)
+    (rc_a, _, err_a), (rc_b, _, err_b) = finish(a), finish(b)
+    assert rc_a == 0 and rc_b == 0, (err_a[-2000:], err_b[-2000:])
+    objects = s3.objects(uri)
+    assert not [k for k in objects if k.startswith(LEASE_DIR + "/")], "a lease was left behind"
+    assert same_pack_objects(objects, files_of(ref)) == []
+    c = job(config, uri, "0-3", env)  # finished: a no-op, whoever asks
+    rc_c, out_c, err_c = finish(c)
+    assert rc_c == 0 and "already complete" in out_c, err_c
