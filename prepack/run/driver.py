@@ -133,6 +133,13 @@ def _make_remote(ray):
 
     @ray.remote(num_cpus=1, max_retries=TASK_RETRIES)
     def stream_task(cfg, out, stream, metadata, progress, local_ray=False, log_level=logging.WARNING):
+        def tell(method, *args) -> None:  # progress is best effort: it may never fail the stream
+            try:
+                getattr(progress, method).remote(*args)
+            except Exception:  # noqa: BLE001  (a dead or unreachable actor)
+                pass
+
+        tell("started", stream, ray.get_runtime_context().get_node_id())  # first: a node may die during imports
         from prepack.run.stream_job import pack_one_stream
         from prepack.run.worker_process import settle_worker_process
         from prepack.engine.tokenizer import load_tokenizer, special_token_ids
@@ -149,14 +156,7 @@ def _make_remote(ray):
             if raylet and not pid_alive(raylet):
                 raise RuntimeError(f"stream {stream}: this worker's raylet (pid {raylet}) is gone; stopping")
 
-        def tell(method, *args) -> None:  # progress is best effort: it may never fail the stream
-            try:
-                getattr(progress, method).remote(*args)
-            except Exception:  # noqa: BLE001  (a dead or unreachable actor)
-                pass
-
         check_raylet()
-        tell("started", stream, ray.get_runtime_context().get_node_id())
         tokenizer, special = special_token_ids(load_tokenizer(cfg.tokenizer))
         last = [0.0]
 
@@ -336,7 +336,8 @@ def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus, lease
         watch = _Watch(ray, _pinned_progress(ray, Progress))
         local = not (address or os.environ.get("RAY_ADDRESS"))
         level = logging.getLogger().getEffectiveLevel()
-        pending = {stream_task.remote(cfg, out, s, metadata, watch.progress, local, level): s for s in todo}
+        pending = {stream_task.options(name=f"stream_task[{s}]").remote(cfg, out, s, metadata, watch.progress, local,
+                                                                      level): s for s in todo}
         started = last_log = time.monotonic()
         bar = None
         if show_progress:
