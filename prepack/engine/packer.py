@@ -138,6 +138,7 @@ class StreamPacker:
         restored = st.counters
         self.counters.drops, self.counters.warnings = dict(restored.drops), dict(restored.warnings)
         self.counters.samples_read, self.counters.samples_packed = dict(restored.samples_read), dict(restored.samples_packed)
+        self.counters.examples = dict(restored.examples)
 
     # -- budget ---------------------------------------------------------------------------------
     def budget_spent(self) -> bool:
