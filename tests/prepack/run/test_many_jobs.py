@@ -147,3 +147,27 @@ def test_two_jobs_fill_one_s3_output(dataset, s3, tmp_path):
     c = job(config, uri, "0-3", env)  # finished: a no-op, whoever asks
     rc_c, out_c, err_c = finish(c)
     assert rc_c == 0 and "already complete" in out_c, err_c
+
+
+def test_extending_is_refused_while_another_job_packs(dataset, tmp_path, tokenizer_and_special):
+    """A larger budget rewrites pack.json's budget: not under a live job packing to the old one."""
+    import shutil
+
+    from prepack.run.driver import run_pack
+    from prepack.run.lock import acquire_streams
+    from schemas.config import load_config
+    from schemas.errors import PackRefused
+    from schemas.location import resolve_location
+    from tests.helpers.ray_helpers import variant
+
+    config, ref = dataset
+    out = str(tmp_path / "out")
+    shutil.copytree(ref, out)
+    other = acquire_streams(resolve_location(out), [2])  # a live job (this process) holds stream 2
+    try:
+        bigger = load_config(variant(config, "bigger.yaml", batches_per_stream=8))
+        with pytest.raises(PackRefused, match="needs the output to itself"):
+            run_pack(bigger, out, streams=[0], inline=True, tokenizer=tokenizer_and_special, progress=False)
+    finally:
+        other.release()
+    assert same_pack_objects(files_of(out), files_of(ref)) == []  # nothing was touched
