@@ -139,7 +139,10 @@ def _make_remote(ray):
             except Exception:  # noqa: BLE001  (a dead or unreachable actor)
                 pass
 
-        tell("started", stream, ray.get_runtime_context().get_node_id())  # first: a node may die during imports
+        try:  # first, and confirmed: a node may die during the imports below, and the retry must know
+            ray.get(progress.started.remote(stream, ray.get_runtime_context().get_node_id()), timeout=60)
+        except Exception:  # noqa: BLE001  (progress is best effort)
+            pass
         from prepack.run.stream_job import pack_one_stream
         from prepack.run.worker_process import settle_worker_process
         from prepack.engine.tokenizer import load_tokenizer, special_token_ids
@@ -300,6 +303,15 @@ class _Watch:
         self._last_nodes = 0.0
         self._warned = False
 
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Wait until the actor answers, before any task starts: a task's first report would
+        otherwise queue in its own worker until the actor exists, and be lost if that worker's
+        node died meanwhile (the retry would then look like a first attempt)."""
+        try:
+            self.ray.get(self.progress.poll.remote(), timeout=timeout_s)
+        except Exception as e:  # noqa: BLE001  (best effort: pack without progress)
+            log.info("progress actor not ready after %.0f s (%s); packing goes on", timeout_s, type(e).__name__)
+
     def poll(self) -> None:
         try:
             self.reports, self.attempts = self.ray.get(self.progress.poll.remote(), timeout=10)
@@ -334,6 +346,7 @@ def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus, lease
     try:
         Progress, stream_task = _make_remote(ray)
         watch = _Watch(ray, _pinned_progress(ray, Progress))
+        watch.wait_ready()
         local = not (address or os.environ.get("RAY_ADDRESS"))
         level = logging.getLogger().getEffectiveLevel()
         pending = {stream_task.options(name=f"stream_task[{s}]").remote(cfg, out, s, metadata, watch.progress, local,
