@@ -28,6 +28,7 @@ _HALF = 1 << (PRECISION_BITS - 1)
 _ROWS = 16  # rows per horizontal-pass block: one AVX-512 vector (two AVX2) of int32 lanes
 
 _jit = nb.njit(cache=True, nogil=True, boundscheck=False)
+_inline = nb.njit(cache=True, nogil=True, boundscheck=False, inline="always")  # numba-level: constants propagate
 
 
 @_jit
@@ -85,31 +86,39 @@ def _clip(v):
     return 0 if v < 0 else (255 if v > 255 else v)
 
 
+@_inline
+def _madd(acc, pixels, k, n):
+    """acc[c, i] += channel c of pixels[i] * k, for i < n: the one inner loop of both passes."""
+    a0 = acc[0]
+    a1 = acc[1]
+    a2 = acc[2]
+    for i in range(n):
+        v = pixels[i]
+        a0[i] += (v & 255) * k
+        a1[i] += ((v >> 8) & 255) * k
+        a2[i] += ((v >> 16) & 255) * k
+
+
+@_inline
+def _store(acc, dst, n):
+    """dst[i] = the clipped RGBX pixel of acc[:, i], for i < n."""
+    for i in range(n):
+        dst[i] = np.int32(_clip(acc[0, i]) | (_clip(acc[1, i]) << 8) | (_clip(acc[2, i]) << 16))
+
+
 @_jit
 def vertical_pass(src, first, count, weights):
     """(H, W) RGBX int32 -> (h, W) RGBX int32 along the columns; rows are contiguous lanes."""
     h = first.shape[0]
     width = src.shape[1]
     out = np.empty((h, width), np.int32)
-    acc0 = np.empty(width, np.int32)
-    acc1 = np.empty(width, np.int32)
-    acc2 = np.empty(width, np.int32)
+    acc = np.empty((3, width), np.int32)
     for yy in range(h):
-        acc0[:] = _HALF
-        acc1[:] = _HALF
-        acc2[:] = _HALF
+        acc[:] = _HALF
         lo = first[yy]
         for t in range(count[yy]):
-            k = weights[yy, t]
-            row = src[lo + t]
-            for x in range(width):
-                v = row[x]
-                acc0[x] += (v & 255) * k
-                acc1[x] += ((v >> 8) & 255) * k
-                acc2[x] += ((v >> 16) & 255) * k
-        dst = out[yy]
-        for x in range(width):
-            dst[x] = np.int32(_clip(acc0[x]) | (_clip(acc1[x]) << 8) | (_clip(acc2[x]) << 16))
+            _madd(acc, src[lo + t], weights[yy, t], width)
+        _store(acc, out[yy], width)
     return out
 
 
@@ -122,32 +131,18 @@ def horizontal_pass(src, first, count, weights):
     out = np.empty((height, w), np.int32)
     tile = np.zeros((width, _ROWS), np.int32)
     res = np.empty((w, _ROWS), np.int32)
-    acc0 = np.empty(_ROWS, np.int32)
-    acc1 = np.empty(_ROWS, np.int32)
-    acc2 = np.empty(_ROWS, np.int32)
+    acc = np.empty((3, _ROWS), np.int32)
     for y0 in range(0, height, _ROWS):
         rows = min(_ROWS, height - y0)
-        for r in range(rows):
-            line = src[y0 + r]
-            for x in range(width):
-                tile[x, r] = line[x]
+        for x in range(width):  # column-major reads, contiguous writes: the fast transpose order
+            for r in range(rows):
+                tile[x, r] = src[y0 + r, x]
         for xx in range(w):
-            for r in range(_ROWS):
-                acc0[r] = _HALF
-                acc1[r] = _HALF
-                acc2[r] = _HALF
+            acc[:] = _HALF
             lo = first[xx]
             for t in range(count[xx]):
-                k = weights[xx, t]
-                col = tile[lo + t]
-                for r in range(_ROWS):
-                    v = col[r]
-                    acc0[r] += (v & 255) * k
-                    acc1[r] += ((v >> 8) & 255) * k
-                    acc2[r] += ((v >> 16) & 255) * k
-            dst = res[xx]
-            for r in range(_ROWS):
-                dst[r] = np.int32(_clip(acc0[r]) | (_clip(acc1[r]) << 8) | (_clip(acc2[r]) << 16))
+                _madd(acc, tile[lo + t], weights[xx, t], _ROWS)
+            _store(acc, res[xx], _ROWS)
         for r in range(rows):
             line = out[y0 + r]
             for xx in range(w):
