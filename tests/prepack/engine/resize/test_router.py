@@ -122,3 +122,25 @@ def test_sample_images_are_resized_through_the_router(monkeypatch):
     monkeypatch.setattr(router, "default_resizer", lambda: Resizer(spy, "spy"))
     px = SampleImage(_noise(50, 40), 32, 16, (0.5,) * 6).pixels()
     assert seen == [(32, 16)] and px.shape == (16, 32, 3)
+
+
+@pytest.mark.slow  # compiles the kernel cold in a fresh process (a few seconds)
+@pytest.mark.skipif(not ON_PINNED, reason="the kernel mirrors the pinned Pillow")
+def test_no_writable_numba_cache_falls_back_to_a_temporary_folder(tmp_path):
+    """A worker where numba finds no writable cache location (here: only the user-provided locator
+    allowed, pointing below a file) still gets the kernel, cached in a per-user temporary folder."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers.paths import REPO
+
+    env = dict(os.environ, PYTHONPATH=REPO, TMPDIR=str(tmp_path), NUMBA_CACHE_DIR="/dev/null/not-a-dir",
+               NUMBA_CACHE_LOCATOR_CLASSES="UserProvidedCacheLocator")
+    env.pop(ENV_SWITCH, None)
+    code = "from prepack.engine.resize import default_resizer; r = default_resizer(); print(r.fast, r.reason)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "self-tested"]
+    cached = list((tmp_path / f"prepack-numba-{os.getuid()}").rglob("*.nbi"))
+    assert cached, "no numba cache index written in the fallback folder"
