@@ -57,6 +57,7 @@ def startup(env_extra: dict[str, str]) -> tuple[float, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--sizes", type=int, default=len(SIZES), help="measure only the first N sizes")
     ap.add_argument("--startup", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--startup-runs", type=int, default=3)
     args = ap.parse_args()
@@ -71,7 +72,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     ratios = []
     print(f"{'resize':>24} {'Pillow':>9} {'kernel':>9} {'speed-up':>8}")
-    for w, h, ow, oh in SIZES:
+    for w, h, ow, oh in SIZES[: args.sizes]:
         img = photo_like(w, h, rng)
         if not np.array_equal(resizer.resize(img, ow, oh), pillow_resize(img, ow, oh)):
             sys.exit(f"{w}x{h} -> {ow}x{oh}: the kernel differs from Pillow")

@@ -100,7 +100,7 @@ def test_pass_order_is_pillows_and_matters(kernel):
 
 
 @pytest.mark.slow
-@settings(max_examples=2500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=st.integers(1, 2000), h=st.integers(1, 2000), ow=st.integers(1, 1100), oh=st.integers(1, 1100),
        kind=kinds, seed=st.integers(0, 2**32 - 1))
 def test_sweep_large_sizes_equal_pillow(kernel, w, h, ow, oh, kind, seed):
