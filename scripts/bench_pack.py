@@ -178,7 +178,7 @@ def end_to_end(ds, knobs: dict, skip: int, batches: int, reps: int, tok) -> None
           f"{cpu / batches * 1e3:.0f} ms/batch)")
     print(f"reference         : {tokens / ref_cpu:10,.0f} tokens/s per core ({ref_cpu:.2f} s CPU, "
           f"{ref_cpu / batches * 1e3:.0f} ms/batch)")
-    print(f"ratio, end to end : {ref_cpu / cpu:.2f}x the reference per core (target >= 1.5x)")
+    print(f"ratio, end to end : {ref_cpu / cpu:.2f}x the reference per core (target >= 2.5x)")
 
 
 def main() -> None:
@@ -255,7 +255,7 @@ def main() -> None:
     print(f"ours, pack + write: {tokens / (pack_cpu + write_cpu):10,.0f} tokens/s per core "
           f"(+{write_cpu:.2f} s to encode and {args.compression}-compress, {nbytes / n / 2**20:.1f} MiB/record)")
     print(f"reference         : {tokens / ref_cpu:10,.0f} tokens/s per core ({ref_cpu:.2f} s CPU, {ref_wall:.2f} s wall)")
-    print(f"ratio             : {ref_cpu / pack_cpu:.2f}x the reference per core packing (target >= 1.5x); "
+    print(f"ratio             : {ref_cpu / pack_cpu:.2f}x the reference per core packing; "
           f"{ref_cpu / (pack_cpu + write_cpu):.2f}x including the {args.compression} record write")
     if args.e2e:
         end_to_end(ds, knobs, args.skip, args.e2e_batches, args.reps, tok)

@@ -139,30 +139,32 @@ def navit_size(width: int, height: int, *, max_size, min_size, stride: int, max_
     return new_w, new_h
 
 
-def rgb_array(img: Image.Image) -> np.ndarray:
-    """(h, w, 3) uint8 pixels of an RGB image, packed by PIL's raw encoder in one call.
+def raw_pixels(img: Image.Image, rawmode: str, channels: int) -> np.ndarray:
+    """(h, w, channels) uint8 pixels of an RGB image in ``rawmode``, packed by PIL's raw encoder
+    in one call ("RGB": the pixels; "RGBX": PIL's own 4-byte storage, for the resize kernel).
 
-    ``np.asarray(img)`` goes through ``tobytes()``, which packs 64 KiB chunks and then joins them:
-    a second copy of every picture (~1% of packing CPU).  Asking the encoder for the whole image
-    at once gives the same bytes in one buffer; should PIL's encoder interface change, the
-    ordinary path is taken.
+    ``np.asarray(img)`` / ``tobytes()`` pack 64 KiB chunks and then join them: a second copy of
+    every picture (~1% of packing CPU).  Asking the encoder for the whole image at once gives the
+    same bytes in one buffer; should PIL's encoder interface change, the ordinary path is taken.
     """
     w, h = img.size
     if img.mode == "RGB" and w and h:
         try:
-            encoder = Image._getencoder("RGB", "raw", "RGB")
+            encoder = Image._getencoder("RGB", "raw", rawmode)
             try:
                 encoder.setimage(img.im, (0, 0, w, h))
-                _, status, data = encoder.encode(w * h * 3 + w * 4)
+                _, status, data = encoder.encode(w * h * channels + w * 4)
             finally:
                 encoder.cleanup()
-            if status == 1 and len(data) == w * h * 3:
-                return np.frombuffer(data, dtype=np.uint8).reshape(h, w, 3)
+            if status == 1 and len(data) == w * h * channels:
+                return np.frombuffer(data, dtype=np.uint8).reshape(h, w, channels)
         except (AttributeError, TypeError, ValueError, OSError):
             pass
-    return np.asarray(img, dtype=np.uint8)
+    return np.frombuffer(img.tobytes("raw", rawmode), dtype=np.uint8).reshape(h, w, channels)
 
 
-def resize_pixels(img: Image.Image, width: int, height: int) -> np.ndarray:
-    """Bicubic (antialiased) PIL resize -> (h, w, 3) uint8, the pixels the reference normalises."""
-    return rgb_array(img.resize((width, height), Image.Resampling.BICUBIC))
+def rgb_array(img: Image.Image) -> np.ndarray:
+    """(h, w, 3) uint8 pixels of an RGB image."""
+    if img.mode != "RGB":
+        return np.asarray(img, dtype=np.uint8)
+    return raw_pixels(img, "RGB", 3)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from prepack.engine.images import resize_pixels
+from prepack.engine.resize import resize_pixels
 from schemas.config import TransformArgs
 from schemas.record import SampleOrigin
 

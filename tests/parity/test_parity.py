@@ -95,6 +95,24 @@ def test_parity_demo_with_video(flex, demo_dir, tokenizer_and_special):
     assert_parity(cfg, tokenizer_and_special, [0, 1], 20)
 
 
+@pytest.mark.parametrize("fast_resize", ["1", "0"], ids=["kernel", "pillow"])
+def test_parity_with_the_resize_kernel_on_and_off(fast_resize, demo_dir, tokenizer_and_special, monkeypatch):
+    """Every transform's resize (t2i, edit chains, SFT images, video frames) through the numba kernel
+    and, once, through Pillow (``PREPACK_FAST_RESIZE=0``): the same batches as the reference."""
+    from PIL import Image
+
+    from prepack.engine.resize import PINNED_PILLOW, default_resizer
+
+    monkeypatch.setenv("PREPACK_FAST_RESIZE", fast_resize)
+    default_resizer.cache_clear()
+    try:
+        assert default_resizer().fast == (fast_resize == "1" and Image.__version__ == PINNED_PILLOW)
+        cfg = load_config(str(demo_dir / "configs" / "demo.yaml"), overrides={"prepack": {"batches_per_stream": 12}})
+        assert_parity(cfg, tokenizer_and_special, [0, 1], 12)
+    finally:
+        default_resizer.cache_clear()
+
+
 def test_worker_emulation_matches_real_dataloader(mixed, tokenizer_and_special, tmp_path):
     """The oracle's in-process worker emulation equals a real 2-worker DataLoader's order."""
     import torch

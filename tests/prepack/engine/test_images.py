@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 from PIL import Image, ImageFile, PngImagePlugin
 
 from prepack.engine.accounting import Rejected
-from prepack.engine.images import ImagePolicy, decode_plain_rgb, decode_rgb, load_image, navit_size, resize_pixels
+from prepack.engine.images import ImagePolicy, decode_plain_rgb, decode_rgb, load_image, navit_size
+from prepack.engine.resize import resize_pixels
 from schemas.config import DEFAULT_MAX_IMAGE_PIXELS
 from tests.helpers import badgen as bg
 from tests.helpers import datagen as dg

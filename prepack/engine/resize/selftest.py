@@ -1,0 +1,50 @@
+"""The first-use check of the kernel against the installed Pillow, on synthetic pictures.
+
+The cases cover what the arithmetic distinguishes: both pass orders (Pillow runs the vertical pass
+first when the height shrinks by more than twice the width's shrink), down- and up-scaling on
+each axis, one axis unchanged, 1-pixel inputs and outputs, a filter wider than the picture, and
+contents that saturate the clip (a 0/255 checkerboard rings past both ends).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import numpy as np
+from PIL import Image
+
+# (in_w, in_h, out_w, out_h)
+CASES: tuple[tuple[int, int, int, int], ...] = (
+    (64, 48, 32, 24),     # both down, horizontal first
+    (48, 64, 24, 32),     # tall, both down, horizontal first (32 < 2*24)
+    (40, 120, 36, 30),    # the height shrinks far more: vertical first
+    (30, 20, 71, 45),     # both up
+    (50, 40, 50, 17),     # vertical only
+    (50, 40, 13, 40),     # horizontal only
+    (37, 29, 64, 11),     # up in x, down in y (vertical first)
+    (1, 1, 5, 3),         # 1-pixel input
+    (7, 1, 1, 1),         # 1-pixel output
+    (1, 9, 4, 2),
+    (300, 7, 3, 7),       # filter wider than the output needs, one axis kept
+    (17, 13, 17, 13),     # same size: a copy
+    (211, 157, 98, 73),   # an odd, photo-like ratio
+)
+
+
+def _pictures(w: int, h: int, rng: np.random.Generator) -> Iterator[Image.Image]:
+    yield Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+    checker = ((np.add.outer(np.arange(h), np.arange(w)) % 2) * 255).astype(np.uint8)
+    yield Image.fromarray(np.stack([checker, 255 - checker, checker], axis=-1))
+
+
+def mismatches(kernel: Callable[[Image.Image, int, int], np.ndarray]) -> list[str]:
+    """The cases where ``kernel`` differs from Pillow's ``Image.resize(..., BICUBIC)`` (empty: none)."""
+    rng = np.random.default_rng(20260101)
+    found = []
+    for w, h, ow, oh in CASES:
+        for i, picture in enumerate(_pictures(w, h, rng)):
+            want = np.asarray(picture.resize((ow, oh), Image.Resampling.BICUBIC))
+            got = kernel(picture, ow, oh)
+            if got.shape != want.shape or got.dtype != want.dtype or not np.array_equal(got, want):
+                found.append(f"{w}x{h}->{ow}x{oh} picture {i}")
+    return found
