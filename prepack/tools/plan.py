@@ -44,7 +44,7 @@ class GroupPlan:
     passes: float  # how many times a stream reads its slice under the budget
 
     def to_json(self) -> dict:
-        return {k: round(v, 4) if isinstance(v, float) else v for k, v in dataclasses.asdict(self).items()}
+        return {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in dataclasses.asdict(self).items()}
 
 
 @dataclass
@@ -72,7 +72,7 @@ class PackPlan:
         d = dataclasses.asdict(self)
         d["groups"] = {g.name: g.to_json() for g in self.groups}
         for k in ("batches_per_stream", "record_bytes", "cpu_core_hours", "wall_hours", "packer_drop_rate", "fill"):
-            d[k] = round(d[k], 4)
+            d[k] = float(f"{d[k]:.4g}")  # 4 significant digits: a demo's core-hours are tiny
         return d
 
     def lines(self) -> list[str]:
@@ -85,7 +85,8 @@ class PackPlan:
             f"  tokens        {self.tokens:,} ({self.fill:.0%} of max_num_tokens per batch)",
             f"  output        {_size(self.output_bytes)} ({self.shards_per_stream} shard(s) per stream of "
             f"~{_size(self.shard_bytes)}; checkpoints and lineage included)",
-            f"  CPU           {self.cpu_core_hours:,.2f} core-hours (on this machine's cores)",
+            f"  CPU           {self.cpu_core_hours:,.2f} core-hours = {self.cpu_core_hours * 3600:,.0f} core-seconds "
+            "(this machine's cores)",
             f"  wall          {_duration(self.wall_hours * 3600)} on {self.cores} cores "
             f"({min(self.cores, self.streams)} streams at a time, after each worker loads the tokenizer; Ray's own "
             "start not included)",

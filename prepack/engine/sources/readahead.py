@@ -10,7 +10,7 @@ exception where the source would have made the call, so a missing or damaged obj
 and dropped by the same rule at the same point.  Nothing of it is state: a resumed source starts
 a new read-ahead at its restored cursor.
 
-The bound, per source (a stream has at most three): at most ``depth`` objects (64) fetched or
+The bound, per source (a stream has at most three): at most ``depth`` objects (32) fetched or
 being fetched ahead of the packer, and no new fetch starts while those objects reach
 ``max_bytes`` (64 MiB) — fetched ones by their size, those in flight by their size in a parquet
 footer or else by the mean size of the source's fetches so far.  So a source holds about
@@ -48,7 +48,7 @@ Submit = Callable[..., Future]  # submit(key, fetch, size=None) -> the fetch's f
 class ReadAheadSettings:
     """How far a remote source reads ahead; ``depth == 0`` turns read-ahead off."""
 
-    depth: int = 64  # objects fetched or in flight per source (a frame folder alone can be 30)
+    depth: int = 32  # objects fetched or in flight per source (a frame folder row alone can be 31)
     max_bytes: int = 64 << 20  # no new fetch while a source's objects ahead (held or in flight) reach this
     threads: int = 8  # I/O threads per stream, shared by its sources (they wait on the store, not the CPU)
 
@@ -98,11 +98,13 @@ class IOPool:
             self._sources.append(ra)
             return ra
 
-    def _submit(self, ra: "ReadAhead", seq: int, fut: Future, fetch: Callable[[], Any]) -> None:
+    def _submit(self, ra: "ReadAhead", seq: int, fut: Future, fetch: Callable[[], Any],
+                fetched: Callable[[Any], None]) -> None:
+        """Queue ``fetch`` for ``fut``; ``fetched(value or None)`` runs before the future is done."""
         with self._cond:
             if self._closed:
                 raise _Closed
-            ra._pending.append((seq, fut, fetch))
+            ra._pending.append((seq, fut, fetch, fetched))
             self._cond.notify()
 
     def _forget(self, ra: "ReadAhead") -> None:
@@ -111,7 +113,7 @@ class IOPool:
                 self._sources.remove(ra)
 
     def _next_job(self):
-        """(future, fetch) nearest to being needed, or None once the pool is closed."""
+        """(future, fetch, fetched) nearest to being needed, or None once the pool is closed."""
         with self._cond:
             while True:
                 if self._closed:
@@ -119,8 +121,7 @@ class IOPool:
                 ready = [ra for ra in self._sources if ra._pending]
                 if ready:
                     ra = min(ready, key=lambda r: r._pending[0][0] - r._taken)
-                    _, fut, fetch = ra._pending.popleft()
-                    return fut, fetch
+                    return ra._pending.popleft()[1:]
                 self._cond.wait()
 
     def _work(self) -> None:
@@ -128,14 +129,16 @@ class IOPool:
             job = self._next_job()
             if job is None:
                 return
-            fut, fetch = job
+            fut, fetch, fetched = job
             if not fut.set_running_or_notify_cancel():  # cancelled while it waited
                 continue
             try:
                 value = fetch()
             except BaseException as e:  # delivered to the source where it reads this object
+                fetched(None)
                 fut.set_exception(e)
             else:
+                fetched(value)  # the window's byte count is right before anyone sees the future done
                 fut.set_result(value)
 
     def close(self) -> None:
@@ -189,12 +192,13 @@ class ReadAhead:
         self.depth = depth
         self.max_bytes = max_bytes
         self._pool = pool
-        self._pending: collections.deque = collections.deque()  # (seq, future, fetch) not started; the pool's lock
+        self._pending: collections.deque = collections.deque()  # (seq, future, fetch, fetched) not started; the pool's lock
         self._seq = 0  # objects submitted so far
         self._taken = 0  # objects the source has taken so far
         self._plan = plan
         self._cond = threading.Condition()
-        self._queue: collections.deque[tuple[Hashable, Future, int | None]] = collections.deque()
+        self._queue: collections.deque[list] = collections.deque()  # [key, future, bytes counted, in window]
+        self._ahead = 0  # bytes of the window: fetched objects by size, those in flight by estimate
         self._fetched = 0  # fetches done so far and the bytes they returned: the estimate for unsized ones
         self._fetched_bytes = 0
         self._closed = False
@@ -214,48 +218,44 @@ class ReadAhead:
             return len(self._queue)
 
     # -- planner thread ----------------------------------------------------------------------
-    def _bytes_ahead(self) -> int:
-        """What the window holds: fetched values by their size, fetches in flight by their estimate."""
-        total = 0
-        for _, fut, size in self._queue:
-            if not fut.done():
-                total += size if size is not None else self._mean_bytes()
-            elif not fut.cancelled() and fut.exception() is None:
-                total += nbytes(fut.result())
-        return total
-
     def _mean_bytes(self) -> int:
         return self._fetched_bytes // self._fetched if self._fetched else 0
 
-    def _count(self, fut: Future) -> None:
-        if not fut.cancelled() and fut.exception() is None:
-            with self._cond:
+    def _fetched_one(self, entry: list, value: Any) -> None:
+        """A fetch finished (``value`` None if it failed): its real size replaces its estimate."""
+        size = nbytes(value)
+        with self._cond:
+            if value is not None:
                 self._fetched += 1
-                self._fetched_bytes += nbytes(fut.result())
+                self._fetched_bytes += size
+            if entry[3]:  # still in the window
+                self._ahead += size - entry[2]
+                entry[2] = size
 
     def _submit(self, key: Hashable, fetch: "Callable[[], Any] | None", size: "int | None" = None) -> Future:
         """Queue ``fetch`` (None: a mark that fetches nothing, e.g. the end of a row).
 
         ``size``: what the fetch will hold, when the plan knows it (a parquet row group's size in
-        the footer); otherwise the mean of this plan's fetches so far stands in for it.
+        the footer); otherwise the mean of this plan's fetches so far stands in for it until it
+        is fetched.
         """
         with self._cond:
             while not self._closed and (len(self._queue) >= self.depth
-                                        or (self._queue and self._bytes_ahead() >= self.max_bytes)):
+                                        or (self._queue and self._ahead >= self.max_bytes)):
                 self._cond.wait()
             if self._closed:
                 raise _Closed
             fut = Future()
+            estimate = 0 if fetch is None else (size if size is not None else self._mean_bytes())
+            entry = [key, fut, estimate, True]  # key, future, bytes counted in _ahead, in the window
             if fetch is None:
-                size = 0
                 fut.set_result(None)
             else:
-                self._pool._submit(self, self._seq, fut, fetch)
+                self._pool._submit(self, self._seq, fut, fetch, lambda value, entry=entry: self._fetched_one(entry, value))
             self._seq += 1
-            self._queue.append((key, fut, size))
+            self._queue.append(entry)
+            self._ahead += estimate
             self._cond.notify_all()
-        if fetch is not None:
-            fut.add_done_callback(self._count)
         return fut
 
     def _run(self) -> None:
@@ -286,7 +286,9 @@ class ReadAhead:
             if not self._queue:
                 raise ReadAheadOutOfStep(f"read-ahead has nothing for {wanted!r}"
                                          + (f": its plan failed ({self._planner_error!r})" if self._planner_error else ""))
-            key, fut, _ = self._queue.popleft()
+            key, fut, counted, _ = entry = self._queue.popleft()
+            entry[3] = False
+            self._ahead -= counted
             self._taken += 1
             self._cond.notify_all()
         return key, fut
@@ -300,8 +302,8 @@ class ReadAhead:
             pending = list(self._queue)
             self._queue.clear()
             self._cond.notify_all()
-        for _, fut, _ in pending:
-            fut.cancel()
+        for entry in pending:
+            entry[1].cancel()
         self._pool._forget(self)
         self._thread.join(timeout=60)
         if self._thread.is_alive():  # waiting on a fetch that hangs; it is a daemon and ends with the fetch
