@@ -65,8 +65,10 @@ def test_never_more_than_depth_objects_outstanding():
     pool = IOPool(ReadAheadSettings(depth=depth, threads=2), name="ra-depth")
     seen = []
     holder = {}
+    ready = threading.Event()
 
     def plan(submit):
+        ready.wait(10)  # the planner starts before read_ahead() returns the object it reports on
         k = 0
         while True:
             submit(k, lambda k=k: k)
@@ -75,6 +77,7 @@ def test_never_more_than_depth_objects_outstanding():
 
     try:
         holder["ra"] = ra = pool.read_ahead(plan, "t")
+        ready.set()
         _wait_for(lambda: len(seen) == depth)
         time.sleep(0.2)  # the planner must now be waiting for room
         assert len(seen) == depth
