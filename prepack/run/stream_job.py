@@ -216,6 +216,7 @@ def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, 
             write_index(loc, index)  # no record at all: still record ckpt-0's digests
     except BaseException:
         writer.abort()
+        packer.close()  # the sources' read-ahead threads end with the stream, on errors too
         raise
     lineage_sha, lineage_rows = compact_lineage(loc, index) if index.shards else ("", 0)
     counters = packer.final_counters()

@@ -249,8 +249,9 @@ def audit_shard(ctx: AuditContext, index: StreamIndex, shard: ShardEntry, rep: C
                 f"cannot start shard {shard.shard} from it: {type(e).__name__}: {_first_line(e)}")
         return
     log.info("auditing %s from %s", shard.file, checkpoint_file(index.stream, shard.shard))
-    if _compare_shard(ctx, iter(packer), shard, rep):
-        _check_state(ctx, index, shard.shard + 1, packer, rep)
+    with packer:  # stops the sources' read-ahead threads however the comparison ends
+        if _compare_shard(ctx, iter(packer), shard, rep):
+            _check_state(ctx, index, shard.shard + 1, packer, rep)
 
 
 def audit_stream_from_seed(ctx: AuditContext, index: StreamIndex, rep: CheckReport) -> None:
@@ -263,12 +264,13 @@ def audit_stream_from_seed(ctx: AuditContext, index: StreamIndex, rep: CheckRepo
         rep.add("re-pack", f"stream {index.stream}", False, f"cannot start: {type(e).__name__}: {_first_line(e)}")
         return
     log.info("auditing stream %d from its seed", index.stream)
-    _check_state(ctx, index, 0, packer, rep)
-    batches = iter(packer)
-    for shard in index.shards:
-        if not _compare_shard(ctx, batches, shard, rep):
-            return  # later shards would only repeat the divergence
-        _check_state(ctx, index, shard.shard + 1, packer, rep)
+    with packer:  # stops the sources' read-ahead threads however the comparison ends
+        _check_state(ctx, index, 0, packer, rep)
+        batches = iter(packer)
+        for shard in index.shards:
+            if not _compare_shard(ctx, batches, shard, rep):
+                return  # later shards would only repeat the divergence
+            _check_state(ctx, index, shard.shard + 1, packer, rep)
     if ctx.pack.done(index.stream) is not None:
         rep.add("budget", f"stream {index.stream}", packer.budget_spent(),
                 "stream ends where its budget ends" if packer.budget_spent() else

@@ -16,7 +16,7 @@ def prepack(*args, cwd=None):
 def test_help_lists_every_subcommand_with_examples():
     r = prepack("--help")
     assert r.returncode == 0
-    for word in ("run", "verify", "audit", "inspect", "stats", "demo-data", "examples:", "ray job submit"):
+    for word in ("run", "plan", "verify", "audit", "inspect", "stats", "demo-data", "examples:", "ray job submit"):
         assert word in r.stdout
     r = prepack("run", "--help")
     assert r.returncode == 0 and "--streams" in r.stdout and "--address" in r.stdout
@@ -137,3 +137,25 @@ def test_streams_take_ids_and_ranges():
     assert _streams("0,5,8-10") == [0, 5, 8, 9, 10] and _streams(None) is None
     with pytest.raises(UsageError, match="8-15"):
         _streams("1,x")
+
+
+def test_plan_prints_one_json_object_and_its_help_teaches(tmp_path):
+    import json
+
+    from tests.helpers.packs import small_dataset
+
+    r = prepack("plan", "--help")
+    assert r.returncode == 0
+    for word in ("--cores", "--json", "shards per stream", "core-hours", "warnings", "examples:"):
+        assert word in r.stdout
+    config = small_dataset(str(tmp_path), batches=5)
+    r = prepack("plan", config, "--json", "--cores", "4", "--sample-batches", "1", "--sample-streams", "1")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)  # the whole of stdout is one object
+    assert plan["records"] == 10 and plan["streams"] == 2 and plan["cores"] == 4
+    assert plan["output_bytes"] > 0 and plan["cpu_core_hours"] > 0
+    assert set(plan["groups"]) == {"t2i_pretrain", "vlm_sft"}
+    r = prepack("plan", config, "--cores", "4", "--sample-batches", "1", "--sample-streams", "1")
+    assert r.returncode == 0 and "records" in r.stdout and "core-hours" in r.stdout
+    r = prepack("plan", config, "--cores", "0")
+    assert r.returncode == 2 and r.stderr.strip().startswith("prepack: error: --cores")

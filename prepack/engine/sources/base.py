@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Generator
 
 import numpy as np
 
 from prepack.engine.accounting import Counters, Rejected
 from prepack.engine.images import ImagePolicy
 from prepack.engine.sources import files
+from prepack.engine.sources.readahead import IOPool, ReadAhead, Submit
 from prepack.engine.sample import Sample
 from schemas.config import GroupConfig
 from schemas.errors import ConfigError, SourceStalled  # noqa: F401  (SourceStalled: raised by sources)
@@ -43,6 +44,7 @@ class StreamContext:
     image_policy: ImagePolicy
     max_consecutive_failures: int
     config_dir: str = ""  # relative paths inside data files (parquet_info keys) resolve here
+    io: IOPool | None = None  # the stream's I/O threads: sources on an object store read ahead (None: never)
 
     @property
     def worker_id(self) -> int:
@@ -97,10 +99,24 @@ class Source:
         self.passes = 0  # completed passes over this stream's slice
         self._fails_in_row = 0
         self._yields_this_pass = 0
-        self._iter: Iterator[Sample] | None = None
+        self._iter: Generator[Sample, None, None] | None = None
+        self._ra: ReadAhead | None = None
 
     # -- subclass API -------------------------------------------------------------------------
-    def _samples(self) -> Iterator[Sample]:
+    def _walk(self, ra: ReadAhead | None) -> Generator[Sample, None, None]:
+        """Samples from the cursor on, forever; objects come from ``ra`` when it is given."""
+        raise NotImplementedError
+
+    def _plan(self) -> Callable[[Submit], None]:
+        """The reads ``_walk`` makes from the current cursor on, in its order (see ``ReadAhead``)."""
+        raise NotImplementedError
+
+    def _remote(self) -> bool:
+        """Whether this source reads from an object store (only then does it read ahead)."""
+        raise NotImplementedError
+
+    def pass_rows(self, max_files: int = 16) -> int:
+        """Rows in one pass over this stream's slice (parquet: from up to ``max_files`` footers)."""
         raise NotImplementedError
 
     def cursor(self) -> dict:
@@ -114,14 +130,32 @@ class Source:
         return {"cursor": self.cursor(), "passes": self.passes, "yields_this_pass": self._yields_this_pass}
 
     def restore(self, state: dict) -> None:
+        self.close()
         self._restore_cursor(state["cursor"])
         self.passes = int(state["passes"])
         self._yields_this_pass = int(state["yields_this_pass"])
-        self._iter = None
+
+    def start(self) -> None:
+        """Begin at the cursor; a remote source's read-ahead starts filling now, before its first sample."""
+        if self._iter is not None:
+            return
+        io = self.ctx.io
+        if io is not None and io.enabled and self._remote():
+            self._ra = io.read_ahead(self._plan(), self.group.name)
+        self._iter = self._walk(self._ra)
+
+    def close(self) -> None:
+        """End the sample iterator and its read-ahead; the next sample starts again at the cursor."""
+        if self._iter is not None:
+            self._iter.close()
+            self._iter = None
+        if self._ra is not None:
+            self._ra.close()
+            self._ra = None
 
     def next_sample(self) -> Sample:
         if self._iter is None:
-            self._iter = self._samples()
+            self.start()
         sample = next(self._iter)
         self._fails_in_row = 0
         self._yields_this_pass += 1

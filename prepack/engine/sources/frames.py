@@ -18,6 +18,7 @@ from PIL import Image
 from prepack.engine.accounting import Rejected
 from prepack.engine.images import ImagePolicy, decode_plain_rgb
 from prepack.engine.sources import files
+from prepack.engine.sources.readahead import DIRECT, Prefetched
 from schemas.config import FrameSamplerArgs
 
 _FRAME_NUMBER = re.compile(r"_(\d+).jpg$")
@@ -65,12 +66,17 @@ def _frame_number(name: str) -> int:
     return int(m.group(1)) if m else -1
 
 
+def frame_names_in_order(names: list[str]) -> list[str]:
+    """A frame folder's file names in the order they are read: by the ``_NNN.jpg`` suffix (others first)."""
+    return sorted(names, key=lambda n: _frame_number(os.path.basename(n)))
+
+
 def read_video_file(path: str, args: FrameSamplerArgs, py: random.Random, rs: np.random.RandomState,
-                    policy: ImagePolicy) -> list[Image.Image]:
+                    policy: ImagePolicy, objects: Prefetched = DIRECT) -> list[Image.Image]:
     """Frames of an mp4 (or anything decord reads)."""
     import decord  # heavy and only needed for video rows
 
-    reader = decord.VideoReader(files.video_source(path), num_threads=1)
+    reader = decord.VideoReader(objects.video_source(path), num_threads=1)
     vlen = len(reader)
     fps = reader.get_avg_fps()
     count = rs.randint(args.min_num_frames, args.max_num_frames + 1)
@@ -83,10 +89,10 @@ def read_video_file(path: str, args: FrameSamplerArgs, py: random.Random, rs: np
 
 
 def read_frame_folder(path: str, args: FrameSamplerArgs, py: random.Random, rs: np.random.RandomState,
-                      policy: ImagePolicy, warn: Callable[[str], None]) -> list[Image.Image]:
+                      policy: ImagePolicy, warn: Callable[[str], None], objects: Prefetched = DIRECT) -> list[Image.Image]:
     """Frames of a folder of images, ordered by the ``_NNN.jpg`` suffix (others first)."""
-    names = sorted(files.list_names(path), key=lambda n: _frame_number(os.path.basename(n)))
-    frames = [decode_plain_rgb(files.media(files.join(path, n)), policy, warn) for n in names]
+    names = frame_names_in_order(objects.list_names(path))
+    frames = [decode_plain_rgb(objects.media(files.join(path, n)), policy, warn) for n in names]
     count = rs.randint(args.min_num_frames, args.max_num_frames + 1)
     if len(frames) > count:
         frames = [frames[i] for i in frame_indices(count, len(frames), args.sample, py, rs)]
@@ -94,8 +100,11 @@ def read_frame_folder(path: str, args: FrameSamplerArgs, py: random.Random, rs: 
 
 
 def sample_frames(path: str, args: FrameSamplerArgs, py: random.Random, rs: np.random.RandomState,
-                  policy: ImagePolicy, warn: Callable[[str], None]) -> list[Image.Image]:
-    """A trailing slash names a frame folder, anything else a video file (reference rule)."""
+                  policy: ImagePolicy, warn: Callable[[str], None], objects: Prefetched = DIRECT) -> list[Image.Image]:
+    """A trailing slash names a frame folder, anything else a video file (reference rule).
+
+    ``objects``: where the bytes come from (what a read-ahead fetched; by default direct reads).
+    """
     if path.endswith("/"):
-        return read_frame_folder(path, args, py, rs, policy, warn)
-    return read_video_file(path, args, py, rs, policy)
+        return read_frame_folder(path, args, py, rs, policy, warn, objects)
+    return read_video_file(path, args, py, rs, policy, objects)

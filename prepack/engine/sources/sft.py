@@ -23,7 +23,8 @@ from prepack.engine.images import decode_rgb, navit_size
 from prepack.engine.sample import PlanItem, Sample, SampleImage
 from prepack.engine.sources import files
 from prepack.engine.sources.base import Source, StreamContext, slice_for_stream
-from prepack.engine.sources.frames import sample_frames
+from prepack.engine.sources.frames import frame_names_in_order, sample_frames
+from prepack.engine.sources.readahead import DIRECT, Prefetched, ReadAhead, ReadAheadOutOfStep
 from schemas.config import GroupConfig
 from schemas.record import SampleOrigin
 
@@ -62,6 +63,46 @@ def _inside(data_dir: str, rel) -> str:
     return files.join(data_dir, rel)
 
 
+def _media_reads(line: _Line) -> list[tuple[str, str]]:
+    """The object-store reads ``SftSource._media`` makes for ``line``, in order: ("read" | "folder", uri).
+
+    The same parsing and path refusals as the row itself, so nothing a row may not read is
+    fetched; a row that fails before its media, or whose media are local, fetches nothing.
+    """
+    if not line.valid_utf8:
+        return []
+    try:
+        item = json.loads(line.text)
+    except Exception:  # ValueError, or RecursionError on absurd nesting: the row fails by itself
+        return []
+    if not isinstance(item, dict):
+        return []
+    out = []
+    try:
+        if "image" in item:
+            names = item["image"] if type(item["image"]) is list else [item["image"]]
+            for n in names:
+                out.append(("read", _inside(line.data_dir, n)))  # a refusal ends the row's reads
+        elif "video" in item:
+            path = _inside(line.data_dir, item["video"])
+            out.append(("folder" if path.endswith("/") else "read", path))
+    except Rejected:
+        pass
+    return [(op, p) for op, p in out if files.is_uri(p)]
+
+
+def _take_row(ra: ReadAhead, row: int) -> Prefetched:
+    """The futures of ``row``'s objects, up to its end-of-row mark."""
+    futures: dict[tuple[str, str], list] = {}
+    while True:
+        key, fut = ra.take_next((row, "end", ""))
+        if key[0] != row:
+            raise ReadAheadOutOfStep(f"read-ahead fetched {key!r} where the source reads row {row}")
+        if key[1] == "end":
+            return Prefetched(futures)
+        futures.setdefault((key[1], key[2]), []).append(fut)
+
+
 class SftSource(Source):
     def __init__(self, group: GroupConfig, ctx: StreamContext):
         super().__init__(group, ctx)
@@ -80,7 +121,13 @@ class SftSource(Source):
     def _restore_cursor(self, cursor: dict) -> None:
         self.pos = int(cursor["row"])
 
-    def _samples(self) -> Iterator[Sample]:
+    def _remote(self) -> bool:
+        return any(files.is_uri(ln.data_dir) for ln in self.lines)
+
+    def pass_rows(self, max_files: int = 16) -> int:
+        return len(self.lines)
+
+    def _walk(self, ra: ReadAhead | None) -> Iterator[Sample]:
         while True:
             while self.pos < len(self.lines):
                 row = self.pos
@@ -88,8 +135,9 @@ class SftSource(Source):
                 line = self.lines[row]
                 origin = SampleOrigin(self.group.name, line.dataset, self.ctx.worker_id, [row], True,
                                       line.path, -1, line.line_no)
+                objects = _take_row(ra, row) if ra is not None else DIRECT
                 try:
-                    sample = self._row(line, origin)
+                    sample = self._row(line, origin, objects)
                 except Rejected as r:
                     self._failed(r, f"{line.path}:{line.line_no + 1}")
                     continue
@@ -97,15 +145,43 @@ class SftSource(Source):
             self.pos = 0
             self._wrapped()
 
-    def _media(self, item: dict, data_dir: str) -> list:
+    def _plan(self):
+        """Each row's media from the cursor on (a frame folder: its listing, then its frames), then an
+        end-of-row mark."""
+        lines = self.lines
+        first = self.pos
+
+        def plan(submit) -> None:
+            row = first
+            while True:
+                while row < len(lines):
+                    for op, path in _media_reads(lines[row]):
+                        if op == "read":
+                            submit((row, op, path), lambda path=path: files.read_bytes(path))
+                            continue
+                        listed = submit((row, "list", path), lambda path=path: files.list_names(path))
+                        try:
+                            names = frame_names_in_order(listed.result())
+                        except Exception:  # the row fails at its listing; nothing else of it is read
+                            continue
+                        for name in names:
+                            frame = files.join(path, name)
+                            submit((row, "read", frame), lambda frame=frame: files.read_bytes(frame))
+                    submit((row, "end", ""), None)
+                    row += 1
+                row = 0
+
+        return plan
+
+    def _media(self, item: dict, data_dir: str, objects: Prefetched = DIRECT) -> list:
         """The row's pictures, decoded in the reference's order (may draw for video frames)."""
         ctx = self.ctx
         if "image" in item:
             names = item["image"] if type(item["image"]) is list else [item["image"]]
-            return [decode_rgb(files.media(_inside(data_dir, n)), ctx.image_policy, ctx.counters.warn) for n in names]
+            return [decode_rgb(objects.media(_inside(data_dir, n)), ctx.image_policy, ctx.counters.warn) for n in names]
         if "video" in item:
             frames = sample_frames(_inside(data_dir, item["video"]), self.group.frame_sampler, ctx.py_rng,
-                                   ctx.np_rng, ctx.image_policy, ctx.counters.warn)
+                                   ctx.np_rng, ctx.image_policy, ctx.counters.warn, objects)
             convs = item["conversations"]
             first = convs[0]
             if "<video>" not in first["value"]:
@@ -118,7 +194,7 @@ class SftSource(Source):
             return frames
         return []
 
-    def _row(self, line: _Line, origin: SampleOrigin) -> Sample:
+    def _row(self, line: _Line, origin: SampleOrigin, objects: Prefetched = DIRECT) -> Sample:
         ctx, args = self.ctx, self.group.image_transform
         if not line.valid_utf8:
             raise Rejected("jsonl_not_utf8")
@@ -127,7 +203,7 @@ class SftSource(Source):
         except ValueError as e:
             raise Rejected("jsonl_parse", f"bad JSON: {e}") from None
         try:
-            pictures = self._media(item, line.data_dir) if isinstance(item, dict) else None
+            pictures = self._media(item, line.data_dir, objects) if isinstance(item, dict) else None
         except Rejected:
             raise
         except Exception as e:  # the reference's guard around media loading

@@ -9,7 +9,7 @@ counted warning; dropped in strict mode).  Data index: ``[file position, row gro
 from __future__ import annotations
 
 import json
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pyarrow.parquet as pq
 
@@ -20,6 +20,31 @@ from prepack.engine.sources import files
 from prepack.engine.sources.base import Source, StreamContext, list_parquet_files, slice_for_stream
 from schemas.config import GroupConfig
 from schemas.record import SampleOrigin
+
+
+def _open(path: str) -> tuple[pq.ParquetFile, set[str], int]:
+    """A parquet file's reader, column names and row-group count (its footer is read here)."""
+    pf = pq.ParquetFile(files.random_access(path))
+    return pf, set(pf.schema_arrow.names), pf.num_row_groups
+
+
+def _open_shared(path: str) -> tuple[Callable[[], pq.ParquetFile], set[str], int, list[int]]:
+    """Like ``_open``, but hands out new readers of the one open file that share its footer, and
+    each row group's size as the footer gives it (what reading it will hold, for the byte bound).
+
+    Readers of several row groups then run at once (each a few ranged reads; an object-store
+    file serves concurrent ranged reads), and no read asks for the footer again.
+    """
+    source = files.random_access(path)
+    pf = pq.ParquetFile(source)
+    metadata = pf.metadata
+    sizes = [metadata.row_group(i).total_byte_size for i in range(pf.num_row_groups)]
+    return (lambda: pq.ParquetFile(source, metadata=metadata)), set(pf.schema_arrow.names), pf.num_row_groups, sizes
+
+
+def _read_row_group(pf: pq.ParquetFile, names: set[str], rg: int):
+    return pf.read_row_group(rg, columns=[c for c in ("image", "captions") if c in names],
+                             use_threads=False)  # a thread pool costs ~2x the CPU here
 
 
 class T2ISource(Source):
@@ -37,24 +62,37 @@ class T2ISource(Source):
     def _restore_cursor(self, cursor: dict) -> None:
         self.pos = [int(cursor["file"]), int(cursor["row_group"]), int(cursor["row"])]
 
-    def _samples(self) -> Iterator[Sample]:
+    def _remote(self) -> bool:
+        return any(files.is_uri(p) for p, _ in self.files)
+
+    def pass_rows(self, max_files: int = 16) -> int:
+        paths = sorted({p for p, _ in self.files})
+        step = max(1, len(paths) // max_files)
+        counts = []
+        for path in paths[::step][:max_files]:
+            try:
+                counts.append(_open(path)[0].metadata.num_rows)
+            except Exception:  # an unreadable file: packing drops it
+                counts.append(0)
+        return round(sum(counts) / len(counts) * len(self.files)) if counts else 0
+
+    def _walk(self, ra) -> Iterator[Sample]:
         while True:
             while self.pos[0] < len(self.files):
                 fpos = self.pos[0]
                 path, dataset = self.files[fpos]
-                try:
-                    pf = pq.ParquetFile(files.random_access(path))
-                    names = set(pf.schema_arrow.names)
-                    num_groups = pf.num_row_groups
+                opened = ra.take(("open", fpos)) if ra is not None else None
+                try:  # with a read-ahead, row groups come from it and ``pf`` is not used
+                    pf, names, num_groups = opened.result()[:3] if opened is not None else _open(path)
                 except Exception as e:  # the reference crashes here; we drop the file
                     self._failed("parquet_file_unreadable", f"{path}: {e}")
                     self.pos = [fpos + 1, 0, 0]
                     continue
                 while self.pos[1] < num_groups:
                     rg = self.pos[1]
+                    fetched = ra.take(("row_group", fpos, rg)) if ra is not None else None
                     try:
-                        table = pf.read_row_group(rg, columns=[c for c in ("image", "captions") if c in names],
-                                                  use_threads=False)  # a thread pool costs ~2x the CPU here
+                        table = fetched.result() if fetched is not None else _read_row_group(pf, names, rg)
                     except Exception as e:  # the reference crashes here; we drop the row group
                         self._failed("parquet_row_group_unreadable", f"{path} rg {rg}: {e}")
                         self.pos = [fpos, rg + 1, 0]
@@ -75,6 +113,29 @@ class T2ISource(Source):
                 self.pos = [fpos + 1, 0, 0]
             self.pos = [0, 0, 0]
             self._wrapped()
+
+    def _plan(self):
+        """Per file from the cursor on: its footer, then its row groups (sized by the footer)."""
+        paths = [p for p, _ in self.files]
+        first_file, first_row_group = self.pos[0], self.pos[1]
+
+        def plan(submit) -> None:
+            fpos, rg0 = first_file, first_row_group
+            while True:
+                while fpos < len(paths):
+                    path = paths[fpos]
+                    opened = submit(("open", fpos), lambda path=path: _open_shared(path))
+                    try:
+                        reader, names, num_groups, sizes = opened.result()
+                    except Exception:  # the source drops the file; so does the plan
+                        num_groups = 0
+                    for rg in range(rg0, num_groups):
+                        submit(("row_group", fpos, rg),
+                               lambda reader=reader, names=names, rg=rg: _read_row_group(reader(), names, rg), sizes[rg])
+                    fpos, rg0 = fpos + 1, 0
+                fpos = 0
+
+        return plan
 
     def _row(self, images, captions, row: int, origin: SampleOrigin) -> Sample:
         ctx, args = self.ctx, self.group.image_transform

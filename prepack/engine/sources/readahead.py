@@ -1,0 +1,343 @@
+"""Bounded read-ahead of source objects on an object store: request latency overlaps packing.
+
+On a store every source object (a parquet footer or row group, a JSONL row's image or video) is a
+request of tens of milliseconds, and the packer would wait for each in turn.  A source on a URI
+instead gets a ``ReadAhead``: a planner thread walks the objects the source will read next, in
+exactly the order it reads them, and hands each fetch to the stream's small I/O thread pool
+(``IOPool``); the source takes the results back in that order.  What the source computes is
+unchanged: the same calls fetch the same bytes, and a fetch that failed re-raises its own
+exception where the source would have made the call, so a missing or damaged object is counted
+and dropped by the same rule at the same point.  Nothing of it is state: a resumed source starts
+a new read-ahead at its restored cursor.
+
+The bound, per source (a stream has at most three): at most ``depth`` objects (32) fetched or
+being fetched ahead of the packer, and no new fetch starts while those objects reach
+``max_bytes`` (64 MiB) — fetched ones by their size, those in flight by their size in a parquet
+footer or else by the mean size of the source's fetches so far.  So a source holds about
+``max_bytes`` plus the one object that crossed it (estimates aside), and the row being packed:
+the packer takes all of a JSONL row's objects at once, as decoding the row needs them.  Settings come from the environment of the packing
+process (``PREPACK_READ_AHEAD``, ``PREPACK_READ_AHEAD_MB``, ``PREPACK_IO_THREADS``): they change
+no byte of the output, so they are not part of the config.
+
+Local paths do not use it: the page cache and the kernel's own read-ahead already hide a local
+disk's latency, and the threads would only cost the packer CPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import logging
+import os
+import threading
+from concurrent.futures import CancelledError, Future
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable
+
+import pyarrow as pa
+
+from prepack.engine.sources import files
+from schemas.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+Submit = Callable[..., Future]  # submit(key, fetch, size=None) -> the fetch's future
+
+
+@dataclass(frozen=True)
+class ReadAheadSettings:
+    """How far a remote source reads ahead; ``depth == 0`` turns read-ahead off."""
+
+    depth: int = 32  # objects fetched or in flight per source (a frame folder row alone can be 31)
+    max_bytes: int = 64 << 20  # no new fetch while a source's objects ahead (held or in flight) reach this
+    threads: int = 8  # I/O threads per stream, shared by its sources (they wait on the store, not the CPU)
+
+    @classmethod
+    def from_env(cls, env: "dict[str, str] | None" = None) -> "ReadAheadSettings":
+        env = os.environ if env is None else env
+        d = cls()
+        try:
+            return cls(depth=max(0, int(env.get("PREPACK_READ_AHEAD", d.depth))),
+                       max_bytes=max(1, int(float(env.get("PREPACK_READ_AHEAD_MB", d.max_bytes >> 20)) * (1 << 20))),
+                       threads=max(1, int(env.get("PREPACK_IO_THREADS", d.threads))))
+        except ValueError as e:
+            raise ConfigError(f"PREPACK_READ_AHEAD / PREPACK_READ_AHEAD_MB / PREPACK_IO_THREADS: {e}") from None
+
+
+class IOPool:
+    """One stream's I/O threads, shared by its remote sources, started with the first read-ahead.
+
+    Fair between sources: a free thread takes the waiting fetch that is nearest to being needed —
+    fewest objects ahead of what its source has taken — so one source's deep window never queues
+    another source's next object behind it.  Within a source, fetches start in plan order.
+    """
+
+    def __init__(self, settings: ReadAheadSettings, name: str = "prepack-io"):
+        self.settings = settings
+        self.name = name
+        self._cond = threading.Condition()
+        self._sources: list[ReadAhead] = []
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.settings.depth > 0
+
+    def read_ahead(self, plan: Callable[[Submit], None], name: str) -> "ReadAhead":
+        """Start reading ahead along ``plan`` (see ``ReadAhead``)."""
+        with self._cond:
+            self._closed = False
+            self._threads = [t for t in self._threads if t.is_alive()]
+            while len(self._threads) < self.settings.threads:
+                t = threading.Thread(target=self._work, name=f"{self.name}_{len(self._threads)}", daemon=True)
+                t.start()
+                self._threads.append(t)
+            ra = ReadAhead(self, plan, depth=self.settings.depth, max_bytes=self.settings.max_bytes,
+                           name=f"{self.name}-{name}")
+            self._sources.append(ra)
+            return ra
+
+    def _submit(self, ra: "ReadAhead", seq: int, fut: Future, fetch: Callable[[], Any],
+                fetched: Callable[[Any], None]) -> None:
+        """Queue ``fetch`` for ``fut``; ``fetched(value or None)`` runs before the future is done."""
+        with self._cond:
+            if self._closed:
+                raise _Closed
+            ra._pending.append((seq, fut, fetch, fetched))
+            self._cond.notify()
+
+    def _forget(self, ra: "ReadAhead") -> None:
+        with self._cond:
+            if ra in self._sources:
+                self._sources.remove(ra)
+
+    def _next_job(self):
+        """(future, fetch, fetched) nearest to being needed, or None once the pool is closed."""
+        with self._cond:
+            while True:
+                if self._closed:
+                    return None
+                ready = [ra for ra in self._sources if ra._pending]
+                if ready:
+                    ra = min(ready, key=lambda r: r._pending[0][0] - r._taken)
+                    return ra._pending.popleft()[1:]
+                self._cond.wait()
+
+    def _work(self) -> None:
+        while True:
+            job = self._next_job()
+            if job is None:
+                return
+            fut, fetch, fetched = job
+            if not fut.set_running_or_notify_cancel():  # cancelled while it waited
+                continue
+            try:
+                value = fetch()
+            except BaseException as e:  # delivered to the source where it reads this object
+                fetched(None)
+                fut.set_exception(e)
+            else:
+                fetched(value)  # the window's byte count is right before anyone sees the future done
+                fut.set_result(value)
+
+    def close(self) -> None:
+        """Stop every read-ahead and end the threads once their fetch in flight returns."""
+        with self._cond:
+            sources, self._sources = self._sources, []
+        for ra in sources:
+            ra.close()
+        with self._cond:
+            self._closed = True
+            threads, self._threads = self._threads, []
+            self._cond.notify_all()
+        for t in threads:
+            t.join(timeout=60)
+            if t.is_alive():
+                log.warning("%s: still in a fetch after 60 s; it ends with the fetch", t.name)
+
+
+class _Closed(BaseException):  # not an Exception: a plan's own error handling must not swallow it
+    """Raised inside the planner thread when its read-ahead was closed: unwinds the plan."""
+
+
+class ReadAheadOutOfStep(RuntimeError):
+    """The source asked for another object than the plan fetched next (a bug in a plan)."""
+
+
+def nbytes(value: Any) -> int:
+    """What a fetched value holds in memory, for the byte bound (0 for small metadata)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return len(value)
+    if isinstance(value, (pa.Table, pa.RecordBatch)):
+        return value.nbytes
+    if isinstance(value, dict):
+        return sum(nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(nbytes(v) for v in value)
+    return 0
+
+
+class ReadAhead:
+    """An ordered, bounded window of fetches along one source's plan.
+
+    ``plan(submit)`` runs in the planner thread and walks what the source will read, in order,
+    forever (sources cycle); ``submit(key, fetch)`` blocks while the window is full, starts
+    ``fetch`` on the pool and returns its future (a plan may wait for one, e.g. a parquet footer
+    before its row groups).  The source calls ``take(key)`` for each object in the same order and
+    gets that future; ``future.result()`` is the value, or raises the fetch's exception.
+    """
+
+    def __init__(self, pool: IOPool, plan: Callable[[Submit], None], *, depth: int, max_bytes: int, name: str):
+        self.depth = depth
+        self.max_bytes = max_bytes
+        self._pool = pool
+        self._pending: collections.deque = collections.deque()  # (seq, future, fetch, fetched) not started; the pool's lock
+        self._seq = 0  # objects submitted so far
+        self._taken = 0  # objects the source has taken so far
+        self._plan = plan
+        self._cond = threading.Condition()
+        self._queue: collections.deque[list] = collections.deque()  # [key, future, bytes counted, in window]
+        self._ahead = 0  # bytes of the window: fetched objects by size, those in flight by estimate
+        self._fetched = 0  # fetches done so far and the bytes they returned: the estimate for unsized ones
+        self._fetched_bytes = 0
+        self._closed = False
+        self._planner_error: BaseException | None = None
+        self._planner_done = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def outstanding(self) -> int:
+        """Objects fetched or being fetched that the source has not taken yet (at most ``depth``)."""
+        with self._cond:
+            return len(self._queue)
+
+    # -- planner thread ----------------------------------------------------------------------
+    def _mean_bytes(self) -> int:
+        return self._fetched_bytes // self._fetched if self._fetched else 0
+
+    def _fetched_one(self, entry: list, value: Any) -> None:
+        """A fetch finished (``value`` None if it failed): its real size replaces its estimate."""
+        size = nbytes(value)
+        with self._cond:
+            if value is not None:
+                self._fetched += 1
+                self._fetched_bytes += size
+            if entry[3]:  # still in the window
+                self._ahead += size - entry[2]
+                entry[2] = size
+
+    def _submit(self, key: Hashable, fetch: "Callable[[], Any] | None", size: "int | None" = None) -> Future:
+        """Queue ``fetch`` (None: a mark that fetches nothing, e.g. the end of a row).
+
+        ``size``: what the fetch will hold, when the plan knows it (a parquet row group's size in
+        the footer); otherwise the mean of this plan's fetches so far stands in for it until it
+        is fetched.
+        """
+        with self._cond:
+            while not self._closed and (len(self._queue) >= self.depth
+                                        or (self._queue and self._ahead >= self.max_bytes)):
+                self._cond.wait()
+            if self._closed:
+                raise _Closed
+            fut = Future()
+            estimate = 0 if fetch is None else (size if size is not None else self._mean_bytes())
+            entry = [key, fut, estimate, True]  # key, future, bytes counted in _ahead, in the window
+            if fetch is None:
+                fut.set_result(None)
+            else:
+                self._pool._submit(self, self._seq, fut, fetch, lambda value, entry=entry: self._fetched_one(entry, value))
+            self._seq += 1
+            self._queue.append(entry)
+            self._ahead += estimate
+            self._cond.notify_all()
+        return fut
+
+    def _run(self) -> None:
+        try:
+            self._plan(self._submit)
+        except (_Closed, CancelledError):
+            pass
+        except BaseException as e:  # a bug in a plan: the source sees it at its next take
+            self._planner_error = e
+        finally:
+            with self._cond:
+                self._planner_done = True
+                self._cond.notify_all()
+
+    # -- source thread -----------------------------------------------------------------------
+    def take(self, key: Hashable) -> Future:
+        """The next object's future; it must be ``key`` (the plan and the source walk in step)."""
+        got, fut = self.take_next(key)
+        if got != key:
+            raise ReadAheadOutOfStep(f"read-ahead fetched {got!r} where the source reads {key!r}")
+        return fut
+
+    def take_next(self, wanted: Hashable = None) -> tuple[Hashable, Future]:
+        """The next (key, future) of the plan, whatever it is (``wanted`` only names it in errors)."""
+        with self._cond:
+            while not self._queue and not self._planner_done and not self._closed:
+                self._cond.wait()
+            if not self._queue:
+                raise ReadAheadOutOfStep(f"read-ahead has nothing for {wanted!r}"
+                                         + (f": its plan failed ({self._planner_error!r})" if self._planner_error else ""))
+            key, fut, counted, _ = entry = self._queue.popleft()
+            entry[3] = False
+            self._ahead -= counted
+            self._taken += 1
+            self._cond.notify_all()
+        return key, fut
+
+    def close(self) -> None:
+        """Stop planning, drop what was fetched ahead; the pool finishes fetches already running."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._queue)
+            self._queue.clear()
+            self._cond.notify_all()
+        for entry in pending:
+            entry[1].cancel()
+        self._pool._forget(self)
+        self._thread.join(timeout=60)
+        if self._thread.is_alive():  # waiting on a fetch that hangs; it is a daemon and ends with the fetch
+            log.warning("%s: planner still waiting on a fetch after 60 s", self._thread.name)
+
+
+class Prefetched:
+    """A row's fetched objects, handed to the readers in place of direct reads.
+
+    ``read_bytes``, ``media``, ``video_source`` and ``list_names`` answer from the futures of the
+    row's plan, in the order they were fetched (re-raising a failed fetch there), and read
+    directly what the plan did not fetch (a local path of a mixed group, say).
+    """
+
+    def __init__(self, futures: "dict[tuple[str, str], list[Future]] | None" = None):
+        self._futures = futures if futures is not None else {}
+
+    def _get(self, op: str, path: str):
+        queued = self._futures.get((op, path))
+        return queued.pop(0).result() if queued else None
+
+    def read_bytes(self, path: str) -> bytes:
+        got = self._get("read", path)
+        return files.read_bytes(path) if got is None else got
+
+    def media(self, path: str) -> "str | bytes":
+        return self.read_bytes(path) if files.is_uri(path) else path
+
+    def video_source(self, path: str):
+        return io.BytesIO(self.read_bytes(path)) if files.is_uri(path) else path
+
+    def list_names(self, directory: str) -> list[str]:
+        got = self._get("list", directory)
+        return files.list_names(directory) if got is None else list(got)
+
+
+DIRECT = Prefetched({})  # nothing fetched: every call reads directly (never holds futures)

@@ -1,0 +1,335 @@
+"""``prepack plan``: what a pack will cost before it runs, from a small sample of its streams.
+
+A few batches of a few streams are packed in this process exactly as ``prepack run`` packs them
+(same sources, packer and record encoder) and sized as the writer would write them, into
+nothing: records go to a byte-counting sink, so no output is written.  From the sample and the
+config's budget it projects the whole run: records, tokens, output bytes (shards, checkpoints,
+lineage), shards per stream, CPU core-hours and wall time on N cores, each group's token share,
+drop rate and passes over its data; and it warns about knobs that look wrong.
+
+What it cannot know: the sample is the streams' first batches (later ones may differ a little),
+CPU time is this machine's, and a ``tokens_per_stream`` or ``passes`` budget is converted into
+batches at the sampled rates.  ``docs/architecture.md`` and the README say how close it came.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+from schemas.compression import Compression
+from schemas.config import PrepackConfig
+from schemas.record import RECORD_SCHEMA, encode_record
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+GOOD_SHARD_MIN, GOOD_SHARD_MAX = 64 * MIB, 2048 * MIB  # "a few hundred MB", give or take
+SMALL_FILES_BYTES = 4096  # per stream: index.arrow, done.json (measured ~1-3 KB)
+
+
+@dataclass
+class GroupPlan:
+    name: str
+    token_share: float  # of the packed tokens in the sample
+    drop_rate: float  # rows the source dropped / rows it read
+    rows_per_batch: float  # rows the source consumed per batch (packed or dropped)
+    rows_per_pass: int  # rows in one stream's slice of this group's data (estimated from footers for parquet)
+    passes: float  # how many times a stream reads its slice under the budget
+
+    def to_json(self) -> dict:
+        return {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in dataclasses.asdict(self).items()}
+
+
+@dataclass
+class PackPlan:
+    config: str
+    streams: int
+    cores: int
+    budget: dict
+    batches_per_stream: float
+    records: int
+    tokens: int
+    output_bytes: int
+    shards_per_stream: int
+    shard_bytes: int  # a full shard's size (the last one of a stream is smaller)
+    record_bytes: float
+    cpu_core_hours: float
+    wall_hours: float
+    groups: list[GroupPlan]
+    packer_drop_rate: float  # samples the packer discarded (over-long, no fit) per sample read
+    fill: float  # tokens per batch / max_num_tokens
+    warnings: list[str]
+    sample: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["groups"] = {g.name: g.to_json() for g in self.groups}
+        for k in ("batches_per_stream", "record_bytes", "cpu_core_hours", "wall_hours", "packer_drop_rate", "fill"):
+            d[k] = float(f"{d[k]:.4g}")  # 4 significant digits: a demo's core-hours are tiny
+        return d
+
+    def lines(self) -> list[str]:
+        s = self.sample
+        out = [
+            f"plan for {self.config}: {self.streams} streams, budget {_budget_text(self.budget)}",
+            f"  sampled {s['batches']} batches of {len(s['streams'])} stream(s) in {s['seconds']:.1f} s "
+            f"({s['cpu_s_per_batch'] * 1e3:.0f} ms CPU and {_size(self.record_bytes)} per batch)",
+            f"  records       {self.records:,} ({self.batches_per_stream:,.0f} per stream)",
+            f"  tokens        {self.tokens:,} ({self.fill:.0%} of max_num_tokens per batch)",
+            f"  output        {_size(self.output_bytes)} ({self.shards_per_stream} shard(s) per stream of "
+            f"~{_size(self.shard_bytes)}; checkpoints and lineage included)",
+            f"  CPU           {self.cpu_core_hours:,.2f} core-hours = {self.cpu_core_hours * 3600:,.0f} core-seconds "
+            "(this machine's cores)",
+            f"  wall          {_duration(self.wall_hours * 3600)} on {self.cores} cores "
+            f"({min(self.cores, self.streams)} streams at a time, after each worker loads the tokenizer; Ray's own "
+            "start not included)",
+            "  groups        token share / rows dropped / passes over its data per stream:",
+        ]
+        for g in self.groups:
+            out.append(f"    {g.name:14s} {g.token_share:6.1%} / {g.drop_rate:6.2%} / {g.passes:8.2f}"
+                       f"  ({g.rows_per_batch:.1f} rows per batch of {g.rows_per_pass:,} per pass)")
+        out.append(f"  packer drops  {self.packer_drop_rate:.2%} of samples (over-long, no fit in the buffer)")
+        out += [f"  warning: {w}" for w in self.warnings] or ["  no warnings"]
+        return out
+
+
+def _budget_text(budget: dict) -> str:
+    return ", ".join(f"{k}={v:,}" for k, v in budget.items())
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _duration(s: float) -> str:
+    if s >= 2 * 86400:
+        return f"{s / 86400:.1f} days"
+    if s >= 2 * 3600:
+        return f"{s / 3600:.1f} h"
+    if s >= 120:
+        return f"{s / 60:.0f} min"
+    return f"{s:.0f} s"
+
+
+@dataclass
+class _Sample:
+    """What the sampled batches measured (summed over the sampled streams)."""
+
+    batches: int = 0
+    tokens: int = 0
+    record_bytes: int = 0  # IPC bytes of the records as the writer frames them
+    shard_overhead: int = 0  # IPC file header + footer of one shard
+    lineage_bytes: int = 0
+    lineage_rows: int = 0
+    checkpoint_bytes: int = 0  # one checkpoint (json + arrow), the mean over streams
+    cpu_s: float = 0.0  # CPU of the batches after each stream's first
+    steady_batches: int = 0
+    startup_cpu_s: float = 0.0  # per stream: sources opened + first batch
+    group_tokens: dict = field(default_factory=dict)
+    samples_read: dict = field(default_factory=dict)
+    source_drops: dict = field(default_factory=dict)
+    packer_drops: int = 0
+    rows_per_pass: dict = field(default_factory=dict)
+    streams: list = field(default_factory=list)
+
+
+def _ipc_sizes(records: list[pa.RecordBatch], compression: Compression) -> tuple[int, int]:
+    """(bytes of the records, bytes of an empty shard's framing) as an Arrow IPC file, into nothing."""
+    def framed(batch_list) -> int:
+        sink = pa.MockOutputStream()
+        with pa.ipc.new_file(sink, RECORD_SCHEMA, options=compression.write_options()) as w:
+            for r in batch_list:
+                w.write_batch(r)
+        return sink.size()
+
+    empty = framed([])
+    return framed(records) - empty, empty
+
+
+def _sample_stream(cfg: PrepackConfig, stream: int, tokenizer, special, batches: int, deadline: float,
+                   acc: _Sample) -> None:
+    from prepack.engine.checkpoint import state_to_payload
+    from prepack.engine.packer import StreamPacker
+    from prepack.run.stream_job import _lineage_rows, _parquet_bytes
+
+    compression = Compression.parse(cfg.prepack.compression)
+    cpu0 = time.process_time()
+    records, lineage, stamps = [], [], []
+    with StreamPacker(cfg, stream, tokenizer, special, reuse_pixel_table=True) as packer:
+        for batch in packer:
+            record, _ = encode_record(batch, compression)
+            records.append(record)
+            lineage.append((batch.origins, batch.sample_lens.tolist()))
+            acc.tokens += int(batch.sequence_length)
+            for o, n in zip(batch.origins, batch.sample_lens.tolist()):
+                acc.group_tokens[o.group] = acc.group_tokens.get(o.group, 0) + int(n)
+            stamps.append(time.process_time())
+            if len(records) >= batches or (time.monotonic() > deadline and len(records) >= 2):
+                break
+        if not records:
+            return
+        doc, pixels = state_to_payload(packer.state())
+        acc.checkpoint_bytes = max(acc.checkpoint_bytes, len(doc.to_json().encode()) + len(pixels))
+        counters = packer.counters
+        for g, n in counters.samples_read.items():
+            acc.samples_read[g] = acc.samples_read.get(g, 0) + n
+        for reason, n in counters.drops.items():
+            group, sep, _ = reason.partition(":")
+            if sep:
+                acc.source_drops[group] = acc.source_drops.get(group, 0) + n
+            elif reason not in ("left_in_buffer_at_end_of_budget",):
+                acc.packer_drops += n
+        for group, source in zip(cfg.groups, packer.sources):
+            acc.rows_per_pass.setdefault(group.name, source.pass_rows())
+    record_bytes, overhead = _ipc_sizes(records, compression)
+    acc.record_bytes += record_bytes
+    acc.shard_overhead = overhead
+    table = _lineage_rows(stream, 0, lineage)
+    acc.lineage_bytes += len(_parquet_bytes(table))
+    acc.lineage_rows += table.num_rows
+    acc.batches += len(records)
+    acc.startup_cpu_s += stamps[0] - cpu0
+    if len(stamps) > 1:
+        acc.cpu_s += stamps[-1] - stamps[0]
+        acc.steady_batches += len(stamps) - 1
+    acc.streams.append(stream)
+
+
+def sample_streams(num_streams: int, count: int) -> list[int]:
+    """``count`` streams spread over ``0..num_streams-1`` (first and last included)."""
+    if count <= 1 or num_streams == 1:
+        return [0]
+    count = min(count, num_streams)
+    return sorted({round(i * (num_streams - 1) / (count - 1)) for i in range(count)})
+
+
+def plan_pack(cfg: PrepackConfig, *, cores: int | None = None, sample_batches: int = 4, sample_streams_n: int = 2,
+              max_seconds: float = 60.0, tokenizer=None) -> PackPlan:
+    """Sample ``sample_batches`` batches of ``sample_streams_n`` streams and project the whole run."""
+    from prepack.engine.tokenizer import load_tokenizer, special_token_ids
+
+    start = time.monotonic()
+    loaded = tokenizer is None
+    tokenizer, special = tokenizer or special_token_ids(load_tokenizer(cfg.tokenizer))
+    worker_start_s = time.monotonic() - start if loaded else 0.0  # every packing worker loads it once
+    p = cfg.prepack
+    if p.batches_per_stream is not None:
+        sample_batches = max(1, min(sample_batches, p.batches_per_stream))
+    acc = _Sample()
+    deadline = start + max_seconds
+    for s in sample_streams(cfg.num_streams, sample_streams_n):
+        if acc.batches and time.monotonic() > deadline:
+            break
+        _sample_stream(cfg, s, tokenizer, special, sample_batches, deadline, acc)
+    if not acc.batches:
+        from schemas.errors import StreamFailed
+
+        raise StreamFailed("plan: the sampled streams produced no batch (see the drop counts in the log)")
+    return _project(cfg, acc, cores or os.cpu_count() or 1, time.monotonic() - start, worker_start_s)
+
+
+def _project(cfg: PrepackConfig, acc: _Sample, cores: int, seconds: float, worker_start_s: float = 0.0) -> PackPlan:
+    p, k = cfg.prepack, cfg.knobs
+    n_streams = cfg.num_streams
+    per_batch_tokens = acc.tokens / acc.batches
+    record_bytes = acc.record_bytes / acc.batches
+    n_sampled = len(acc.streams)
+    rows = {g.name: acc.samples_read.get(g.name, 0) + acc.source_drops.get(g.name, 0) for g in cfg.groups}
+    rows_per_batch = {g: r / acc.batches for g, r in rows.items()}
+    warnings: list[str] = []
+    if p.batches_per_stream is not None:
+        batches = float(p.batches_per_stream)
+    elif p.tokens_per_stream is not None:
+        batches = float(math.ceil(p.tokens_per_stream / per_batch_tokens))
+    else:
+        need = []
+        for g in cfg.groups:
+            per_pass = acc.rows_per_pass.get(g.name, 0)
+            if rows_per_batch[g.name] > 0:
+                need.append(p.passes * per_pass / rows_per_batch[g.name])
+            else:
+                warnings.append(f"group {g.name}: not drawn in the sample; passes: {p.passes} cannot be projected "
+                                "for it (it may take very long)")
+        batches = float(math.ceil(max(need))) if need else float(acc.batches / n_sampled)
+    batches = max(1.0, batches)
+    records_per_stream = int(round(batches))
+    records_per_shard = max(1, math.ceil((p.shard_bytes - acc.shard_overhead) / record_bytes))
+    shards = max(1, math.ceil(records_per_stream / records_per_shard))
+    shard_bytes = acc.shard_overhead + min(records_per_shard, records_per_stream) * record_bytes
+    lineage_per_record = acc.lineage_bytes / acc.batches
+    stream_bytes = (records_per_stream * (record_bytes + lineage_per_record) + shards * acc.shard_overhead
+                    + (shards + 1) * acc.checkpoint_bytes + SMALL_FILES_BYTES)
+    cpu_per_batch = acc.cpu_s / acc.steady_batches if acc.steady_batches else acc.startup_cpu_s / n_sampled
+    startup = acc.startup_cpu_s / n_sampled - (cpu_per_batch if acc.steady_batches else 0.0)
+    stream_cpu = max(0.0, startup) + records_per_stream * cpu_per_batch
+    waves = math.ceil(n_streams / cores)
+    groups = []
+    total_tokens = sum(acc.group_tokens.values()) or 1
+    for g in cfg.groups:
+        read = acc.samples_read.get(g.name, 0)
+        dropped = acc.source_drops.get(g.name, 0)
+        per_pass = acc.rows_per_pass.get(g.name, 0)
+        passes = batches * rows_per_batch[g.name] / per_pass if per_pass else 0.0
+        groups.append(GroupPlan(g.name, acc.group_tokens.get(g.name, 0) / total_tokens,
+                                dropped / (read + dropped) if read + dropped else 0.0,
+                                rows_per_batch[g.name], per_pass, passes))
+    samples_read = sum(acc.samples_read.values())
+    packer_drop_rate = acc.packer_drops / samples_read if samples_read else 0.0
+    fill = per_batch_tokens / k.max_num_tokens
+    plan = PackPlan(
+        config=cfg.config_path or "(config)", streams=n_streams, cores=cores, budget=p.budget(),
+        batches_per_stream=batches, records=records_per_stream * n_streams,
+        tokens=int(round(batches * per_batch_tokens)) * n_streams, output_bytes=int(stream_bytes * n_streams),
+        shards_per_stream=shards, shard_bytes=int(shard_bytes), record_bytes=record_bytes,
+        cpu_core_hours=stream_cpu * n_streams / 3600, wall_hours=(worker_start_s + waves * stream_cpu) / 3600, groups=groups,
+        packer_drop_rate=packer_drop_rate, fill=fill, warnings=warnings,
+        sample={"streams": acc.streams, "batches": acc.batches, "seconds": round(seconds, 2),
+                "cpu_s_per_batch": round(cpu_per_batch, 4)},
+    )
+    plan.warnings += _knob_warnings(cfg, plan, records_per_shard)
+    return plan
+
+
+def _knob_warnings(cfg: PrepackConfig, plan: PackPlan, records_per_shard: int) -> list[str]:
+    p, k = cfg.prepack, cfg.knobs
+    out = []
+    if records_per_shard == 1 and plan.shards_per_stream > 1:
+        out.append(f"shard_bytes={p.shard_bytes:,} is smaller than one record (~{_size(plan.record_bytes)}): "
+                   "every record becomes a shard with its own checkpoint; use a few hundred MB")
+    elif plan.shards_per_stream > 1 and not GOOD_SHARD_MIN <= plan.shard_bytes <= GOOD_SHARD_MAX:
+        out.append(f"shards of ~{_size(plan.shard_bytes)} (shard_bytes={p.shard_bytes:,}): far from a few hundred MB "
+                   f"({plan.shards_per_stream:,} per stream, each with a checkpoint); 268435456 is the default")
+    elif p.shard_bytes > GOOD_SHARD_MAX:
+        out.append(f"shard_bytes={p.shard_bytes:,} is over {_size(GOOD_SHARD_MAX)}: a killed run redoes up to a "
+                   "whole shard per stream, and audits re-pack whole shards")
+    for g in plan.groups:
+        if g.passes > 1.0 and p.passes is None:
+            out.append(f"group {g.name}: the budget runs it past its data — each stream reads its slice "
+                       f"{g.passes:.1f} times (the same rows in the same order; the reference repeats them too)")
+        if g.drop_rate > 0.05:
+            out.append(f"group {g.name}: {g.drop_rate:.0%} of its rows are dropped (see `prepack run`'s drop "
+                       "counts; a wrong data_dir or damaged files?)")
+    if plan.packer_drop_rate > 0.05:
+        out.append(f"{plan.packer_drop_rate:.0%} of samples are discarded by the packer (over-long or no room): "
+                   f"check max_num_tokens_per_sample={k.max_num_tokens_per_sample:,}, "
+                   f"prefer_buffer_before={k.prefer_buffer_before:,} and max_buffer_size={k.max_buffer_size}")
+    if k.prefer_buffer_before > k.max_num_tokens:
+        out.append(f"prefer_buffer_before={k.prefer_buffer_before:,} exceeds max_num_tokens={k.max_num_tokens:,}: "
+                   "a buffered sample is taken back out and discarded when it does not fit")
+    if plan.fill < 0.7:
+        out.append(f"batches fill {plan.fill:.0%} of max_num_tokens={k.max_num_tokens:,} "
+                   f"(expected_num_tokens={k.expected_num_tokens:,})")
+    if plan.streams < plan.cores:
+        out.append(f"{plan.streams} streams on {plan.cores} cores: {plan.cores - plan.streams} cores stay idle "
+                   "(streams = world_size x num_workers; one core packs one stream)")
+    return out

@@ -1,0 +1,205 @@
+"""The read-ahead machinery on its own: order, the bounds, errors where they belong, clean shutdown.
+
+Fetches here are plain functions (no store), so the tests see exactly what the window does: the
+plan walks keys in order, the consumer takes them in that order, never more than ``depth``
+objects are outstanding, no fetch starts while ``max_bytes`` are held, a failed fetch raises
+when its object is taken (and the next ones still come), and closing leaves no thread behind.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from prepack.engine.sources.readahead import (
+    DIRECT,
+    IOPool,
+    Prefetched,
+    ReadAheadOutOfStep,
+    ReadAheadSettings,
+    nbytes,
+)
+
+
+def _wait_for(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        time.sleep(0.005)
+
+
+def _keys_in_order(fetch):
+    """A plan over the keys 0, 1, 2, ... fetching each with ``fetch(key)``."""
+    def plan(submit):
+        k = 0
+        while True:
+            submit(k, lambda k=k: fetch(k))
+            k += 1
+
+    return plan
+
+
+def _io_threads(prefix: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(prefix) and t.is_alive()]
+
+
+def test_values_come_in_plan_order_whatever_order_fetches_finish():
+    pool = IOPool(ReadAheadSettings(depth=6, threads=4), name="ra-order")
+
+    def fetch(k):
+        time.sleep(0.002 * ((k * 7) % 5))  # later keys often finish first
+        return k * k
+
+    try:
+        ra = pool.read_ahead(_keys_in_order(fetch), "t")
+        assert [ra.take(k).result() for k in range(60)] == [k * k for k in range(60)]
+    finally:
+        pool.close()
+
+
+def test_never_more_than_depth_objects_outstanding():
+    depth = 3
+    pool = IOPool(ReadAheadSettings(depth=depth, threads=2), name="ra-depth")
+    seen = []
+    holder = {}
+    ready = threading.Event()
+
+    def plan(submit):
+        ready.wait(10)  # the planner starts before read_ahead() returns the object it reports on
+        k = 0
+        while True:
+            submit(k, lambda k=k: k)
+            seen.append(holder["ra"].outstanding)
+            k += 1
+
+    try:
+        holder["ra"] = ra = pool.read_ahead(plan, "t")
+        ready.set()
+        _wait_for(lambda: len(seen) == depth)
+        time.sleep(0.2)  # the planner must now be waiting for room
+        assert len(seen) == depth
+        for k in range(20):
+            assert ra.take(k).result() == k
+            _wait_for(lambda: len(seen) >= depth + k + 1)
+        assert max(seen) <= depth and len(seen) <= depth + 20
+    finally:
+        pool.close()
+
+
+def test_no_fetch_starts_while_max_bytes_are_held():
+    mb = 1 << 20
+    pool = IOPool(ReadAheadSettings(depth=100, max_bytes=int(2.5 * mb), threads=2), name="ra-bytes")
+    started = []
+
+    def plan(submit):
+        k = 0
+        while True:
+            fut = submit(k, lambda k=k: (started.append(k), bytes(mb))[1])
+            fut.result()  # one at a time, so what is held is exact when the next submit looks
+            k += 1
+
+    try:
+        ra = pool.read_ahead(plan, "t")
+        _wait_for(lambda: len(started) == 3)  # 0, 1, 2 MiB held when each started; 3 MiB stops it
+        time.sleep(0.2)
+        assert started == [0, 1, 2]
+        assert len(ra.take(0).result()) == mb  # 2 MiB held now: one more may start
+        _wait_for(lambda: len(started) == 4)
+        time.sleep(0.2)
+        assert started == [0, 1, 2, 3]
+    finally:
+        pool.close()
+
+
+def test_a_failed_fetch_raises_where_its_object_is_taken_and_the_rest_still_come():
+    pool = IOPool(ReadAheadSettings(depth=4, threads=2), name="ra-err")
+
+    def fetch(k):
+        if k == 3:
+            raise FileNotFoundError(f"object {k} is missing")
+        return k
+
+    try:
+        ra = pool.read_ahead(_keys_in_order(fetch), "t")
+        assert [ra.take(k).result() for k in range(3)] == [0, 1, 2]
+        with pytest.raises(FileNotFoundError, match="object 3 is missing"):
+            ra.take(3).result()
+        assert [ra.take(k).result() for k in range(4, 10)] == list(range(4, 10))
+    finally:
+        pool.close()
+
+
+def test_a_source_out_of_step_with_its_plan_is_an_error_not_a_wrong_value():
+    pool = IOPool(ReadAheadSettings(depth=2, threads=1), name="ra-step")
+
+    def plan(submit):
+        submit("a", lambda: 1)
+        submit("b", lambda: 2)
+        raise ValueError("plan bug")
+
+    try:
+        ra = pool.read_ahead(plan, "t")
+        with pytest.raises(ReadAheadOutOfStep, match="'a'.*'x'"):
+            ra.take("x")
+        assert ra.take("b").result() == 2
+        with pytest.raises(ReadAheadOutOfStep, match="plan bug"):
+            ra.take("c")
+    finally:
+        pool.close()
+
+
+def test_close_ends_the_planner_and_the_io_threads():
+    pool = IOPool(ReadAheadSettings(depth=4, threads=3), name="ra-close")
+    release = threading.Event()
+
+    def plan(submit):
+        k = 0
+        while True:
+            opened = submit(("open", k), lambda: release.wait(10) and "footer")
+            opened.result()  # a plan waiting on a fetch (a parquet footer) must unwind too
+            submit(("rg", k), lambda: b"x" * 10)
+            k += 1
+
+    ra = pool.read_ahead(plan, "t")
+    _wait_for(lambda: ra.outstanding >= 1)
+    assert _io_threads("ra-close")
+    release.set()
+    assert ra.take(("open", 0)).result() == "footer"
+    pool.close()
+    assert ra.closed
+    _wait_for(lambda: not _io_threads("ra-close"))
+    pool.close()  # twice is harmless
+    with pytest.raises(ReadAheadOutOfStep):
+        ra.take(("rg", 0))
+
+
+def test_settings_from_the_environment():
+    assert ReadAheadSettings.from_env({}) == ReadAheadSettings()
+    s = ReadAheadSettings.from_env({"PREPACK_READ_AHEAD": "0", "PREPACK_READ_AHEAD_MB": "1.5", "PREPACK_IO_THREADS": "2"})
+    assert (s.depth, s.max_bytes, s.threads) == (0, 3 << 19, 2)
+    assert not IOPool(s).enabled
+    from schemas.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="PREPACK_READ_AHEAD"):
+        ReadAheadSettings.from_env({"PREPACK_READ_AHEAD": "many"})
+
+
+def test_prefetched_answers_in_fetch_order_and_reads_the_rest_directly(tmp_path):
+    from concurrent.futures import Future
+
+    def done(v):
+        f = Future()
+        f.set_result(v)
+        return f
+
+    local = tmp_path / "a.bin"
+    local.write_bytes(b"local")
+    p = Prefetched({("read", "s3://b/x"): [done(b"one"), done(b"two")], ("list", "s3://b/d/"): [done(["f1"])]})
+    assert p.read_bytes("s3://b/x") == b"one" and p.media("s3://b/x") == b"two"
+    assert p.list_names("s3://b/d/") == ["f1"]
+    assert p.media(str(local)) == str(local)  # a local path goes to the decoder as the reference does
+    assert DIRECT.read_bytes(str(local)) == b"local"
+    assert nbytes({"a": b"xy", "b": [b"z", "names"]}) == 3  # names are metadata: not counted
