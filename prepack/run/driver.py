@@ -320,6 +320,34 @@ class _Watch:
                 self._warned = True
                 log.info("progress reports unavailable for now (%s); packing goes on", type(e).__name__)
 
+    def attempts_from_state_api(self, timeout_s: int = 10) -> None:
+        """Add what Ray's state API knows about this job's stream task attempts (best effort).
+
+        A task killed with its node before its first statement ran never reported; Ray's own
+        record of its attempts still names the stream (``stream_task[S]``).  Needs the cluster's
+        dashboard (there under ``ray job submit``); a local Ray without one just skips this."""
+        try:
+            from ray.util.state import list_tasks
+
+            job = self.ray.get_runtime_context().get_job_id()
+            tasks = list_tasks(filters=[("job_id", "=", job)], limit=100_000, timeout=timeout_s,
+                               raise_on_missing_output=False)
+        except Exception as e:  # noqa: BLE001
+            log.debug("Ray's state API did not answer (%s: %s); retries named from progress reports only",
+                     type(e).__name__, e)
+            return
+        seen: dict[int, dict[int, str]] = {}
+        for t in tasks:
+            name = getattr(t, "name", "") or ""
+            if name.startswith("stream_task[") and name.endswith("]"):
+                seen.setdefault(int(name[12:-1]), {})[int(getattr(t, "attempt_number", 0) or 0)] = \
+                    getattr(t, "node_id", "") or "?"
+        for stream, by_attempt in seen.items():
+            known = self.attempts.get(stream, [])
+            if max(by_attempt) + 1 > len(known):
+                self.attempts[stream] = [by_attempt.get(k, known[k] if k < len(known) else "?")
+                                         for k in range(max(by_attempt) + 1)]
+
     def lost_nodes(self) -> list[str]:
         """Lines for nodes that died since the last look (looked at every NODE_CHECK_S)."""
         if time.monotonic() - self._last_nodes < NODE_CHECK_S:
@@ -337,6 +365,8 @@ class _Watch:
             elif nid in self._alive and nid not in self.dead:
                 self.dead[nid] = addr
                 lines.append(f"node {addr} ({nid[:8]}) was lost; Ray retries its stream tasks on the other nodes")
+        if self.dead:
+            self.attempts_from_state_api()
         return lines
 
 
@@ -396,6 +426,10 @@ def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus, lease
                 elif time.monotonic() - last_log >= LOG_EVERY_S:  # no terminal (e.g. ray job logs)
                     last_log = time.monotonic()
                     log.info("%d batches; %s", run.batches, run.postfix(last_log - started))
+            watch.poll()  # the last word on retries: every task has ended
+            if watch.dead:  # (the state API is asked only after a node loss: it may take seconds)
+                watch.attempts_from_state_api(timeout_s=30)
+            say(run.retried(watch.attempts, watch.dead))
         finally:
             if bar is not None:
                 bar.close()

@@ -326,10 +326,7 @@ def test_node_killed_run_survives(point, config, fresh, reference, tmp_path):
     report("the kill point was missed", seen, kill_point_problems(seen))
     problems = [f"prepack run exited {seen['rc']}"] if seen["rc"] != 0 else []
     problems += output_problems(out, reference) if seen["rc"] == 0 else []
-    # Known gap (issue 17 note): a stream task killed before its first statement has run (its worker
-    # still deserialising it) is retried by Ray but cannot be named by us; before the first commit
-    # the kill often lands there, so naming is required only once streams have committed.
-    problems += (retry_problems(seen) if point != "before_first_commit" else []) + socket_problems(seen)
+    problems += retry_problems(seen) + socket_problems(seen)
     report(f"node {seen['victim']} killed at {point}", seen, problems)
 
 
