@@ -113,6 +113,18 @@ def init_ray(address: str | None, num_cpus: int | None = None):
     return ray
 
 
+def _attempt() -> int:
+    """This task's attempt number (0 first, 1 first retry...), or -1 where Ray does not say.
+
+    Ray has no public call for it; its core worker's is used if present (best effort)."""
+    try:
+        from ray._private.worker import global_worker
+
+        return int(global_worker.core_worker.get_current_task_attempt_number())
+    except Exception:  # noqa: BLE001
+        return -1
+
+
 def _make_remote(ray):
     @ray.remote(num_cpus=0)
     class Progress:
@@ -122,8 +134,13 @@ def _make_remote(ray):
             self.reports: dict[int, dict] = {}
             self.attempts: dict[int, list[str]] = {}  # stream -> node id of each attempt
 
-        def started(self, stream: int, node: str) -> None:
-            self.attempts.setdefault(stream, []).append(node)
+        def started(self, stream: int, node: str, attempt: int = -1) -> None:
+            """``attempt``: Ray's attempt number for the task (-1 unknown).  Attempts that died before
+            they could report are filled in as "?", so a retry is known even then."""
+            nodes = self.attempts.setdefault(stream, [])
+            while len(nodes) < attempt:
+                nodes.append("?")
+            nodes.append(node)
 
         def update(self, stream: int, payload: dict) -> None:
             self.reports[stream] = payload
@@ -140,7 +157,7 @@ def _make_remote(ray):
                 pass
 
         try:  # first, and confirmed: a node may die during the imports below, and the retry must know
-            ray.get(progress.started.remote(stream, ray.get_runtime_context().get_node_id()), timeout=60)
+            ray.get(progress.started.remote(stream, ray.get_runtime_context().get_node_id(), _attempt()), timeout=60)
         except Exception:  # noqa: BLE001  (progress is best effort)
             pass
         from prepack.run.stream_job import pack_one_stream

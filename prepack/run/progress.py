@@ -63,7 +63,8 @@ class RunProgress:
             self._retries[s] = len(nodes)
             before = nodes[-2]
             why = (f"its node {dead_nodes[before]} was lost" if before in dead_nodes
-                   else "its worker died")
+                   else "its previous attempt ended before it could report (its worker or node was lost)"
+                   if before == "?" else "its worker died")
             lines.append(f"stream {s} retried (attempt {len(nodes)} of its stream_task): {why}; it resumes after its "
                          "last committed shard")
         return lines

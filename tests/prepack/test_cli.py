@@ -95,11 +95,12 @@ def test_retried_streams_are_announced_once_per_attempt_with_the_cause():
     from prepack.run.progress import RunProgress
 
     run = RunProgress([0, 1, 2], 5, {})
-    lines = run.retried({0: ["n1"], 1: ["n1", "n2"], 2: ["n2", "n2"]}, {"n1": "127.0.0.1:1234"})
-    assert len(lines) == 2 and "stream 1 retried (attempt 2 of its stream_task): its node 127.0.0.1:1234 was lost" in lines[0]
+    lines = run.retried({0: ["n1"], 1: ["n1", "n2"], 2: ["n2", "n2"], 3: ["?", "n1"]}, {"n1": "127.0.0.1:1234"})
+    assert len(lines) == 3 and "stream 1 retried (attempt 2 of its stream_task): its node 127.0.0.1:1234 was lost" in lines[0]
     assert "stream 2 retried (attempt 2 of its stream_task): its worker died" in lines[1]
+    assert "stream 3 retried (attempt 2 of its stream_task): its previous attempt ended before it could report" in lines[2]
     assert run.retried({1: ["n1", "n2"], 2: ["n2", "n2"]}, {}) == []
-    assert "streams 1-2" in run.retry_summary()
+    assert "streams 1-3" in run.retry_summary()
 
 
 def test_a_bug_prints_its_traceback_and_says_so(monkeypatch, capsys):
