@@ -156,10 +156,10 @@ def _make_remote(ray):
             except Exception:  # noqa: BLE001  (a dead or unreachable actor)
                 pass
 
-        try:  # first, and confirmed: a node may die during the imports below, and the retry must know
-            ray.get(progress.started.remote(stream, ray.get_runtime_context().get_node_id(), _attempt()), timeout=60)
-        except Exception:  # noqa: BLE001  (progress is best effort)
-            pass
+        # First, before the imports below: with Ray's attempt number a retry is known even when the
+        # attempt before it died before it could report.  Not waited for: a task blocked in
+        # ray.get lends its CPU to the next task, and packing workers would then oversubscribe.
+        tell("started", stream, ray.get_runtime_context().get_node_id(), _attempt())
         from prepack.run.stream_job import pack_one_stream
         from prepack.run.worker_process import settle_worker_process
         from prepack.engine.tokenizer import load_tokenizer, special_token_ids

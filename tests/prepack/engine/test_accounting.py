@@ -91,7 +91,7 @@ def test_json_is_sorted_and_deterministic():
     ja, jb = json.dumps(a.to_json()), json.dumps(b.to_json())
     assert ja == jb
     doc = a.to_json()
-    assert list(doc) == ["drops", "warnings", "samples_read", "samples_packed"]
+    assert list(doc) == ["drops", "warnings", "samples_read", "samples_packed", "examples"]
     for section in doc.values():
         assert list(section) == sorted(section)
 
@@ -113,20 +113,21 @@ def _logged_counts(caplog, prefix: str, name: str) -> list[int]:
 @pytest.mark.parametrize("prefix", ["drop", "warning"])
 def test_logs_first_three_then_every_thousandth(caplog, prefix):
     c = Counters()
-    caplog.set_level(logging.WARNING, logger=LOGGER)
+    caplog.set_level(logging.INFO, logger=LOGGER)
     for _ in range(3500):
         if prefix == "drop":
             c.drop("r", "why")
         else:
             c.warn("r", "why")
     assert _logged_counts(caplog, prefix, "r") == [1, 2, 3, 1000, 2000, 3000]
-    assert all(r.levelno == logging.WARNING for r in caplog.records if r.name == LOGGER)
+    # per stream, for -v: the driver announces each reason once per run (prepack/run/progress.py)
+    assert all(r.levelno == logging.INFO for r in caplog.records if r.name == LOGGER)
     assert any("why" in r.getMessage() for r in caplog.records)
 
 
 def test_log_rate_limit_is_per_reason(caplog):
     c = Counters()
-    caplog.set_level(logging.WARNING, logger=LOGGER)
+    caplog.set_level(logging.INFO, logger=LOGGER)
     for _ in range(5):
         c.drop("a")
         c.drop("b")
@@ -140,7 +141,7 @@ def test_bulk_drops_log_when_they_reach_a_logged_occurrence(caplog):
     """``drop(reason, n=k)`` counts k occurrences at once: an update that includes one of the first
     three occurrences, or a 1000th, is logged (once); one that includes none is not."""
     c = Counters()
-    caplog.set_level(logging.WARNING, logger=LOGGER)
+    caplog.set_level(logging.INFO, logger=LOGGER)
     c.drop("bulk", n=5)  # occurrences 1..5: includes the first
     c.drop("bulk", n=990)  # 6..995
     c.drop("bulk", n=10)  # 996..1005: includes the 1000th
@@ -149,6 +150,15 @@ def test_bulk_drops_log_when_they_reach_a_logged_occurrence(caplog):
     c.drop("bulk", n=2500)  # 2001..4500: includes 3000 and 4000, logged once
     assert _logged_counts(caplog, "drop", "bulk") == [5, 1005, 2000, 4500]
     assert c.drops["bulk"] == 4500
+
+
+def test_first_example_of_each_kind_is_kept():
+    c = Counters()
+    c.drop("overlength_sample", "4601")
+    c.drop("overlength_sample", "5000")
+    c.warn("truncated_image", "a.jpg")
+    assert c.examples == {"overlength_sample": "4601", "truncated_image": "a.jpg"}
+    assert Counters.from_json(c.to_json()).examples == c.examples
 
 
 def test_rejected_reason_and_detail():
