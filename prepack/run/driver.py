@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from dataclasses import asdict
 
 from prepack.run.identity import read_identity, settle_identity
-from prepack.run.lock import StreamLease, acquire_streams, live_leases, pid_alive
+from prepack.run.lock import StreamLease, acquire_streams, live_leases, pid_alive, remove_stale_leases
 from prepack.run.progress import RunProgress
 from prepack.run.stream_job import drop_lineage_leftovers, read_done
 from prepack.run.writer import read_index, write_bytes_atomic
@@ -263,6 +263,7 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
     for s in set(wanted) - set(todo):
         drop_lineage_leftovers(loc, s)  # what a run killed just after finishing s left
     if not todo:  # nothing to pack; write the manifest only if an earlier job could not yet
+        remove_stale_leases(loc)  # a job killed after its last stream finished left its lease
         written = loc.fs.get_file_info(loc.path(MANIFEST_NAME)).type.name == "File"
         if not written:
             written, _ = finalize(loc, cfg, pack.identity)

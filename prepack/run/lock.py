@@ -282,6 +282,23 @@ def live_leases(loc: PackLocation, timing: LeaseTiming | None = None, exclude: s
     return out
 
 
+def remove_stale_leases(loc: PackLocation, timing: LeaseTiming | None = None) -> int:
+    """Delete the leases that are provably stale now (a dead process on this host, or long
+    expired); a run with nothing left to pack calls it so a killed job's lease does not linger."""
+    timing = timing or LeaseTiming.from_env()
+    me = {"host": lock_host()}
+    removed = 0
+    for holder in _list(loc):
+        raw = _read(loc, holder)
+        held = _parse(raw)
+        reason = _stale_reason(held, raw, me, None, timing)[0] if held else None
+        if reason:
+            log.warning("removing the lease of pid %s on %s (%s)", held.get("pid"), held.get("host"), reason)
+            _delete(loc, holder)
+            removed += 1
+    return removed
+
+
 def acquire_streams(loc: PackLocation, streams: "list[int] | set[int]", timing: LeaseTiming | None = None) -> StreamLease:
     """Lease ``streams`` of the output at ``loc`` for this job, or raise ``PackRefused`` naming a
     stream another live job holds (see the module docstring for the rules)."""

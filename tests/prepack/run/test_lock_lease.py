@@ -226,3 +226,15 @@ def test_renewal_is_one_list_and_one_write_for_4096_streams(loc, monkeypatch):
         assert lease.doc["seq"] == seq + 1 and lease.doc["streams"] == [[0, 4095]]
     finally:
         lease.release()
+
+
+def test_a_run_with_nothing_to_pack_removes_provably_stale_leases(loc):
+    now = time.time()
+    _write_lease(loc, "dead", {"holder": "dead", "host": lock_host(), "pid": _dead_pid(), "streams": [[0, 1]],
+                               "expires": now + 3600, "lease_s": 30})
+    live = acquire_streams(loc, [5], FAST)
+    try:
+        assert lockmod.remove_stale_leases(loc, FAST) == 1
+        assert _holders(loc) == [live.holder]
+    finally:
+        live.release()
