@@ -1,10 +1,11 @@
 #!/usr/bin/env python
-"""The resize alone: Pillow's bicubic resize vs the numba kernel, as the packer calls it (an RGB
-PIL image in, an (h, w, 3) uint8 array out), one thread, best of ``--reps``; every result is
-checked equal to Pillow's before its time is printed (CPU time of the thread, best of the runs,
-the two alternating).  Then the start-up the kernel adds to a
-fresh process (numba import, loading or compiling the kernel, the self-test), with numba's cache
-cold (an empty NUMBA_CACHE_DIR) and warm, against the same process with ``PREPACK_FAST_RESIZE=0``.
+"""The resize alone: Pillow's bicubic resize vs the C kernel and the numba kernel, as the packer
+calls them (an RGB PIL image in, an (h, w, 3) uint8 array out), one thread, best of ``--reps``;
+every result is checked equal to Pillow's before its time is printed (CPU time of the thread, best
+of the runs, the three alternating).  Then the start-up each kernel adds to a fresh process's
+first resize (building or loading it, the self-test), with its cache cold (an empty
+PREPACK_CACHE_DIR for the C kernel: it is compiled; an empty NUMBA_CACHE_DIR for numba: it is
+JIT-compiled) and warm, against the same process with ``PREPACK_FAST_RESIZE=0``.
 
     python scripts/bench_resize.py            # sizes the packer makes from ~0.8 MP photographs
     python scripts/bench_resize.py --no-startup
@@ -66,35 +67,52 @@ def main() -> None:
     from prepack.run.worker_process import settle_worker_process
 
     settle_worker_process()  # a packing worker's allocator settings: fresh pixel buffers are not faulted in
-    resizer = Resizer.create(env={})
-    if not resizer.fast:
-        sys.exit(f"the kernel is off here ({resizer.reason}): nothing to compare")
+    kernels = {}
+    for name in ("native", "numba"):
+        resizer = Resizer.create(env={**os.environ, "PREPACK_FAST_RESIZE": name})
+        if resizer.fast:
+            kernels[name] = resizer.resize
+        else:
+            print(f"the {name} kernel is off here ({resizer.reason})")
+    if not kernels:
+        sys.exit("no kernel is on here: nothing to compare")
     rng = np.random.default_rng(0)
-    ratios = []
-    print(f"{'resize':>24} {'Pillow':>9} {'kernel':>9} {'speed-up':>8}")
+    ratios: dict[str, list[float]] = {name: [] for name in kernels}
+    print(f"{'resize':>24} {'Pillow':>9} " + " ".join(f"{n:>9} {'speed-up':>8}" for n in kernels))
     for w, h, ow, oh in SIZES[: args.sizes]:
         img = photo_like(w, h, rng)
-        if not np.array_equal(resizer.resize(img, ow, oh), pillow_resize(img, ow, oh)):
-            sys.exit(f"{w}x{h} -> {ow}x{oh}: the kernel differs from Pillow")
-        # alternate the two, so a busy spell on the machine hits both
-        p, k = [], []
+        for name, resize in kernels.items():
+            if not np.array_equal(resize(img, ow, oh), pillow_resize(img, ow, oh)):
+                sys.exit(f"{w}x{h} -> {ow}x{oh}: the {name} kernel differs from Pillow")
+        # alternate them, so a busy spell on the machine hits all
+        times: dict[str, list[float]] = {"pillow": [], **{name: [] for name in kernels}}
         for _ in range(args.reps):
-            p.append(cpu_ms(lambda: pillow_resize(img, ow, oh)))
-            k.append(cpu_ms(lambda: resizer.resize(img, ow, oh)))
-        ratios.append(min(p) / min(k))
-        print(f"{w:>5}x{h:<5} -> {ow:>4}x{oh:<4} {min(p):7.2f} ms {min(k):7.2f} ms {ratios[-1]:7.2f}x")
-    print(f"median speed-up {statistics.median(ratios):.2f}x (best of {args.reps} each, identical bytes)")
+            times["pillow"].append(cpu_ms(lambda: pillow_resize(img, ow, oh)))
+            for name, resize in kernels.items():
+                times[name].append(cpu_ms(lambda: resize(img, ow, oh)))
+        row = f"{w:>5}x{h:<5} -> {ow:>4}x{oh:<4} {min(times['pillow']):6.2f} ms"
+        for name in kernels:
+            ratios[name].append(min(times["pillow"]) / min(times[name]))
+            row += f" {min(times[name]):6.2f} ms {ratios[name][-1]:7.2f}x"
+        print(row)
+    print("median speed-up " + ", ".join(f"{name} {statistics.median(r):.2f}x" for name, r in ratios.items())
+          + f" (best of {args.reps} each, identical bytes)")
 
     if args.startup:
-        off = [startup({"PREPACK_FAST_RESIZE": "0"})[0] for _ in range(args.startup_runs)]
-        cold, warm = [], []
-        for _ in range(args.startup_runs):
-            with tempfile.TemporaryDirectory(prefix="numba-cold-") as cache:
-                cold.append(startup({"NUMBA_CACHE_DIR": cache})[0])
-                warm.append(startup({"NUMBA_CACHE_DIR": cache})[0])
-        print(f"start-up of a fresh process's first resize, best of {args.startup_runs}: Pillow only "
-              f"{min(off):.2f} s; kernel, cache warm {min(warm):.2f} s (+{min(warm) - min(off):.2f} s), "
-              f"cache cold {min(cold):.2f} s (+{min(cold) - min(off):.2f} s)")
+        off = min(startup({"PREPACK_FAST_RESIZE": "0"})[0] for _ in range(args.startup_runs))
+        parts = [f"Pillow only {off:.2f} s"]
+        for name, cache_env in (("native", "PREPACK_CACHE_DIR"), ("numba", "NUMBA_CACHE_DIR")):
+            if name not in kernels:
+                continue
+            cold, warm = [], []
+            for _ in range(args.startup_runs):
+                with tempfile.TemporaryDirectory(prefix=f"{name}-cold-") as cache:
+                    env = {"PREPACK_FAST_RESIZE": name, cache_env: cache}
+                    cold.append(startup(env)[0])
+                    warm.append(startup(env)[0])
+            parts.append(f"{name}: cache warm {min(warm):.2f} s (+{min(warm) - off:.2f} s), "
+                         f"cold {min(cold):.2f} s (+{min(cold) - off:.2f} s)")
+        print(f"start-up of a fresh process's first resize, best of {args.startup_runs}: " + "; ".join(parts))
 
 
 if __name__ == "__main__":

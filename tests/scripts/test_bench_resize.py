@@ -22,4 +22,4 @@ def test_bench_resize_prints_a_line_per_size_and_the_median():
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert sum("->" in ln and ln.rstrip().endswith("x") for ln in lines) == 2
-    assert lines[-1].startswith("median speed-up") and "identical bytes" in lines[-1]
+    assert lines[-1].startswith("median speed-up") and "identical bytes" in lines[-1] and "native" in lines[-1]

@@ -1,9 +1,17 @@
-"""The numba kernel against the installed Pillow, value for value: random sizes and contents,
-tall, wide and 1-pixel pictures, both pass orders, photographs at the packer's target sizes."""
+"""Every kernel against the installed Pillow, value for value: random sizes and contents, tall,
+wide and 1-pixel pictures, both pass orders, photographs at the packer's target sizes.
+
+The C kernel is checked as this machine builds it and, on x86, also built without AVX-512 and
+without AVX2, so each of its code paths (the x86 widening instructions and the portable loops) is
+proven here, not only the one this CPU happens to take.  The numba kernel is the fallback for
+machines with no C compiler.
+"""
 
 from __future__ import annotations
 
 import os
+import platform
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -11,16 +19,69 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from prepack.engine.images import raw_pixels
 from prepack.engine.resize import PINNED_PILLOW
-from prepack.engine.resize.router import numba_kernel, vertical_first
+from prepack.engine.resize.router import vertical_first
 from tests.helpers import datagen as dg
 
 pytestmark = pytest.mark.skipif(Image.__version__ != PINNED_PILLOW, reason="the kernel mirrors the pinned Pillow")
 
+# (picture, out_w, out_h, vertical_first) -> (out_h, out_w, 3) uint8, with the pass order forced
+Raw = Callable[[Image.Image, int, int, bool], np.ndarray]
+NARROWER_X86 = {"native-avx2": ("-mno-avx512f",), "native-portable": ("-mno-avx2", "-mno-avx512f")}
+
+
+def _native(extra: tuple[str, ...]) -> Raw:
+    from prepack.engine.resize import native
+
+    if extra and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the narrower builds are x86 flags")
+    try:
+        native.compiler(os.environ)
+    except native.BuildError as exc:
+        pytest.skip(f"no C kernel on this machine: {exc}")
+    fn = native.load(flags=native.FLAGS + extra)
+
+    def raw(img: Image.Image, ow: int, oh: int, vfirst: bool) -> np.ndarray:
+        out = np.empty((oh, ow, 3), np.uint8)
+        assert fn(raw_pixels(img, "RGBX", 4).ctypes.data, img.width, img.height, out.ctypes.data, ow, oh,
+                  int(vfirst)) == 0
+        return out
+
+    return raw
+
+
+def _numba() -> Raw:
+    from prepack.engine.resize.router import _import_kernel
+
+    resize_rgbx = _import_kernel().resize_rgbx
+
+    def raw(img: Image.Image, ow: int, oh: int, vfirst: bool) -> np.ndarray:
+        src = raw_pixels(img, "RGBX", 4).view(np.int32).reshape(img.height, img.width)
+        return resize_rgbx(src, ow, oh, vfirst)
+
+    return raw
+
+
+def _raw(name: str) -> Raw:
+    return _numba() if name == "numba" else _native(NARROWER_X86.get(name, ()))
+
+
+@pytest.fixture(scope="module", params=["native", "native-avx2", "native-portable", "numba"])
+def raw(request) -> Raw:
+    return _raw(request.param)
+
 
 @pytest.fixture(scope="module")
-def kernel():
-    return numba_kernel()
+def kernel(raw):
+    return lambda img, ow, oh: raw(img, ow, oh, vertical_first(img.width, img.height, ow, oh))
+
+
+@pytest.fixture(scope="module")
+def default_kernel():
+    """The build this machine packs with: it gets the long property test."""
+    raw = _raw("native")
+    return lambda img, ow, oh: raw(img, ow, oh, vertical_first(img.width, img.height, ow, oh))
 
 
 def _picture(kind: str, w: int, h: int, seed: int) -> Image.Image:
@@ -54,11 +115,17 @@ kinds = st.sampled_from(["noise", "checker", "extremes", "smooth"])
 
 @settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=sides, h=sides, ow=sides, oh=sides, kind=kinds, seed=st.integers(0, 2**32 - 1))
-def test_random_sizes_and_contents_equal_pillow(kernel, w, h, ow, oh, kind, seed):
+def test_random_sizes_and_contents_equal_pillow(default_kernel, w, h, ow, oh, kind, seed):
+    _check(default_kernel, _picture(kind, w, h, seed), ow, oh)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w=sides, h=sides, ow=sides, oh=sides, kind=kinds, seed=st.integers(0, 2**32 - 1))
+def test_every_build_on_random_sizes_and_contents_equals_pillow(kernel, w, h, ow, oh, kind, seed):
     _check(kernel, _picture(kind, w, h, seed), ow, oh)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(long=st.integers(1, 1500), short=st.integers(1, 4), out_long=st.integers(1, 600),
        out_short=st.integers(1, 6), tall=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_tall_and_wide_strips_equal_pillow(kernel, long, short, out_long, out_short, tall, seed):
@@ -82,21 +149,16 @@ def test_photographs_at_packer_sizes_equal_pillow(kernel, size):
     _check(kernel, img, ow, oh)
 
 
-def test_pass_order_is_pillows_and_matters(kernel):
+def test_pass_order_is_pillows_and_matters(raw):
     """Where Pillow runs the vertical pass first, the other order gives other bytes (the uint8
     intermediate rounds differently): the rule is load-bearing, and ours follows Pillow's."""
-    from prepack.engine.images import raw_pixels
-    from prepack.engine.resize.router import _import_kernel
-
-    resize_rgbx = _import_kernel().resize_rgbx
     differing = 0
     for i, (w, h, ow, oh) in enumerate([(40, 120, 36, 30), (37, 29, 64, 11), (300, 900, 280, 200), (64, 200, 60, 50)]):
         assert vertical_first(w, h, ow, oh)
         img = _picture("noise", w, h, i)
         want = np.asarray(img.resize((ow, oh), Image.Resampling.BICUBIC))
-        src = raw_pixels(img, "RGBX", 4).view(np.int32).reshape(h, w)
-        assert np.array_equal(resize_rgbx(src, ow, oh, True), want)
-        differing += not np.array_equal(resize_rgbx(src, ow, oh, False), want)
+        assert np.array_equal(raw(img, ow, oh, True), want)
+        differing += not np.array_equal(raw(img, ow, oh, False), want)
     assert differing >= 3
     assert not vertical_first(120, 40, 30, 36) and not vertical_first(100, 100, 100, 100)
 
@@ -106,7 +168,7 @@ def test_pass_order_is_pillows_and_matters(kernel):
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=st.integers(1, 2000), h=st.integers(1, 2000), ow=st.integers(1, 1100), oh=st.integers(1, 1100),
        kind=kinds, seed=st.integers(0, 2**32 - 1))
-def test_sweep_large_sizes_equal_pillow(kernel, w, h, ow, oh, kind, seed):
+def test_sweep_large_sizes_equal_pillow(default_kernel, w, h, ow, oh, kind, seed):
     if w * h > 1_500_000:  # keep one example under ~50 ms
         w, h = w // 2 + 1, h // 2 + 1
-    _check(kernel, _picture(kind, w, h, seed), ow, oh)
+    _check(default_kernel, _picture(kind, w, h, seed), ow, oh)

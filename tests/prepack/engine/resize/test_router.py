@@ -4,6 +4,7 @@ Pillow, said once.  And the packer's resizes go through it."""
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -32,8 +33,11 @@ def fresh_default():
 
 @pytest.mark.skipif(not ON_PINNED, reason="the kernel mirrors the pinned Pillow")
 def test_this_install_uses_the_kernel(caplog):
-    resizer = Resizer.create(env={})
+    import shutil
+
+    resizer = Resizer.create(env={"PATH": os.environ.get("PATH", "")})
     assert resizer.fast and resizer.reason == "self-tested" and not _warnings(caplog)
+    assert resizer.name == ("native" if shutil.which("cc") or shutil.which("gcc") else "numba")
     img = _noise(90, 70)
     np.testing.assert_array_equal(resizer.resize(img, 41, 33), pillow_resize(img, 41, 33))
 
@@ -85,6 +89,36 @@ def test_a_kernel_that_cannot_load_means_pillow(caplog):
     assert len(_warnings(caplog)) == 1
 
 
+def test_without_a_c_compiler_the_numba_kernel_resizes(caplog, tmp_path):
+    """No compiler (a slim container): the C kernel cannot be built, numba takes over, quietly."""
+    caplog.set_level(logging.INFO, logger=router.__name__)
+    env = {"CC": str(tmp_path / "no-such-cc"), "PREPACK_CACHE_DIR": str(tmp_path)}
+    resizer = Resizer.create(env=env, pillow_version=PINNED_PILLOW)
+    assert resizer.fast and resizer.name == "numba" and not _warnings(caplog)
+    assert any("native kernel failed" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("value", ["native", "numba"])
+def test_the_setting_can_ask_for_one_kernel(monkeypatch, tmp_path, value):
+    calls = []
+    monkeypatch.setattr(router, "native_kernel", lambda env=None: calls.append("native") or pillow_resize)
+    monkeypatch.setattr(router, "numba_kernel", lambda: calls.append("numba") or pillow_resize)
+    resizer = Resizer.create(env={ENV_SWITCH: value}, pillow_version=PINNED_PILLOW)
+    assert resizer.fast and resizer.name == value and calls == [value]
+
+
+def test_no_kernel_loading_means_pillow_and_one_warning(monkeypatch, caplog):
+    def broken(*args):
+        raise OSError("nothing loads here")
+
+    monkeypatch.setattr(router, "native_kernel", broken)
+    monkeypatch.setattr(router, "numba_kernel", broken)
+    resizer = Resizer.create(env={}, pillow_version=PINNED_PILLOW)
+    assert not resizer.fast and resizer.reason == "kernel error: OSError"
+    warned = _warnings(caplog)
+    assert len(warned) == 1 and "numba" in warned[0].getMessage()
+
+
 @pytest.mark.parametrize("value", ["0", "false", "off"])
 def test_the_setting_turns_the_kernel_off_quietly(caplog, value):
     def no_kernel():
@@ -129,15 +163,13 @@ def test_sample_images_are_resized_through_the_router(monkeypatch):
 def test_no_writable_numba_cache_falls_back_to_a_temporary_folder(tmp_path):
     """A worker where numba finds no writable cache location (here: only the user-provided locator
     allowed, pointing below a file) still gets the kernel, cached in a per-user temporary folder."""
-    import os
     import subprocess
     import sys
 
     from tests.helpers.paths import REPO
 
     env = dict(os.environ, PYTHONPATH=REPO, TMPDIR=str(tmp_path), NUMBA_CACHE_DIR="/dev/null/not-a-dir",
-               NUMBA_CACHE_LOCATOR_CLASSES="UserProvidedCacheLocator")
-    env.pop(ENV_SWITCH, None)
+               NUMBA_CACHE_LOCATOR_CLASSES="UserProvidedCacheLocator", **{ENV_SWITCH: "numba"})
     code = "from prepack.engine.resize import default_resizer; r = default_resizer(); print(r.fast, r.reason)"
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
