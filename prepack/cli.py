@@ -208,9 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--cores", type=int, help="cores the run will have, for the wall time (default: this machine's)")
     pl.add_argument("--json", action="store_true",
                     help="print one JSON object (records, tokens, output_bytes, cpu_core_hours, wall_hours, groups, warnings, ...)")
-    pl.add_argument("--sample-batches", type=int, default=4, help="batches to pack per sampled stream (default 4)")
+    pl.add_argument("--sample-batches", type=int, default=4,
+                    help="most batches to pack per sampled stream (default 4); a stream stops once the bytes per "
+                    "batch settle, and a small pack is sampled at most a quarter of its batches")
     pl.add_argument("--sample-streams", type=int, default=2, help="streams to sample, first and last included (default 2)")
-    pl.add_argument("--max-seconds", type=float, default=60.0, help="stop sampling after this long (default 60)")
+    pl.add_argument("--max-seconds", type=float, default=60.0,
+                    help="stop sampling after this long (default 60; each sampled stream begun packs its 1-2 batches)")
     pl.set_defaults(func=cmd_plan, skip_teardown=True)
 
     d = sub.add_parser("demo-data", help="write the small demo dataset configs/demo.yaml points at")
