@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 MIB = 1 << 20
 GOOD_SHARD_MIN, GOOD_SHARD_MAX = 64 * MIB, 2048 * MIB  # "a few hundred MB", give or take
 SMALL_FILES_BYTES = 4096  # per stream: index.arrow, done.json (measured ~1-3 KB)
+MAX_SAMPLE_FRACTION = 0.25  # of the pack's batches, at most (a small pack is sampled less)
+SETTLED_TOLERANCE = 0.05  # stop sampling a stream once a batch moves the bytes-per-batch mean less than this
 
 
 @dataclass
@@ -141,6 +143,7 @@ class _Sample:
     packer_drops: int = 0
     rows_per_pass: dict = field(default_factory=dict)
     streams: list = field(default_factory=list)
+    batch_bytes: list = field(default_factory=list)  # each sampled record's buffer bytes: when to stop sampling
 
 
 def _ipc_sizes(records: list[pa.RecordBatch], compression: Compression) -> tuple[int, int]:
@@ -156,8 +159,9 @@ def _ipc_sizes(records: list[pa.RecordBatch], compression: Compression) -> tuple
     return framed(records) - empty, empty
 
 
-def _sample_stream(cfg: PrepackConfig, stream: int, tokenizer, special, batches: int, deadline: float,
+def _sample_stream(cfg: PrepackConfig, stream: int, tokenizer, special, least: int, most: int, deadline: float,
                    acc: _Sample) -> None:
+    """Pack ``least`` to ``most`` batches of ``stream`` into ``acc`` (fewer once settled or past the deadline)."""
     from prepack.engine.checkpoint import state_to_payload
     from prepack.engine.packer import StreamPacker
     from prepack.run.stream_job import _lineage_rows, _parquet_bytes
@@ -174,7 +178,10 @@ def _sample_stream(cfg: PrepackConfig, stream: int, tokenizer, special, batches:
             for o, n in zip(batch.origins, batch.sample_lens.tolist()):
                 acc.group_tokens[o.group] = acc.group_tokens.get(o.group, 0) + int(n)
             stamps.append(time.process_time())
-            if len(records) >= batches or (time.monotonic() > deadline and len(records) >= 2):
+            acc.batch_bytes.append(record.nbytes)
+            if len(records) >= most:
+                break
+            if len(records) >= least and (time.monotonic() > deadline or estimate_settled(acc.batch_bytes)):
                 break
         if not records:
             return
@@ -213,24 +220,65 @@ def sample_streams(num_streams: int, count: int) -> list[int]:
     return sorted({round(i * (num_streams - 1) / (count - 1)) for i in range(count)})
 
 
+def batch_allotment(num_sampled: int, sample_batches: int, batches_per_stream: int | None, num_streams: int,
+                    max_fraction: float = MAX_SAMPLE_FRACTION) -> list[tuple[int, int]]:
+    """``(least, most)`` batches to pack of each sampled stream.
+
+    Each stream packs up to ``sample_batches`` (never more than its budget); together they take at
+    most ``max_fraction`` of the pack's batches when the budget is in batches, except that the first
+    sampled stream always packs two (one after its start, to measure steady CPU) and every other one
+    at least one.  Between ``least`` and ``most`` a stream stops once the estimate has settled.
+    """
+    most = max(1, sample_batches if batches_per_stream is None else min(sample_batches, batches_per_stream))
+    least = [min(most, 2)] + [1] * (num_sampled - 1)
+    if batches_per_stream is None:
+        return [(n, most) for n in least]
+    room = max(sum(least), math.floor(max_fraction * batches_per_stream * num_streams)) - sum(least)
+    extra = [0] * num_sampled
+    while room > 0 and any(n + e < most for n, e in zip(least, extra)):  # round-robin, first streams first
+        for i in range(num_sampled):
+            if room and least[i] + extra[i] < most:
+                extra[i] += 1
+                room -= 1
+    return [(n, n + e) for n, e in zip(least, extra)]
+
+
+def estimate_settled(record_bytes: list[int], tolerance: float = SETTLED_TOLERANCE) -> bool:
+    """Whether the mean bytes per batch moved by less than ``tolerance`` with the last batch."""
+    if len(record_bytes) < 2:
+        return False
+    now = sum(record_bytes) / len(record_bytes)
+    before = sum(record_bytes[:-1]) / (len(record_bytes) - 1)
+    return abs(now - before) <= tolerance * now
+
+
 def plan_pack(cfg: PrepackConfig, *, cores: int | None = None, sample_batches: int = 4, sample_streams_n: int = 2,
-              max_seconds: float = 60.0, tokenizer=None) -> PackPlan:
-    """Sample ``sample_batches`` batches of ``sample_streams_n`` streams and project the whole run."""
-    from prepack.engine.tokenizer import load_tokenizer, special_token_ids
+              max_seconds: float = 60.0, tokenizer=None, max_fraction: float = MAX_SAMPLE_FRACTION) -> PackPlan:
+    """Sample up to ``sample_batches`` batches of ``sample_streams_n`` streams and project the whole run.
+
+    A stream stops early once it has packed its least batches and the estimate of bytes per batch
+    (over everything sampled so far) has settled.  Past ``max_seconds`` the stream being sampled
+    stops after its least batches and the streams not begun yet are skipped.  See
+    :func:`batch_allotment` for the counts.  ``tokenizer`` (with its special ids) skips the load.
+    """
+    from prepack.tools.plan_tokenizer import load_plan_tokenizer
 
     start = time.monotonic()
     loaded = tokenizer is None
-    tokenizer, special = tokenizer or special_token_ids(load_tokenizer(cfg.tokenizer))
-    worker_start_s = time.monotonic() - start if loaded else 0.0  # every packing worker loads it once
+    tokenizer, special = tokenizer or load_plan_tokenizer(cfg.tokenizer)
+    # every packing worker loads its tokenizer once (through transformers: a few seconds more than
+    # the light load of qwen2-offline measured here; negligible against a run of hours)
+    worker_start_s = time.monotonic() - start if loaded else 0.0
     p = cfg.prepack
-    if p.batches_per_stream is not None:
-        sample_batches = max(1, min(sample_batches, p.batches_per_stream))
     acc = _Sample()
     deadline = start + max_seconds
-    for s in sample_streams(cfg.num_streams, sample_streams_n):
+    streams = sample_streams(cfg.num_streams, sample_streams_n)
+    allot = batch_allotment(len(streams), sample_batches, p.batches_per_stream, cfg.num_streams, max_fraction)
+    for s, (least, most) in zip(streams, allot):
         if acc.batches and time.monotonic() > deadline:
+            log.info("plan: %.0f s of sampling reached; streams from %d on not sampled", max_seconds, s)
             break
-        _sample_stream(cfg, s, tokenizer, special, sample_batches, deadline, acc)
+        _sample_stream(cfg, s, tokenizer, special, least, most, deadline, acc)
     if not acc.batches:
         from schemas.errors import StreamFailed
 

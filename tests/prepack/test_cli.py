@@ -160,3 +160,29 @@ def test_plan_prints_one_json_object_and_its_help_teaches(tmp_path):
     assert r.returncode == 0 and "records" in r.stdout and "core-hours" in r.stdout
     r = prepack("plan", config, "--cores", "0")
     assert r.returncode == 2 and r.stderr.strip().startswith("prepack: error: --cores")
+
+
+def test_plan_ends_without_the_interpreter_teardown_and_says_everything_first(tmp_path):
+    """The program ends a plan at once (unloading torch and numba would add ~1 s) after flushing
+    its output; other commands, and ``main()`` called in process, end normally."""
+    import json
+
+    from tests.helpers.packs import small_dataset
+
+    config = small_dataset(str(tmp_path), batches=2)
+    hook = "import atexit, sys; atexit.register(lambda: print('teardown ran', file=sys.stderr)); "
+
+    def program(*args):
+        code = hook + f"sys.argv = ['prepack', *{list(args)!r}]; from prepack.cli import entry; entry()"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+    r = program("plan", config, "--json", "--sample-batches", "1", "--sample-streams", "1")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["records"] == 4 and "teardown ran" not in r.stderr
+    r = program("plan", config, "--cores", "0")  # a refused plan still says why, with its exit code
+    assert r.returncode == 2 and r.stderr.startswith("prepack: error: --cores") and "teardown ran" not in r.stderr
+    r = program("verify", str(tmp_path / "nothing"))
+    assert r.returncode == 1 and "teardown ran" in r.stderr
+    code = hook + f"from prepack.cli import main; print(main(['plan', {config!r}, '--cores', '0']))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "2" and "teardown ran" in r.stderr

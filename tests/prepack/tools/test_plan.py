@@ -4,13 +4,15 @@ A real small pack (2 streams, several shards each) is packed after planning it f
 sample (one stream, two batches): the projected records are exact for a batch budget, the
 projected bytes — shards, checkpoints, lineage — within 30% of the bytes on disk, the shards per
 stream within one.  Knobs that look wrong are named; nothing is written anywhere by planning.
+A small pack is sampled less (never much more than a quarter of its batches), the tokenizer plan
+samples with is the run's, and planning imports neither Ray nor transformers.
 """
 
 from __future__ import annotations
 
 import os
 
-from prepack.tools.plan import plan_pack, sample_streams
+from prepack.tools.plan import batch_allotment, estimate_settled, plan_pack, sample_streams
 from schemas.config import load_config
 from tests.helpers.packs import pack_in_process, small_dataset
 
@@ -71,3 +73,78 @@ def test_sampled_streams_are_spread_and_include_both_ends():
     assert sample_streams(8, 2) == [0, 7]
     assert sample_streams(9, 3) == [0, 4, 8]
     assert sample_streams(2, 5) == [0, 1]
+
+
+def test_a_small_pack_is_sampled_a_fraction_of_its_batches():
+    # the demo's shape: 2 streams x 6 batches, at most a quarter (3): 2 of the first stream, 1 of the last
+    assert batch_allotment(2, 4, 6, 2) == [(2, 2), (1, 1)]
+    assert batch_allotment(2, 4, 8, 2) == [(2, 3), (1, 1)]  # 16 batches: 4
+    assert batch_allotment(2, 4, 20000, 64) == [(2, 4), (1, 4)]  # a real pack: the full sample
+    assert batch_allotment(2, 4, None, 2) == [(2, 4), (1, 4)]  # tokens / passes: no batch count to cap
+    assert batch_allotment(2, 4, 1, 2) == [(1, 1), (1, 1)]  # never more than the budget, at least one each
+    assert batch_allotment(3, 1, 100, 8) == [(1, 1), (1, 1), (1, 1)]
+    for streams, per, budget, n in ((2, 4, 6, 2), (2, 8, 10, 2), (4, 4, 5, 3), (2, 16, 40, 2)):
+        allot = batch_allotment(n, per, budget, streams)
+        assert sum(most for _, most in allot) <= max(n + 1, budget * streams // 4), allot
+        assert all(1 <= least <= most <= min(per, budget) for least, most in allot), allot
+
+
+def test_sampling_stops_once_the_bytes_estimate_settles():
+    assert not estimate_settled([100])
+    assert estimate_settled([100, 104])  # the mean moves 2%
+    assert not estimate_settled([100, 200])  # 33%
+    assert estimate_settled([100, 200, 150, 160])
+    assert not estimate_settled([100, 100, 100, 300], tolerance=0.1)
+
+
+def test_a_small_pack_is_planned_from_a_quarter_of_it(tmp_path, tokenizer_and_special):
+    config = small_dataset(str(tmp_path), batches=6)  # 12 batches: 3 are sampled, the projection holds
+    plan = plan_pack(load_config(config), cores=2, tokenizer=tokenizer_and_special)
+    assert plan.sample["batches"] == 3 and plan.sample["streams"] == [0, 1], plan.sample
+    out = pack_in_process(config, str(tmp_path / "out"), tokenizer_and_special)
+    assert plan.records == 12
+    assert 0.7 <= plan.output_bytes / _bytes_under(out) <= 1.3, (plan.output_bytes, _bytes_under(out))
+    assert plan.cpu_core_hours > 0
+
+
+def _texts() -> list[str]:
+    import random
+
+    from prepack.engine.tokenizer import BAGEL_TOKENS, QWEN2_ADDED_TOKENS
+
+    pool = (list("abcXYZ019 .,;:!?'\"\n\t\r-_/()[]{}") + ["  ", "\n\n", "你好", "世界", "😀", "é", "e\u0301", "ﬁ", "’s",
+            "'ll", "123456", "\u00a0", "\u200b", "<|", "|>"] + list(BAGEL_TOKENS) + [t for t, _ in QWEN2_ADDED_TOKENS])
+    rng = random.Random(0)
+    texts = ["", "Hello, world! It's 2025: 你好，世界 😀\n\n  tabs\tand   spaces\r\n",
+             "<|im_start|>user\nDescribe <|vision_start|><|image_pad|><|vision_end|> please.<|im_end|>",
+             "A photo of a cat sitting on a mat, 4k, highly detailed."]
+    texts += ["".join(rng.choice(pool) for _ in range(rng.randint(1, 60))) for _ in range(400)]
+    return texts
+
+
+def test_plan_samples_with_the_run_s_tokenizer(tokenizer_and_special):
+    """qwen2-offline is read without transformers for planning: the backend, the ids and every
+    encoding are those of the tokenizer ``prepack run`` packs with."""
+    import json
+
+    from prepack.tools.plan_tokenizer import load_plan_tokenizer
+
+    full, special = tokenizer_and_special
+    lite, lite_special = load_plan_tokenizer("qwen2-offline")
+    assert lite_special == special
+    assert json.loads(lite.backend.to_str()) == json.loads(full.backend_tokenizer.to_str())
+    for text in _texts():
+        assert lite.encode(text) == full.encode(text), text
+
+
+def test_planning_imports_neither_ray_nor_transformers(tmp_path):
+    import subprocess
+    import sys
+
+    config = small_dataset(str(tmp_path), batches=2)
+    code = ("import sys; from prepack.tools.plan import plan_pack; from schemas.config import load_config; "
+            f"plan = plan_pack(load_config({config!r}), cores=2); assert plan.records == 4; "
+            "print(sorted(m for m in ('ray', 'transformers') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
