@@ -3,7 +3,7 @@
 For every mutation: each reader (``open_stream`` with and without ``follow``,
 ``PackedShardDataset`` with and without ``follow``) raises a ``PrepackError`` naming a damaged
 file or yields exactly the clean batches — never other or fewer batches, a crash or a hang — and
-``verify`` fails naming a damaged file whenever a byte changed.  The default suite runs 40
+``verify`` fails naming a damaged file whenever a byte changed.  The default suite runs 24
 mutations; ``PREPACK_FUZZ_MANY=1`` adds 300 more (a slow test).
 """
 
@@ -113,7 +113,7 @@ def fuzz(pack: str, tmp_path, seed: int, count: int) -> None:
 
 
 def test_random_damage_is_caught_or_harmless(pack, tmp_path):
-    fuzz(pack, tmp_path, seed=16, count=40)
+    fuzz(pack, tmp_path, seed=16, count=24)
 
 
 @pytest.mark.slow

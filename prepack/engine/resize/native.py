@@ -29,8 +29,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native.c")
 # -ffp-contract=off: no fused multiply-add in the double-precision weight table (Pillow has none)
-FLAGS = ("-O2", "-march=native", "-ffp-contract=off", "-fPIC", "-shared")
-PORTABLE_FLAGS = ("-O2", "-ffp-contract=off", "-fPIC", "-shared")  # a compiler that refuses -march=native
+FLAGS = ("-O2", "-march=native", "-ffp-contract=off", "-Wno-psabi", "-fPIC", "-shared")
+PORTABLE_FLAGS = ("-O2", "-ffp-contract=off", "-Wno-psabi", "-fPIC", "-shared")  # a compiler that refuses -march=native
 CACHE_ENV = "PREPACK_CACHE_DIR"
 BUILD_TIMEOUT_S = 120
 

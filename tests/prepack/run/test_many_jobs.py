@@ -9,6 +9,7 @@ the manifest are what is under test, not Ray.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -81,21 +82,45 @@ def reference_batches(ref: str) -> dict[int, list]:
     return {s: [b.to_dict()["packed_text_ids"].tolist() for b in open_stream(ref, s)] for s in range(STREAMS)}
 
 
+def lease_pids(out: str) -> set[int]:
+    leases, pids = os.path.join(out, LEASE_DIR), set()
+    for name in os.listdir(leases) if os.path.isdir(leases) else ():
+        try:
+            with open(os.path.join(leases, name)) as f:
+                pids.add(json.load(f)["pid"])
+        except (OSError, ValueError, KeyError):  # being written or removed right now
+            pass
+    return pids
+
+
+def wait_for_lease(out: str, proc: subprocess.Popen) -> None:
+    """Until the job ``proc`` holds its lease on ``out``."""
+    deadline = time.monotonic() + 120
+    while proc.pid not in lease_pids(out):
+        assert proc.poll() is None and time.monotonic() < deadline, "the job ended before its lease was seen"
+        time.sleep(0.05)
+
+
 def test_two_jobs_fill_one_local_output_and_an_overlapping_one_is_refused(dataset, tmp_path):
     config, ref = dataset
     out = str(tmp_path / "out")
     a = job(config, out, "0,1")
-    deadline = time.monotonic() + 120
-    while not (os.path.isdir(os.path.join(out, LEASE_DIR)) and os.listdir(os.path.join(out, LEASE_DIR))):
-        assert a.poll() is None and time.monotonic() < deadline, "job a ended before its lease was seen"
-        time.sleep(0.05)
+    wait_for_lease(out, a)
     followed: dict = {}
     followers = [threading.Thread(target=follow_all, args=(out, s, followed)) for s in range(STREAMS)]
     for t in followers:
         t.start()
+    # c overlaps a (and b's streams): refused by a's live lease.  a is held (SIGSTOP: alive, its
+    # lease unexpired) until c has answered, so a small pack cannot finish before c claims.  b
+    # starts once c has withdrawn: two overlapping claims made at the same instant may both
+    # withdraw (the protocol promises at most one proceeds; test_lock_lease covers that race).
+    os.kill(a.pid, signal.SIGSTOP)
+    try:
+        c = job(config, out, "1,2")
+        rc_c, _, err_c = finish(c)
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
     b = job(config, out, "2-3")
-    c = job(config, out, "1,2")  # overlaps both: refused, whichever it meets first
-    rc_c, _, err_c = finish(c)
     (rc_a, out_a, err_a), (rc_b, out_b, err_b) = finish(a), finish(b)
     for t in followers:
         t.join(timeout=300)

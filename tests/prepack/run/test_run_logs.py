@@ -3,7 +3,7 @@
 The same data packed as 2 and as 8 streams, with a per-sample limit that drops samples in every
 stream: the output has the same few lines (summary, one announcement per drop reason with its
 meaning), not a line per stream; with ``-v`` each stream's drops are there in full.  Once through
-Ray, where worker logs are forwarded to the driver.
+Ray (4 streams), where worker logs are forwarded to the driver.
 """
 
 from __future__ import annotations
@@ -65,8 +65,10 @@ def test_verbose_shows_each_streams_drops(dataset, tmp_path):
 
 
 @pytest.mark.slow
-def test_ray_run_of_8_streams_prints_a_few_lines(dataset, tmp_path):
-    lines = run(dataset, 4, str(tmp_path / "ray"), "--num-cpus", "2")
+def test_ray_run_of_4_streams_prints_a_few_lines(dataset, tmp_path):
+    """Under Ray too (workers' logs are forwarded to the driver): the in-process test above shows
+    that 2 and 8 streams print the same lines; 4 Ray workers would print 4 times as many."""
+    lines = run(dataset, 2, str(tmp_path / "ray"), "--num-cpus", "2")
     assert len(announcements(lines, "overlength_sample")) == 1, lines
     assert not [line for line in lines if "drop[" in line or "(stream_task pid=" in line], lines
     assert len(lines) <= 10, "\n".join(lines)
