@@ -35,7 +35,7 @@ from tests.helpers.readme import readme_tested_blocks
 pytest.importorskip("nemo_automodel")
 pytest.importorskip("einops")  # NeMo's multimodal recipe module imports it
 
-STEPS, KILL_AT, WORKERS = 8, 3, 2
+STEPS, KILL_AT, WORKERS = 6, 3, 2
 NEMO_RECIPE = "nemo_automodel.recipes.multimodal.pretrain.PretrainRecipeForMultimodal"
 
 

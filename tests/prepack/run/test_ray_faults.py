@@ -208,8 +208,8 @@ def test_lock_left_by_a_process(holder, config, reference, tmp_path):
     with open(lock, "w") as f:
         f.write(_lease(proc.pid))
     try:
-        with RayRun() as rr:
-            r = rr.run(prepack("run", config, "--out", out), timeout=120)
+        with RayRun() as rr:  # packed inline: the lease rules are the driver's, with or without Ray
+            r = rr.run(prepack("run", config, "--out", out, "--no-ray"), timeout=120)
     finally:
         proc.kill()
         proc.wait()
