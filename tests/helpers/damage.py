@@ -116,9 +116,9 @@ def _edit_json_value(data: bytes, rng: random.Random) -> bytes:
     return json.dumps(doc, indent=1, sort_keys=True).encode()
 
 
-def random_mutation(files: dict[str, list[str]], out: str, rng: random.Random) -> Mutation:
-    """One seeded random damage to one file of a random kind (two files for a swap)."""
-    kind = rng.choice(sorted(files))
+def random_mutation(files: dict[str, list[str]], out: str, rng: random.Random, kind: str | None = None) -> Mutation:
+    """One seeded random damage to one file of ``kind`` (else a random kind; two files for a swap)."""
+    kind = rng.choice(sorted(files)) if kind is None else kind
     rel = rng.choice(files[kind])
     data = open(os.path.join(out, rel), "rb").read()
     n = len(data)

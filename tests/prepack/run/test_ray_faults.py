@@ -44,8 +44,8 @@ from tests.helpers.ray_helpers import (
 
 pytestmark = pytest.mark.slow  # starts Ray or runs the reference for many batches
 
-BATCHES = 12
-SHARD_BYTES = 5_000_000  # records are ~2-4 MB: about two records per shard
+BATCHES = 8
+SHARD_BYTES = 3_000_000  # records are ~1-4 MB: about two records a shard, four shards a stream
 
 
 @pytest.fixture(scope="module")
