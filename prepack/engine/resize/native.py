@@ -101,8 +101,8 @@ def build(target: Path, env: Mapping[str, str], flags: tuple[str, ...] = FLAGS) 
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     last = ""
     try:
-        for flags in ((FLAGS, PORTABLE_FLAGS) if flags == FLAGS else (flags,)):
-            cmd = [*cc, *flags, "-o", str(tmp), str(SOURCE), "-lm"]
+        for attempt in ((FLAGS, PORTABLE_FLAGS) if flags == FLAGS else (flags,)):
+            cmd = [*cc, *attempt, "-o", str(tmp), str(SOURCE), "-lm"]
             try:
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
                                       env=dict(env))
