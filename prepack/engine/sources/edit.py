@@ -14,13 +14,13 @@ import json
 import os
 from typing import Iterator
 
-import pyarrow.parquet as pq
 
 from prepack.engine.accounting import Rejected
 from prepack.engine.images import decode_rgb, navit_size
 from prepack.engine.sample import PlanItem, Sample, SampleImage
 from prepack.engine.sources import files
 from prepack.engine.sources.base import Source, StreamContext, list_parquet_files, slice_for_stream
+from prepack.engine.sources.parquet import RecentHandles, open_parquet
 from schemas.config import ConfigError, GroupConfig, TransformArgs
 from schemas.record import SampleOrigin
 
@@ -40,12 +40,12 @@ def _load_parquet_info(paths: list[str], base: str) -> dict:
     return info
 
 
+COLUMNS = ("image_list", "instruction_list")
+
+
 def _read_row_group(path: str, rg: int):
-    """Open the file (its footer) and read one row group's edit columns."""
-    pf = pq.ParquetFile(files.random_access(path))
-    names = pf.schema_arrow.names
-    return pf.read_row_group(rg, columns=[c for c in ("image_list", "instruction_list") if c in names],
-                             use_threads=False)  # a thread pool costs ~2x the CPU here
+    """Open the file (its footer) and read one row group's edit columns, as the reference does per row group."""
+    return open_parquet(path).read_row_group(rg, COLUMNS)
 
 
 class EditSource(Source):
@@ -89,22 +89,25 @@ class EditSource(Source):
         counts = []
         for path in paths[::step][:max_files]:
             try:
-                md = pq.ParquetFile(files.random_access(path)).metadata
+                md = open_parquet(path).metadata
                 counts += [md.row_group(rg).num_rows if rg < md.num_row_groups else 0 for rg in by_file[path]]
             except Exception:  # an unreadable file: packing drops its row groups
                 counts += [0] * len(by_file[path])
         return round(sum(counts) / len(counts) * len(self.row_groups)) if counts else 0
 
     def _plan(self):
-        """One fetch per row group from the cursor on (footer and row group, as ``_walk`` reads them)."""
+        """One fetch per row group from the cursor on (as ``_walk`` reads them); a file's footer is read
+        once for its row groups while it is among the last 16 files read."""
         row_groups = [(p, rg) for p, rg, _ in self.row_groups]
         first = self.pos[0]
 
         def plan(submit) -> None:
             gpos = first
+            handles = RecentHandles()  # row groups of one file read its footer once
             while True:
                 while gpos < len(row_groups):
-                    submit(gpos, lambda item=row_groups[gpos]: _read_row_group(*item))
+                    path, rg = row_groups[gpos]
+                    submit(gpos, lambda path=path, rg=rg: handles.open(path).read_row_group(rg, COLUMNS))
                     gpos += 1
                 gpos = 0
 

@@ -7,7 +7,9 @@ one directory), the same bytes.  Local paths go on using the very calls the refe
 (``os.listdir``, ``open``, a path handed to PIL or parquet), so local behaviour is unchanged.
 
 One filesystem object per (scheme, bucket) and process: creating an S3 client costs far more
-than a request, and a stream reads thousands of objects.
+than a request, and a stream reads thousands of objects.  Listings go through the filesystem;
+object reads go through the bucket's ``objects`` client (obstore on S3 where it can, which costs
+the packer a third of the CPU per request).  Parquet files are opened in ``parquet``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import io
 import os
 
 import pyarrow.fs as pafs
+
+from prepack.engine.sources import objects
 
 
 def is_uri(path: str) -> bool:
@@ -34,6 +38,18 @@ def fs_and_path(uri: str) -> tuple[pafs.FileSystem, str]:
     scheme, rest = uri.split("://", 1)
     authority, _, key = rest.partition("/")
     return _filesystem(scheme, authority), f"{authority}/{key}".rstrip("/")
+
+
+def objects_and_key(uri: str) -> "tuple[objects.ObjectClient, str]":
+    """The (cached) object client of ``uri``'s bucket and the key inside it (``bucket/key``)."""
+    scheme, rest = uri.split("://", 1)
+    authority, _, key = rest.partition("/")
+    return _objects(scheme, authority, objects.choice()), f"{authority}/{key}".rstrip("/")
+
+
+@functools.lru_cache(maxsize=64)
+def _objects(scheme: str, authority: str, which: str) -> "objects.ObjectClient":
+    return objects.make_client(scheme, authority, _filesystem(scheme, authority), {**os.environ, objects.CLIENT_ENV: which})
 
 
 def join(directory: str, name: str) -> str:
@@ -61,9 +77,8 @@ def read_bytes(path: str) -> bytes:
     if not is_uri(path):
         with open(path, "rb") as f:
             return f.read()
-    fs, p = fs_and_path(path)
-    with fs.open_input_stream(p) as f:
-        return f.read()
+    client, key = objects_and_key(path)
+    return client.get(key)
 
 
 def read_text(path: str) -> str:
@@ -74,14 +89,6 @@ def read_text(path: str) -> str:
 def media(path: str) -> "str | bytes":
     """What to hand a decoder: the path itself locally (as the reference does), the bytes on a URI."""
     return read_bytes(path) if is_uri(path) else path
-
-
-def random_access(path: str):
-    """A seekable file for parquet: the path locally, an open pyarrow input file on a URI."""
-    if not is_uri(path):
-        return path
-    fs, p = fs_and_path(path)
-    return fs.open_input_file(p)
 
 
 def video_source(path: str):

@@ -15,7 +15,10 @@ being fetched ahead of the packer, and no new fetch starts while those objects r
 ``max_bytes`` (64 MiB) — fetched ones by their size, those in flight by their size in a parquet
 footer or else by the mean size of the source's fetches so far.  So a source holds about
 ``max_bytes`` plus the one object that crossed it (estimates aside), and the row being packed:
-the packer takes all of a JSONL row's objects at once, as decoding the row needs them.  Settings come from the environment of the packing
+the packer takes all of a JSONL row's objects at once, as decoding the row needs them.  Within
+that bound the window is only as deep as the store needs: it starts at 4 objects and grows by
+half each time the source has to wait for an object, so a near store is not read far ahead (a
+stream's end wastes fewer fetches) and a far one soon is.  Settings come from the environment of the packing
 process (``PREPACK_READ_AHEAD``, ``PREPACK_READ_AHEAD_MB``, ``PREPACK_IO_THREADS``): they change
 no byte of the output, so they are not part of the config.
 
@@ -161,6 +164,22 @@ class _Closed(BaseException):  # not an Exception: a plan's own error handling m
     """Raised inside the planner thread when its read-ahead was closed: unwinds the plan."""
 
 
+INITIAL_WINDOW = 4  # objects ahead of a new read-ahead; ``depth`` is where its growth stops
+
+
+class _Fetch(Future):
+    """A fetch's future that tells its read-ahead when the source has to wait for it."""
+
+    def __init__(self, owner: "ReadAhead"):
+        super().__init__()
+        self._owner = owner
+
+    def result(self, timeout=None):
+        if not self.done() and threading.current_thread() is not self._owner._thread:  # not a plan awaiting a footer
+            self._owner._late()
+        return super().result(timeout)
+
+
 class ReadAheadOutOfStep(RuntimeError):
     """The source asked for another object than the plan fetched next (a bug in a plan)."""
 
@@ -201,6 +220,7 @@ class ReadAhead:
         self._ahead = 0  # bytes of the window: fetched objects by size, those in flight by estimate
         self._fetched = 0  # fetches done so far and the bytes they returned: the estimate for unsized ones
         self._fetched_bytes = 0
+        self._window = min(depth, INITIAL_WINDOW)  # objects ahead allowed now: grows while the source waits
         self._closed = False
         self._planner_error: BaseException | None = None
         self._planner_done = False
@@ -210,6 +230,18 @@ class ReadAhead:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def window(self) -> int:
+        """How many objects may be ahead now (``INITIAL_WINDOW`` up to ``depth``)."""
+        return self._window
+
+    def _late(self) -> None:
+        """The source waits for an object: the window was too short for the store's latency."""
+        with self._cond:
+            if self._window < self.depth:
+                self._window = min(self.depth, self._window + max(1, self._window // 2))
+                self._cond.notify_all()
 
     @property
     def outstanding(self) -> int:
@@ -240,12 +272,12 @@ class ReadAhead:
         is fetched.
         """
         with self._cond:
-            while not self._closed and (len(self._queue) >= self.depth
+            while not self._closed and (len(self._queue) >= self._window
                                         or (self._queue and self._ahead >= self.max_bytes)):
                 self._cond.wait()
             if self._closed:
                 raise _Closed
-            fut = Future()
+            fut = _Fetch(self)
             estimate = 0 if fetch is None else (size if size is not None else self._mean_bytes())
             entry = [key, fut, estimate, True]  # key, future, bytes counted in _ahead, in the window
             if fetch is None:

@@ -9,42 +9,23 @@ counted warning; dropped in strict mode).  Data index: ``[file position, row gro
 from __future__ import annotations
 
 import json
-from typing import Callable, Iterator
-
-import pyarrow.parquet as pq
+from typing import Iterator
 
 from prepack.engine.accounting import Rejected
 from prepack.engine.images import decode_rgb, navit_size
 from prepack.engine.sample import PlanItem, Sample, SampleImage
 from prepack.engine.sources import files
 from prepack.engine.sources.base import Source, StreamContext, list_parquet_files, slice_for_stream
+from prepack.engine.sources.parquet import ParquetHandle, open_parquet
 from schemas.config import GroupConfig
 from schemas.record import SampleOrigin
 
 
-def _open(path: str) -> tuple[pq.ParquetFile, set[str], int]:
-    """A parquet file's reader, column names and row-group count (its footer is read here)."""
-    pf = pq.ParquetFile(files.random_access(path))
-    return pf, set(pf.schema_arrow.names), pf.num_row_groups
+COLUMNS = ("image", "captions")
 
 
-def _open_shared(path: str) -> tuple[Callable[[], pq.ParquetFile], set[str], int, list[int]]:
-    """Like ``_open``, but hands out new readers of the one open file that share its footer, and
-    each row group's size as the footer gives it (what reading it will hold, for the byte bound).
-
-    Readers of several row groups then run at once (each a few ranged reads; an object-store
-    file serves concurrent ranged reads), and no read asks for the footer again.
-    """
-    source = files.random_access(path)
-    pf = pq.ParquetFile(source)
-    metadata = pf.metadata
-    sizes = [metadata.row_group(i).total_byte_size for i in range(pf.num_row_groups)]
-    return (lambda: pq.ParquetFile(source, metadata=metadata)), set(pf.schema_arrow.names), pf.num_row_groups, sizes
-
-
-def _read_row_group(pf: pq.ParquetFile, names: set[str], rg: int):
-    return pf.read_row_group(rg, columns=[c for c in ("image", "captions") if c in names],
-                             use_threads=False)  # a thread pool costs ~2x the CPU here
+def _read_row_group(handle: ParquetHandle, rg: int):
+    return handle.read_row_group(rg, COLUMNS)
 
 
 class T2ISource(Source):
@@ -71,7 +52,7 @@ class T2ISource(Source):
         counts = []
         for path in paths[::step][:max_files]:
             try:
-                counts.append(_open(path)[0].metadata.num_rows)
+                counts.append(open_parquet(path).metadata.num_rows)
             except Exception:  # an unreadable file: packing drops it
                 counts.append(0)
         return round(sum(counts) / len(counts) * len(self.files)) if counts else 0
@@ -82,8 +63,9 @@ class T2ISource(Source):
                 fpos = self.pos[0]
                 path, dataset = self.files[fpos]
                 opened = ra.take(("open", fpos)) if ra is not None else None
-                try:  # with a read-ahead, row groups come from it and ``pf`` is not used
-                    pf, names, num_groups = opened.result()[:3] if opened is not None else _open(path)
+                try:  # with a read-ahead, row groups come from it and ``handle`` is not read here
+                    handle = opened.result() if opened is not None else open_parquet(path)
+                    names, num_groups = handle.names, handle.num_row_groups
                 except Exception as e:  # the reference crashes here; we drop the file
                     self._failed("parquet_file_unreadable", f"{path}: {e}")
                     self.pos = [fpos + 1, 0, 0]
@@ -92,7 +74,7 @@ class T2ISource(Source):
                     rg = self.pos[1]
                     fetched = ra.take(("row_group", fpos, rg)) if ra is not None else None
                     try:
-                        table = fetched.result() if fetched is not None else _read_row_group(pf, names, rg)
+                        table = fetched.result() if fetched is not None else _read_row_group(handle, rg)
                     except Exception as e:  # the reference crashes here; we drop the row group
                         self._failed("parquet_row_group_unreadable", f"{path} rg {rg}: {e}")
                         self.pos = [fpos, rg + 1, 0]
@@ -124,14 +106,15 @@ class T2ISource(Source):
             while True:
                 while fpos < len(paths):
                     path = paths[fpos]
-                    opened = submit(("open", fpos), lambda path=path: _open_shared(path))
+                    opened = submit(("open", fpos), lambda path=path: open_parquet(path))
                     try:
-                        reader, names, num_groups, sizes = opened.result()
+                        handle = opened.result()
+                        num_groups = handle.num_row_groups
                     except Exception:  # the source drops the file; so does the plan
                         num_groups = 0
-                    for rg in range(rg0, num_groups):
-                        submit(("row_group", fpos, rg),
-                               lambda reader=reader, names=names, rg=rg: _read_row_group(reader(), names, rg), sizes[rg])
+                    for rg in range(rg0, num_groups):  # row groups of one handle may be read at once
+                        submit(("row_group", fpos, rg), lambda handle=handle, rg=rg: _read_row_group(handle, rg),
+                               handle.row_group_bytes(rg))
                     fpos, rg0 = fpos + 1, 0
                 fpos = 0
 

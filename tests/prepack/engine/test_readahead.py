@@ -15,6 +15,7 @@ import pytest
 
 from prepack.engine.sources.readahead import (
     DIRECT,
+    INITIAL_WINDOW,
     IOPool,
     Prefetched,
     ReadAheadOutOfStep,
@@ -85,6 +86,45 @@ def test_never_more_than_depth_objects_outstanding():
             assert ra.take(k).result() == k
             _wait_for(lambda: len(seen) >= depth + k + 1)
         assert max(seen) <= depth and len(seen) <= depth + 20
+    finally:
+        pool.close()
+
+
+def test_the_window_starts_short_and_grows_only_while_the_source_waits():
+    pool = IOPool(ReadAheadSettings(depth=20, threads=4), name="ra-window")
+    try:
+        quick = pool.read_ahead(_keys_in_order(lambda k: k), "quick")
+        for k in range(40):  # each object is fetched before it is asked for: the source never waits
+            fut = quick.take(k)
+            _wait_for(fut.done)
+            assert fut.result() == k and quick.outstanding <= INITIAL_WINDOW
+        assert quick.window == INITIAL_WINDOW
+        slow = pool.read_ahead(_keys_in_order(lambda k: time.sleep(0.02) or k), "slow")
+        windows = []
+        for k in range(40):  # asked for at once: the source waits, the window deepens, up to depth
+            assert slow.take(k).result() == k
+            windows.append(slow.window)
+        assert windows == sorted(windows) and windows[0] > INITIAL_WINDOW and windows[-1] == 20
+    finally:
+        pool.close()
+
+
+def test_a_plan_waiting_for_its_own_fetch_does_not_deepen_the_window():
+    pool = IOPool(ReadAheadSettings(depth=20, threads=2), name="ra-window-plan")
+
+    def plan(submit):
+        k = 0
+        while True:
+            submit(k, lambda k=k: time.sleep(0.01) or k).result()  # a footer the plan needs first
+            k += 1
+
+    try:
+        ra = pool.read_ahead(plan, "t")
+        for k in range(10):
+            fut = ra.take(k)
+            _wait_for(fut.done)
+            assert fut.result() == k
+        assert ra.window == INITIAL_WINDOW
     finally:
         pool.close()
 

@@ -168,7 +168,8 @@ def _damaged_dataset(root) -> dg.Dataset:
     return ds
 
 
-def test_missing_and_damaged_objects_are_dropped_by_the_same_rule_at_the_same_point(s3, tokenizer_and_special, tmp_path):
+def test_missing_and_damaged_objects_are_dropped_by_the_same_rule_at_the_same_point(s3, tokenizer_and_special, tmp_path,
+                                                                                  monkeypatch):
     ds = _damaged_dataset(tmp_path)
     uri = s3.new_prefix("damaged")
     s3.upload(str(tmp_path), uri)
@@ -196,6 +197,13 @@ def test_missing_and_damaged_objects_are_dropped_by_the_same_rule_at_the_same_po
     for settings in SETTINGS:
         on = _run(s3_config, 0, tokenizer_and_special, settings, n=24)
         assert on[:3] == off[:3], f"{settings}: drops, warnings or records differ with read-ahead"
+    from prepack.engine.sources import files
+
+    assert files.objects_and_key(uri)[0].name == "obstore"  # what read the store above
+    monkeypatch.setenv("PREPACK_OBJECT_CLIENT", "pyarrow")
+    assert files.objects_and_key(uri)[0].name == "pyarrow"
+    on = _run(s3_config, 0, tokenizer_and_special, SETTINGS[0], n=24)
+    assert on[:3] == off[:3], "drops, warnings or records differ between the obstore and pyarrow clients"
 
 
 def test_a_stalled_source_stops_the_same_way_and_leaves_no_thread(s3, tokenizer_and_special, tmp_path):
