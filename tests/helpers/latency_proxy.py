@@ -129,6 +129,10 @@ class ProxyProcess:
     def requests(self) -> int:
         return int(self._counter.value)
 
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
     def close(self) -> None:
         if self._proc.is_alive():
             self._proc.terminate()  # SIGTERM to this child's PID
