@@ -135,12 +135,27 @@ def _list(loc: PackLocation) -> list[str]:
                   if i.type == pafs.FileType.File and i.base_name.endswith(_SUFFIX))
 
 
-def _read(loc: PackLocation, holder: str) -> bytes | None:
-    try:
-        with loc.fs.open_input_stream(_lease_path(loc, holder)) as f:
-            return f.read()
-    except FileNotFoundError:
-        return None
+def _read(loc: PackLocation, holder: str, attempts: int = 3) -> bytes | None:
+    """A holder's lease, or None once it is gone.
+
+    A lease deleted while it is read (its run withdrawing a claim at the same moment) can fail
+    mid-body on a store rather than as not-found: that is "gone" too, if the object no longer
+    exists; any other failure is retried, then raised.
+    """
+    path = _lease_path(loc, holder)
+    for attempt in range(attempts):
+        try:
+            with loc.fs.open_input_stream(path) as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+        except OSError:
+            if loc.fs.get_file_info(path).type == pafs.FileType.NotFound:
+                return None
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.05 * (attempt + 1))
+    return None
 
 
 def _parse(raw: bytes | None) -> dict:

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+import pyarrow.fs as pafs
 import pytest
 
 from prepack.run import lock as lockmod
@@ -238,3 +239,35 @@ def test_a_run_with_nothing_to_pack_removes_provably_stale_leases(loc):
         assert _holders(loc) == [live.holder]
     finally:
         live.release()
+
+
+class _VanishingStore:
+    """A store whose lease objects fail mid-body (as SeaweedFS did when one was deleted while read)."""
+
+    def __init__(self, exists: bool):
+        self.exists, self.reads = exists, 0
+
+    def path(self, rel: str) -> str:
+        return f"bucket/pack/{rel}"
+
+    @property
+    def fs(self):
+        return self
+
+    def open_input_stream(self, path):
+        self.reads += 1
+        raise OSError("AWS Error INTERNAL_FAILURE during GetObject operation: Failed to flush response stream")
+
+    def get_file_info(self, path):
+        return pafs.FileInfo(path, pafs.FileType.File if self.exists else pafs.FileType.NotFound)
+
+
+def test_a_lease_deleted_while_it_is_read_is_gone_and_a_failing_store_is_an_error():
+    from prepack.run import lock
+
+    gone = _VanishingStore(exists=False)
+    assert lock._read(gone, "h") is None and gone.reads == 1
+    failing = _VanishingStore(exists=True)
+    with pytest.raises(OSError, match="INTERNAL_FAILURE"):
+        lock._read(failing, "h")
+    assert failing.reads == 3  # retried, then raised
