@@ -33,18 +33,23 @@ def _filesystem(scheme: str, authority: str) -> pafs.FileSystem:
     return fs
 
 
-def fs_and_path(uri: str) -> tuple[pafs.FileSystem, str]:
-    """The (cached) filesystem of ``uri`` and the object path inside it (``bucket/key``)."""
+def _split(uri: str) -> tuple[str, str, str]:
+    """(scheme, bucket, ``bucket/key``) of a URI."""
     scheme, rest = uri.split("://", 1)
     authority, _, key = rest.partition("/")
-    return _filesystem(scheme, authority), f"{authority}/{key}".rstrip("/")
+    return scheme, authority, f"{authority}/{key}".rstrip("/")
+
+
+def fs_and_path(uri: str) -> tuple[pafs.FileSystem, str]:
+    """The (cached) filesystem of ``uri`` and the object path inside it (``bucket/key``)."""
+    scheme, authority, key = _split(uri)
+    return _filesystem(scheme, authority), key
 
 
 def objects_and_key(uri: str) -> "tuple[objects.ObjectClient, str]":
     """The (cached) object client of ``uri``'s bucket and the key inside it (``bucket/key``)."""
-    scheme, rest = uri.split("://", 1)
-    authority, _, key = rest.partition("/")
-    return _objects(scheme, authority, objects.choice()), f"{authority}/{key}".rstrip("/")
+    scheme, authority, key = _split(uri)
+    return _objects(scheme, authority, objects.choice()), key
 
 
 @functools.lru_cache(maxsize=64)

@@ -61,9 +61,8 @@ class PyarrowObjects:
 
     name = "pyarrow"
 
-    def __init__(self, fs: pafs.FileSystem, scheme: str):
+    def __init__(self, fs: pafs.FileSystem):
         self._fs = fs
-        self._scheme = scheme
 
     def get(self, key: str) -> bytes:
         with self._fs.open_input_stream(key) as f:
@@ -86,7 +85,8 @@ class ObstoreObjects:
     name = "obstore"
 
     def __init__(self, bucket: str, region: str | None, env: "dict[str, str] | None" = None):
-        import obstore  # noqa: F401  (an ImportError here means: use pyarrow)
+        import obstore  # an ImportError here means: use pyarrow
+        from obstore import exceptions
         from obstore.store import S3Store
 
         env = os.environ if env is None else env
@@ -100,18 +100,17 @@ class ObstoreObjects:
         else:  # AWS itself: virtual-hosted requests, as pyarrow sends them
             kwargs["virtual_hosted_style_request"] = True
         client_options = {"allow_http": bool(endpoint and endpoint.startswith("http://"))}
+        self._get, self._errors = obstore.get, exceptions  # imported once, not per request
         self._bucket = bucket
         self._store = S3Store(bucket, client_options=client_options, **kwargs)
 
     def _call(self, key: str, **options):
-        import obstore
-        from obstore import exceptions as ox
-
+        ox = self._errors
         bucket, _, path = key.partition("/")
         if bucket != self._bucket:
             raise ValueError(f"{key}: not in bucket {self._bucket}")
         try:
-            return obstore.get(self._store, path, options=options or None)
+            return self._get(self._store, path, options=options or None)
         except ox.NotFoundError:
             raise FileNotFoundError(errno.ENOENT, "no such object", _uri("s3", key)) from None
         except (ox.PermissionDeniedError, ox.UnauthenticatedError) as e:
@@ -211,7 +210,7 @@ def make_client(scheme: str, authority: str, fs: pafs.FileSystem,
     """The client for one (scheme, bucket), by ``PREPACK_OBJECT_CLIENT`` (see the module docstring)."""
     env = os.environ if env is None else env
     want = choice(env)
-    pyarrow_client = PyarrowObjects(fs, scheme)
+    pyarrow_client = PyarrowObjects(fs)
     if scheme != "s3" or want == "pyarrow" or (want == "auto" and credentials_from_profile(env)):
         return pyarrow_client
     region = getattr(fs, "region", None)

@@ -65,13 +65,13 @@ class _Spans(io.RawIOBase):
         return self.read(-1)
 
 
-def _chunk_span(metadata: pq.FileMetaData, rg: int, columns: "Sequence[str] | None") -> "tuple[int, int] | None":
-    """Byte range of row group ``rg``'s column chunks of the top-level ``columns`` (None: all)."""
+def _chunk_span(metadata: pq.FileMetaData, rg: int, columns: Sequence[str]) -> "tuple[int, int] | None":
+    """Byte range of row group ``rg``'s column chunks of the top-level ``columns`` (None if none)."""
     group = metadata.row_group(rg)
     starts, ends = [], []
     for i in range(group.num_columns):
         chunk = group.column(i)
-        if columns is not None and chunk.path_in_schema.split(".", 1)[0] not in columns:
+        if chunk.path_in_schema.split(".", 1)[0] not in columns:
             continue
         start = chunk.data_page_offset
         if chunk.has_dictionary_page and chunk.dictionary_page_offset is not None and chunk.dictionary_page_offset > 0:
