@@ -157,7 +157,7 @@ class Pack:
         if summary is not None and summary.num_records > 0:
             return f"{done_file(stream)} says the stream has {summary.num_records} records"
         loc = self.location
-        infos = loc.fs.get_file_info(pafs.FileSelector(loc.path(stream_dir(stream)), allow_not_found=True))
+        infos = loc.list(stream_dir(stream))
         for info in sorted(infos, key=lambda i: i.base_name):
             m = _LATER_FILE.fullmatch(info.base_name)
             if m and int(m[2]) >= (1 if m[1] == "shard" else 2):

@@ -82,6 +82,21 @@ class PackLocation:
         with self.fs.open_input_stream(self.path(relpath)) as f:
             return f.read()
 
+    def list(self, relpath: str, recursive: bool = False, attempts: int = 3) -> "list[pafs.FileInfo]":
+        """What is under ``relpath`` ([] when it does not exist).
+
+        pyarrow's local listing fails as not-found, ``allow_not_found`` or not, when the folder
+        is created (by another run, or the packer a follower reads behind) between its failed
+        open and its existence check: that is listed again."""
+        selector = pafs.FileSelector(self.path(relpath), recursive=recursive, allow_not_found=True)
+        for attempt in range(attempts):
+            try:
+                return self.fs.get_file_info(selector)
+            except FileNotFoundError:
+                if attempt == attempts - 1:
+                    raise
+        return []
+
 
 def resolve_location(
     out: "str | os.PathLike | PackLocation", filesystem: pafs.FileSystem | None = None

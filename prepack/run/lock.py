@@ -128,20 +128,9 @@ def _lease_path(loc: PackLocation, holder: str) -> str:
     return loc.path(f"{LEASE_DIR}/{holder}{_SUFFIX}")
 
 
-def _list(loc: PackLocation, attempts: int = 3) -> list[str]:
-    """Holder ids of the leases present (one LIST).
-
-    pyarrow's local listing can fail as not-found even with ``allow_not_found`` when another run
-    creates the lease folder between its failed open and its existence check: list again.
-    """
-    selector = pafs.FileSelector(loc.path(LEASE_DIR), allow_not_found=True)
-    for attempt in range(attempts):
-        try:
-            infos = loc.fs.get_file_info(selector)
-            break
-        except FileNotFoundError:
-            if attempt == attempts - 1:
-                raise
+def _list(loc: PackLocation) -> list[str]:
+    """Holder ids of the leases present (one LIST)."""
+    infos = loc.list(LEASE_DIR)
     return sorted(i.base_name[:-len(_SUFFIX)] for i in infos
                   if i.type == pafs.FileType.File and i.base_name.endswith(_SUFFIX))
 

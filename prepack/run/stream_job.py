@@ -249,7 +249,7 @@ def drop_lineage_leftovers(loc: PackLocation, stream: int) -> int:
     for every finished stream a run is asked for (one listing each).
     """
     sdir = loc.path(stream_dir(stream))
-    names = [i.base_name for i in loc.fs.get_file_info(pafs.FileSelector(sdir, allow_not_found=True))
+    names = [i.base_name for i in loc.list(stream_dir(stream))
              if i.type == pafs.FileType.File and _SHARD_LINEAGE.fullmatch(i.base_name)]
     for name in names:
         try:

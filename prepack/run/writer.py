@@ -286,7 +286,7 @@ def recover_stream(
     """
     loc = resolve_location(out, filesystem)
     sdir = loc.path(stream_dir(stream))
-    infos = loc.fs.get_file_info(pafs.FileSelector(sdir, allow_not_found=True))
+    infos = loc.list(stream_dir(stream))
     sizes = {i.base_name: i.size for i in infos if i.type == pafs.FileType.File}
     index = read_index(loc, stream) or StreamIndex(stream, [])
     for entry in index.shards:

@@ -49,7 +49,7 @@ def lineage_files(out) -> list[str]:
     import pyarrow.fs as pafs
 
     loc = resolve_location(out)
-    infos = loc.fs.get_file_info(pafs.FileSelector(loc.base, recursive=True, allow_not_found=True))
+    infos = loc.list("", recursive=True)
     base = loc.base.rstrip("/") + "/"
     rel = sorted(i.path[len(base):] for i in infos if i.type == pafs.FileType.File and i.path.startswith(base))
     done = [r for r in rel if r.startswith(LINEAGE_DIR + "/stream-") and r.endswith(".parquet")]

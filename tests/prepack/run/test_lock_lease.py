@@ -272,34 +272,3 @@ def test_a_lease_deleted_while_it_is_read_is_gone_and_a_failing_store_is_an_erro
         lock._read(failing, "h")
     assert failing.reads == 3  # retried, then raised
 
-
-class _RacedFolder:
-    """A local listing that fails as not-found the first ``fails`` times (the lease folder created
-    by another run between pyarrow's failed open and its existence check), then lists ``names``."""
-
-    def __init__(self, fails: int, names: list[str]):
-        self.fails, self.names, self.listings = fails, names, 0
-
-    def path(self, rel: str) -> str:
-        return f"/pack/{rel}"
-
-    @property
-    def fs(self):
-        return self
-
-    def get_file_info(self, selector):
-        self.listings += 1
-        if self.listings <= self.fails:
-            raise FileNotFoundError(f"Cannot list directory '{selector.base_dir}'")
-        return [pafs.FileInfo(f"{selector.base_dir}/{n}", pafs.FileType.File) for n in self.names]
-
-
-def test_a_lease_folder_created_while_it_is_listed_is_listed_again():
-    from prepack.run import lock
-
-    raced = _RacedFolder(fails=1, names=["a.json", "b.json", "notes.txt"])
-    assert lock._list(raced) == ["a", "b"] and raced.listings == 2
-    broken = _RacedFolder(fails=5, names=[])
-    with pytest.raises(FileNotFoundError):
-        lock._list(broken)
-    assert broken.listings == 3
