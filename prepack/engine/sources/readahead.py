@@ -10,17 +10,17 @@ exception where the source would have made the call, so a missing or damaged obj
 and dropped by the same rule at the same point.  Nothing of it is state: a resumed source starts
 a new read-ahead at its restored cursor.
 
-The bound, per source (a stream has at most three): at most ``depth`` objects (32) fetched or
+The bound, per source (a stream has at most three): at most ``depth`` objects (64) fetched or
 being fetched ahead of the packer, and no new fetch starts while those objects reach
 ``max_bytes`` (64 MiB) — fetched ones by their size, those in flight by their size in a parquet
 footer or else by the mean size of the source's fetches so far.  So a source holds about
 ``max_bytes`` plus the one object that crossed it (estimates aside), and the row being packed:
 the packer takes all of a JSONL row's objects at once, as decoding the row needs them.  Within
-that bound the window is only as deep as the store needs: it starts at 4 objects and grows by
-half each time the source has to wait for an object, so a near store is not read far ahead (a
-stream's end wastes fewer fetches) and a far one soon is.  Settings come from the environment of the packing
-process (``PREPACK_READ_AHEAD``, ``PREPACK_READ_AHEAD_MB``, ``PREPACK_IO_THREADS``): they change
-no byte of the output, so they are not part of the config.
+that bound the window is only as deep as the store needs: it starts at 8 objects and doubles
+each time the source has to wait for an object, so a near store is not read far ahead (a stream's
+end wastes fewer fetches) and a far one is after three waits, once per stream.  Settings come
+from the environment of the packing process (``PREPACK_READ_AHEAD``, ``PREPACK_READ_AHEAD_MB``,
+``PREPACK_IO_THREADS``): they change no byte of the output, so they are not part of the config.
 
 Local paths do not use it: the page cache and the kernel's own read-ahead already hide a local
 disk's latency, and the threads would only cost the packer CPU.
@@ -51,7 +51,7 @@ Submit = Callable[..., Future]  # submit(key, fetch, size=None) -> the fetch's f
 class ReadAheadSettings:
     """How far a remote source reads ahead; ``depth == 0`` turns read-ahead off."""
 
-    depth: int = 32  # objects fetched or in flight per source (a frame folder row alone can be 31)
+    depth: int = 64  # objects fetched or in flight per source (a frame folder row alone can be 31, the next row behind it)
     max_bytes: int = 64 << 20  # no new fetch while a source's objects ahead (held or in flight) reach this
     threads: int = 8  # I/O threads per stream, shared by its sources (they wait on the store, not the CPU)
 
@@ -164,7 +164,7 @@ class _Closed(BaseException):  # not an Exception: a plan's own error handling m
     """Raised inside the planner thread when its read-ahead was closed: unwinds the plan."""
 
 
-INITIAL_WINDOW = 4  # objects ahead of a new read-ahead; ``depth`` is where its growth stops
+INITIAL_WINDOW = 8  # objects ahead of a new read-ahead; ``depth`` is where its growth stops
 
 
 class _Fetch(Future):
@@ -240,7 +240,7 @@ class ReadAhead:
         """The source waits for an object: the window was too short for the store's latency."""
         with self._cond:
             if self._window < self.depth:
-                self._window = min(self.depth, self._window + max(1, self._window // 2))
+                self._window = min(self.depth, 2 * self._window)
                 self._cond.notify_all()
 
     @property

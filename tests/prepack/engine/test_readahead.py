@@ -105,6 +105,8 @@ def test_the_window_starts_short_and_grows_only_while_the_source_waits():
             assert slow.take(k).result() == k
             windows.append(slow.window)
         assert windows == sorted(windows) and windows[0] > INITIAL_WINDOW and windows[-1] == 20
+        grown = sorted(set(windows))
+        assert all(b == min(20, 2 * a) for a, b in zip([INITIAL_WINDOW] + grown, grown))  # doubles at each wait
     finally:
         pool.close()
 
