@@ -6,6 +6,7 @@ durability calls (fsync, atomic rename) apply: only a local filesystem has them.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlsplit
@@ -81,6 +82,31 @@ class PackLocation:
     def read_bytes(self, relpath: str) -> bytes:
         with self.fs.open_input_stream(self.path(relpath)) as f:
             return f.read()
+
+    def make_dirs(self, path: str) -> None:
+        """Create the folder ``path`` (a filesystem path) and its parents where folders exist.
+
+        An object store has none: pyarrow would HEAD the bucket and PUT an empty marker object
+        per level, five requests in a row before a stream's file, for nothing a reader needs."""
+        if not self.atomic_put:
+            self.fs.create_dir(path, recursive=True)
+
+    def open_output(self, path: str):
+        """A write stream to ``path`` (a filesystem path).
+
+        On S3 the stream opens with its first bytes, so an object that fits in one part (every
+        JSON file, index, lineage and checkpoint of a pack) is one PUT; pyarrow's default opens a
+        multipart upload at once, three requests in a row.  Errors are the same, raised by the
+        write or the close, which every writer here checks."""
+        return self._output_fs.open_output_stream(path)
+
+    @functools.cached_property
+    def _output_fs(self) -> pafs.FileSystem:
+        if self.fs.type_name != "s3":
+            return self.fs
+        rebuild, args = self.fs.__reduce__()[:2]
+        options = dict(args[0], allow_delayed_open=True)
+        return rebuild(options)
 
     def list(self, relpath: str, recursive: bool = False, attempts: int = 3) -> "list[pafs.FileInfo]":
         """What is under ``relpath`` ([] when it does not exist).

@@ -253,7 +253,7 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
         cfg.stream_rank_worker(s)  # range check with a clear message
     loc = resolve_location(out)
     try:
-        loc.fs.create_dir(loc.base, recursive=True)
+        loc.fs.create_dir(loc.base, recursive=True)  # on a store too: its bucket HEAD and PUTs are the early probe
     except OSError as e:  # no such bucket, no access, store unreachable: the user's to fix, in one line
         raise PackRefused(f"cannot write to {redact_uri(out)}: {str(e).strip().splitlines()[0]}") from None
     pack = settle_identity(loc, cfg, tokenizer_fingerprint(tokenizer), special, other_jobs=lambda: live_leases(loc))

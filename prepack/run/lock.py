@@ -173,7 +173,7 @@ def _write(loc: PackLocation, doc: dict) -> None:
 
         write_bytes_atomic(loc, f"{LEASE_DIR}/{doc['holder']}{_SUFFIX}", data)
     else:  # an object appears whole
-        with loc.fs.open_output_stream(_lease_path(loc, doc["holder"])) as f:
+        with loc.open_output(_lease_path(loc, doc["holder"])) as f:
             f.write(data)
 
 
@@ -355,7 +355,7 @@ def acquire_streams(loc: PackLocation, streams: "list[int] | set[int]", timing: 
         time.sleep(min(1.0, timing.renew_every_s / 2))
     now = time.time()
     doc = dict(me, renewed=now, expires=now + timing.lease_s, took_over=sorted(stale))
-    loc.fs.create_dir(loc.path(LEASE_DIR), recursive=True)
+    loc.make_dirs(loc.path(LEASE_DIR))
     _write(loc, doc)
     for holder, why in sorted(stale.items()):
         log.warning("%s", why)

@@ -158,7 +158,7 @@ def compact_lineage(loc: PackLocation, index: StreamIndex) -> tuple[str, int]:
                 w.write_table(table.cast(LINEAGE_SCHEMA))
             rows += table.num_rows
     data = sink.getvalue().to_pybytes()
-    loc.fs.create_dir(loc.path(LINEAGE_DIR), recursive=True)
+    loc.make_dirs(loc.path(LINEAGE_DIR))
     write_bytes_atomic(loc, rel, data)
     return sha256_hex(data), rows
 
@@ -174,7 +174,7 @@ def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, 
     if previous is not None and previous.budget == budget:
         drop_lineage_leftovers(loc, stream)
         return previous
-    loc.fs.create_dir(loc.path(stream_dir(stream)), recursive=True)
+    loc.make_dirs(loc.path(stream_dir(stream)))
     if previous is not None:  # extending a finished stream: it is no longer done
         log.info("stream %d: extending from %s to %s", stream, previous.budget, budget)
         loc.fs.delete_file(loc.path(done_file(stream)))

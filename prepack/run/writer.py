@@ -95,8 +95,8 @@ class _AtomicFile:
             os.makedirs(os.path.dirname(self.final), exist_ok=True)
             self.raw = DirectFile(self.tmp) if direct else open(self.tmp, "wb")
         else:
-            loc.fs.create_dir(self.final.rsplit("/", 1)[0], recursive=True)
-            self.raw = loc.fs.open_output_stream(self.tmp)
+            loc.make_dirs(self.final.rsplit("/", 1)[0])
+            self.raw = loc.open_output(self.tmp)
 
     def commit(self) -> None:
         self.raw.flush()

@@ -5,7 +5,8 @@ request is what a client sends after the server has answered (HTTP/1.1 keep-aliv
 pipelining, as S3 clients speak): the proxy holds the first bytes of each request for
 ``latency_s`` before forwarding them, on each connection independently, so concurrent requests
 each wait once (latency, not bandwidth) and a request's body is not delayed again.  It counts
-the requests it delayed.  Its threads are daemons; ``close()`` ends them and every connection.
+the requests it delayed and keeps the first line of each.  Its threads are daemons; ``close()``
+ends them and every connection.
 
 ``ProxyProcess`` runs one in a child process of its own, so that pumping bytes costs the process
 being measured no CPU and no GIL; it is stopped by its PID.
@@ -26,6 +27,7 @@ class LatencyProxy:
         self.latency_s = latency_s
         self._counter = counter  # a multiprocessing.Value when another process reads the count
         self._requests = 0
+        self.request_lines: list[str] = []  # each request's first line ("PUT /bucket/key HTTP/1.1"), in order
         self._lock = threading.Lock()
         self._closed = False
         self._conns: list[socket.socket] = []
@@ -74,6 +76,7 @@ class LatencyProxy:
                     turn["answered"] = False
                     with self._lock:
                         self._requests += 1
+                        self.request_lines.append(data.split(b"\r\n", 1)[0].decode("latin-1"))
                         if self._counter is not None:
                             self._counter.value = self._requests
                     time.sleep(self.latency_s)

@@ -10,8 +10,8 @@ pack are exactly those of an uninterrupted pack on a local disk (same names, sam
 lock, no leftover), every stream reads back through the loader as the local pack does, and the
 secret key appears in no object, no output of any run and no Ray log.
 
-Kill points are read from the run's progress bar (``--progress``), not from file names, so these
-tests hold whatever the on-disk format is.
+Kill points are read from the run's progress bar (``--progress``) or from the stream index and
+done files the format names (``schemas.manifest``), never from a file's bytes.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import time
 import pytest
 
 from prepack.run.lock import HOST_ENV, LEASE_DIR, LEASE_ENV
+from schemas.manifest import done_file, index_file
 from tests.helpers.packs import pack_in_process
 from tests.helpers.ray_helpers import RayRun, cmdline, make_demo, prepack, read_log, summary, variant, wait_until
 from tests.helpers.s3checks import local_files, same_pack_objects, secret_leaks, stream_fingerprints
@@ -110,14 +111,17 @@ def _rerun(rr, s3, uri, config, reference, host: str | None, texts: dict[str, st
 
 
 def test_driver_sigkill_on_one_host_rerun_from_another(s3, reference, tmp_path):
-    """Both streams packing, a couple of shards committed: host a is lost; host b runs the same command."""
+    """Both streams packing, a first shard committed: host a is lost; host b runs the same command."""
     config = reference[0]
     uri = s3.new_prefix("kill-host-a")
     with RayRun() as rr:
         driver = rr.popen(prepack("run", config, "--out", uri, "--progress"), str(tmp_path / "killed"),
                           **{LEASE_ENV: LEASE, HOST_ENV: "host-a"})
-        wait_until(lambda: max(batches_so_far(driver).values(), default=0) >= 2, 240, "two batches", driver, poll=0.05)
+        wait_until(lambda: any(s3.exists(f"{uri}/{index_file(s)}") for s in (0, 1)), 240, "a first committed shard",
+                   driver, poll=0.05)
         _kill_driver(rr, driver, host_lost=True)
+        # a run killed after every stream finished leaves a lease another host cannot prove stale yet
+        assert not all(s3.exists(f"{uri}/{done_file(s)}") for s in (0, 1)), "every stream had finished (inconclusive)"
         _rerun(rr, s3, uri, config, reference, "host-b", dict(zip(("killed.out", "killed.err"), read_log(driver))))
 
 
