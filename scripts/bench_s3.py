@@ -79,7 +79,7 @@ def main() -> None:
                     help="batches per stream (2 streams); each source's window deepens over its first few waits, "
                          "once per stream, so few batches measure mostly that")
     ap.add_argument("--latency-ms", type=float, default=0.0, help="added to every request to the store")
-    ap.add_argument("--repeat", type=int, default=3, help="runs per side (alternating); the best is reported")
+    ap.add_argument("--repeat", type=int, default=5, help="runs per side (alternating); the best is reported")
     ap.add_argument("--store-nice", type=int, default=19, help="CPU niceness of the S3 server and the proxy (0: as started)")
     args = ap.parse_args()
     from prepack.engine.tokenizer import load_tokenizer, special_token_ids
