@@ -105,8 +105,10 @@ class PackLocation:
         if self.fs.type_name != "s3":
             return self.fs
         rebuild, args = self.fs.__reduce__()[:2]
-        options = dict(args[0], allow_delayed_open=True)
-        return rebuild(options)
+        try:
+            return rebuild(dict(args[0], allow_delayed_open=True))
+        except (TypeError, ValueError, IndexError):  # a pyarrow without the option: opened at once, as before
+            return self.fs
 
     def list(self, relpath: str, recursive: bool = False, attempts: int = 3) -> "list[pafs.FileInfo]":
         """What is under ``relpath`` ([] when it does not exist).
