@@ -31,6 +31,7 @@ import xxhash
 
 from schemas.errors import DamagedFile, FollowTimeout, NotAPack, PackIntegrityError, UsageError
 from schemas.location import PackLocation, resolve_location
+from schemas.views import SeekableView
 from schemas.manifest import (
     MANIFEST_NAME,
     PACK_INFO_NAME,
@@ -49,6 +50,46 @@ from schemas.record import RECORD_SCHEMA, RECORD_SCHEMA_VERSION, record_digest
 
 _LATER_FILE = re.compile(r"(shard|ckpt)-(\d+)\.(arrow|json)")  # see Pack._evidence_of_records
 _READ_OPTIONS = pa.ipc.IpcReadOptions(use_threads=False)  # one core per reader; parallelism comes from streams
+REMOTE_BLOCK = 16 << 20  # what one request of a shard on a store fetches ahead
+REMOTE_TAIL = 64 << 10  # what a read in a shard's last bytes (its footer) fetches
+
+
+class _Blocks(SeekableView):
+    """A shard on a store, read through one block of ``REMOTE_BLOCK`` bytes at a time.
+
+    pyarrow reads a record as two reads (its metadata, then its body), each a request to a store,
+    and the footer as two more; here a read outside the block fetches the next block from that
+    point (a shard no larger than a block whole, a footer with the 64 KiB before it), so a record
+    and the records after it cost one request.  Reads of a block or more go straight to the
+    file.  The bytes are the file's: every check of ``read_shard`` applies to them unchanged."""
+
+    def __init__(self, raw: pa.NativeFile, size: int, block: int = REMOTE_BLOCK):
+        super().__init__(size)
+        self._raw, self._block = raw, block
+        self._at, self._data = 0, pa.py_buffer(b"")
+
+    def _fetch(self, start: int, n: int) -> pa.Buffer:
+        self._raw.seek(start)
+        return self._raw.read_buffer(n)
+
+    def read(self, n: int = -1):
+        start, end = self._span(n)
+        if end <= start:
+            return b""
+        if not (self._at <= start and end <= self._at + self._data.size):
+            if end - start >= self._block:
+                return self._fetch(start, end - start)
+            at = start
+            if self._size <= self._block:  # a small shard: all of it in one request
+                at = 0
+            elif self._size - start <= min(REMOTE_TAIL, self._block):  # the footer, and what pyarrow reads back
+                at = self._size - min(REMOTE_TAIL, self._block)
+            self._at, self._data = at, self._fetch(at, min(self._block, self._size - at))
+            have = self._at + self._data.size
+            if end > have:  # the file ended early (it changed under us): what there is
+                self._pos = max(start, have)
+                return self._data.slice(start - self._at) if start < have else b""
+        return self._data.slice(start - self._at, end - start)
 
 
 @dataclass(frozen=True)
@@ -304,6 +345,8 @@ def read_shard(
             if xxhash.xxh3_128(memoryview(data)).hexdigest() != shard.xxh3:
                 raise fail(first, "shard file digest (XXH3-128) differs from the stream index")
             source = pa.BufferReader(data)
+        elif not loc.is_local:
+            source = pa.PythonFile(_Blocks(source, size), mode="r")
         try:
             options = _READ_OPTIONS if fields is None else pa.ipc.IpcReadOptions(use_threads=False, included_fields=fields)
             reader = pa.ipc.open_file(source, options=options)

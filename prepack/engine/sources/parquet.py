@@ -13,7 +13,6 @@ spans being right.  Handles are read-only and may be read from several threads a
 from __future__ import annotations
 
 import collections
-import io
 import threading
 from typing import Sequence
 
@@ -21,48 +20,28 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from prepack.engine.sources import files
+from schemas.views import SeekableView
 
 FOOTER_READ = 64 << 10  # what pyarrow reads first for a footer, too
 
 
-class _Spans(io.RawIOBase):
+class _Spans(SeekableView):
     """A read-only seekable view of one object: bytes fetched earlier serve reads inside them."""
 
     def __init__(self, objects, key: str, size: int, spans: dict[int, bytes]):
-        super().__init__()
+        super().__init__(size)
         self._objects = objects
         self._key = key
-        self._size = size
         self._spans = sorted(spans.items())
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
 
     def read(self, n: int = -1) -> bytes:
-        start = self._pos
-        end = self._size if n is None or n < 0 else min(self._size, start + n)
+        start, end = self._span(n)
         if end <= start:
             return b""
-        self._pos = end
         for at, data in self._spans:
             if at <= start and end <= at + len(data):
                 return data[start - at:end - at]
         return self._objects.get_range(self._key, start, end)
-
-    def readall(self) -> bytes:
-        return self.read(-1)
 
 
 def _chunk_span(metadata: pq.FileMetaData, rg: int, columns: Sequence[str]) -> "tuple[int, int] | None":
