@@ -345,7 +345,7 @@ def read_shard(
             if xxhash.xxh3_128(memoryview(data)).hexdigest() != shard.xxh3:
                 raise fail(first, "shard file digest (XXH3-128) differs from the stream index")
             source = pa.BufferReader(data)
-        elif not loc.is_local:
+        elif not loc.is_local and fields is None:  # a projection reads a few buffers: those alone, not blocks
             source = pa.PythonFile(_Blocks(source, size), mode="r")
         try:
             options = _READ_OPTIONS if fields is None else pa.ipc.IpcReadOptions(use_threads=False, included_fields=fields)

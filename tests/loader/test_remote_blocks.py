@@ -97,3 +97,15 @@ def test_damage_read_through_blocks_is_caught(pack, tmp_path, damage):
         _prints(name, 0, fs)
     with pytest.raises(PackIntegrityError, match="shard-00000"):
         _prints(out, 0)
+
+
+def test_a_projected_read_through_a_store_reads_what_the_local_one_does(pack):
+    from loader.reader import Pack, read_shard
+    from schemas.record import RECORD_SCHEMA
+
+    name, fs = _remote(pack)
+    columns = [RECORD_SCHEMA.field(0).name]
+    local, remote = Pack.open(pack), Pack.open(name, filesystem=fs)
+    for shard in local.index(0).shards:
+        mine = [(i, r.to_pylist()) for i, r in read_shard(remote, shard, columns=columns)]
+        assert mine == [(i, r.to_pylist()) for i, r in read_shard(local, shard, columns=columns)] and mine
