@@ -167,14 +167,10 @@ def _parse(raw: bytes | None) -> dict:
 
 
 def _write(loc: PackLocation, doc: dict) -> None:
-    data = json.dumps(doc, sort_keys=True).encode()
-    if loc.is_local:  # a reader must never see half a lease: tmp + rename
-        from prepack.run.writer import write_bytes_atomic
+    """A reader never sees half a lease: tmp + rename locally, one PUT (an object appears whole) on a store."""
+    from prepack.run.writer import write_bytes_atomic
 
-        write_bytes_atomic(loc, f"{LEASE_DIR}/{doc['holder']}{_SUFFIX}", data)
-    else:  # an object appears whole
-        with loc.open_output(_lease_path(loc, doc["holder"])) as f:
-            f.write(data)
+    write_bytes_atomic(loc, f"{LEASE_DIR}/{doc['holder']}{_SUFFIX}", json.dumps(doc, sort_keys=True).encode())
 
 
 def _delete(loc: PackLocation, holder: str) -> None:

@@ -14,7 +14,6 @@ import json
 import os
 from typing import Iterator
 
-
 from prepack.engine.accounting import Rejected
 from prepack.engine.images import decode_rgb, navit_size
 from prepack.engine.sample import PlanItem, Sample, SampleImage
