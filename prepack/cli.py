@@ -65,7 +65,7 @@ def cmd_run(args) -> int:
         settle_worker_process()
     summary = run_pack(cfg, args.out, streams=_streams(args.streams), address=args.address,
                        progress=not args.no_progress and sys.stderr.isatty() or args.progress,
-                       num_cpus=args.num_cpus, inline=args.no_ray)
+                       num_cpus=args.num_cpus, inline=args.no_ray, reuse=args.reuse or ())
     for line in summary.lines():
         print(line)
     return 0
@@ -171,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--num-cpus", type=int, help="CPUs for the local Ray (default: all)")
     r.add_argument("--progress", action="store_true", help="force the progress bar (default: when stderr is a terminal)")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--reuse", action="append", metavar="OLD",
+                   help="an earlier pack (any config over the same pictures, finished or still packing, local or "
+                        "s3://) whose resized pixels are copied instead of decoding and resizing again: the output "
+                        "is byte-identical to a fresh pack; repeat for several")
     r.add_argument("--no-ray", action="store_true",
                    help="pack in this process, one stream after another (debugging; same bytes as with Ray)")
     r.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,

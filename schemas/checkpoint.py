@@ -8,7 +8,7 @@
      "buffer": [sample, ...], "counters": {...}, "refused_in_row": 0}
 
 where a buffered ``sample`` is ``{"plan": [...], "texts": [[ids]], "images": [{"pixels": i,
-"norm": [6 floats]}], "num_tokens": n, "origin": {...}}`` and ``pixels: i`` indexes row i of
+"norm": [6 floats], "source": {...} | null}], "num_tokens": n, "origin": {...}}`` and ``pixels: i`` indexes row i of
 ``ckpt-NNNNN.arrow`` (columns ``height``, ``width``, ``pixels: list<uint8>``).  Nothing executable: both
 files are plain data, safe to read from an untrusted source.
 """
@@ -29,6 +29,9 @@ CHECKPOINT_VERSION = 1
 class BufferedImage(Document):
     pixels: int  # row of the checkpoint's pixel file
     norm: list[float]  # mean (3) and std (3) of the image's normalisation
+    # the picture's identity for the shard's pixel index (schemas.pixel_index.PictureSource):
+    # {"content": hex, "decode": ..., "width", "height", "damage": [...]}, or None (a video frame)
+    source: dict | None = None
 
 
 @dataclass

@@ -6,14 +6,15 @@ Layout of a pack (every name deterministic, no uuids or timestamps)::
     OUT/stream-00003/ckpt-00000.json (+ .arrow)   stream state at the start of shard 0
     OUT/stream-00003/shard-00000.arrow            Arrow IPC file, one record batch per packed batch
     OUT/stream-00003/shard-00000.lineage.parquet  one row per packed sample of the shard (until the stream is done)
+    OUT/stream-00003/shard-00000.pixels.arrow     where each picture of the shard lies, by content (schemas.pixel_index)
     OUT/stream-00003/ckpt-00001.json (+ .arrow)   stream state after shard 0 = at the start of shard 1
     OUT/stream-00003/index.arrow                  the stream's index, one row per committed shard: THE commit marker
     OUT/stream-00003/done.json                    the stream finished its budget: totals, drops, digest root
     OUT/lineage/stream-00003.parquet              the stream's lineage once it is done (its shard files are then removed)
     OUT/manifest.json                             a summary of every stream once all are done (O(streams))
 
-Per shard k the commit order is: shard file -> its lineage -> ``ckpt-(k+1)`` -> ``index.arrow``
-rewritten with shard k's row.  A shard exists exactly when the index lists it, on a local disk
+Per shard k the commit order is: shard file -> its pixel index -> its lineage -> ``ckpt-(k+1)``
+-> ``index.arrow`` rewritten with shard k's row.  A shard exists exactly when the index lists it, on a local disk
 (atomic rename) and on an object store (atomic PUT) alike; everything after it is a leftover.  A
 reader needs ``pack.json`` and its own streams' ``index.arrow`` only, so opening a rank's share
 costs the same for a pack of 10^3 or 10^8 records.
@@ -37,7 +38,9 @@ import xxhash
 from schemas.documents import Document, dump_checked, load_checked  # noqa: F401  (re-exported)
 from schemas.errors import DamagedFile, PackFormatError
 
-FORMAT_VERSION = 3  # of the whole layout above; pack.json names it (3: stream indexes are sealed)
+# of the whole layout above; pack.json names it (3: stream indexes are sealed; 4: one pixel frame
+# per image and a pixel index per shard, for reuse)
+FORMAT_VERSION = 4
 MANIFEST_NAME = "manifest.json"
 PACK_INFO_NAME = "pack.json"
 LINEAGE_DIR = "lineage"
@@ -50,6 +53,10 @@ def stream_dir(stream: int) -> str:
 
 def shard_file(stream: int, shard: int) -> str:
     return f"{stream_dir(stream)}/shard-{shard:05d}.arrow"
+
+
+def shard_pixels_file(stream: int, shard: int) -> str:
+    return f"{stream_dir(stream)}/shard-{shard:05d}.pixels.arrow"
 
 
 def shard_lineage_file(stream: int, shard: int) -> str:
@@ -86,7 +93,7 @@ def chain_root(previous: str, digests: "Sequence[str] | bytes", facts: bytes = b
 def row_facts(s: "ShardEntry") -> bytes:
     """The parts of an index row besides record digests that the chain covers."""
     scalars = (s.shard, s.nbytes, s.xxh3, s.first_record, s.lineage_sha256, s.lineage_rows,
-               s.ckpt_json_sha256, s.ckpt_arrow_sha256)
+               s.ckpt_json_sha256, s.ckpt_arrow_sha256, s.pixels_sha256)
     tokens = np.asarray([r.num_tokens for r in s.records] if not isinstance(s.records, RecordList)
                         else s.records.tokens, dtype="<i4")
     samples = np.asarray([r.num_samples for r in s.records] if not isinstance(s.records, RecordList)
@@ -116,6 +123,9 @@ class StreamSummary(Document):
     group_samples: dict[str, int] = field(default_factory=dict)  # group -> samples packed
     elapsed_s: float = 0.0  # packing time of the last run (informational, not digested)
     cpu_s: float = 0.0  # CPU seconds of the packing process, all threads, worker start-up excluded (informational)
+    # how the last run's resizes were served: images, reused, decodes_saved, fallbacks (informational;
+    # a reused pack's bytes are a fresh pack's, see prepack.engine.reuse)
+    reuse: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -195,6 +205,7 @@ class ShardEntry:
     lineage_rows: int = 0
     ckpt_json_sha256: str = ""  # of ckpt-(k+1).json, the state after this shard
     ckpt_arrow_sha256: str = ""
+    pixels_sha256: str = ""  # of shard-k.pixels.arrow
 
     @property
     def file(self) -> str:
@@ -220,7 +231,7 @@ INDEX_SCHEMA = pa.schema([
     ("record_digests", pa.list_(pa.binary(16))), ("record_tokens", pa.list_(pa.int32())),
     ("record_samples", pa.list_(pa.int32())), ("root", pa.string()),
     ("lineage_sha256", pa.string()), ("lineage_rows", pa.int64()),
-    ("ckpt_json_sha256", pa.string()), ("ckpt_arrow_sha256", pa.string()),
+    ("ckpt_json_sha256", pa.string()), ("ckpt_arrow_sha256", pa.string()), ("pixels_sha256", pa.string()),
 ])
 
 
@@ -293,7 +304,8 @@ class StreamIndex:
             cols["record_digests"].append([bytes.fromhex(r.digest) for r in s.records])
             cols["record_tokens"].append([r.num_tokens for r in s.records])
             cols["record_samples"].append([r.num_samples for r in s.records])
-            for name in ("root", "lineage_sha256", "lineage_rows", "ckpt_json_sha256", "ckpt_arrow_sha256"):
+            for name in ("root", "lineage_sha256", "lineage_rows", "ckpt_json_sha256", "ckpt_arrow_sha256",
+                         "pixels_sha256"):
                 cols[name].append(getattr(s, name))
         meta = {"prepack.format_version": str(FORMAT_VERSION), "prepack.stream": str(self.stream),
                 "prepack.ckpt0_json_sha256": self.ckpt0_json_sha256,
@@ -360,7 +372,8 @@ class StreamIndex:
                 records=RecordList(digests[16 * lo:16 * hi], tokens[lo:hi], samples[lo:hi]),
                 root=scalars["root"][i],
                 lineage_sha256=scalars["lineage_sha256"][i], lineage_rows=scalars["lineage_rows"][i],
-                ckpt_json_sha256=scalars["ckpt_json_sha256"][i], ckpt_arrow_sha256=scalars["ckpt_arrow_sha256"][i])
+                ckpt_json_sha256=scalars["ckpt_json_sha256"][i], ckpt_arrow_sha256=scalars["ckpt_arrow_sha256"][i],
+                pixels_sha256=scalars["pixels_sha256"][i])
             root = chain_root(root, entry.records.digests, row_facts(entry))
             if root != entry.root:
                 raise DamagedFile(f"{where}: shard {i}: the row does not chain to its stored root (damaged index)")

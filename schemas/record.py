@@ -18,10 +18,12 @@ What is stored (``PackedBatch``) is the compact, exact content of a reference ba
 
 ``packed_vit_tokens``, ``padded_images`` and ``nested_attention_masks`` are never stored.
 
-On disk (version 2) the pixel table is the one buffer the encoder compresses itself
+On disk (version 3) the pixel table is the one buffer the encoder compresses itself
 (``schemas.compression``: zstd with a small match-finder table, lz4 or none, named in the
-``image_pixels_codec`` column); every other buffer is stored as is.  The content digest covers the
-decoded values, so it does not depend on the codec.
+``image_pixels_codec`` column), one frame per image (``image_pixels_frames``: where each frame
+starts in the stored buffer), so a later pack can read one picture without the rest of the
+record; every other buffer is stored as is.  The content digest covers the decoded values, so it
+does not depend on the codec or the framing.
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ import numpy as np
 import pyarrow as pa
 import xxhash
 
-from schemas.compression import Compression, decompress
+from schemas.compression import Compression, decompress_frames
 
 # 2: the pixel table is compressed by the record encoder (codec in ``image_pixels_codec``),
 #    the Arrow IPC buffers are not.
-RECORD_SCHEMA_VERSION = 2
+# 3: one compressed frame per image (``image_pixels_frames``).
+RECORD_SCHEMA_VERSION = 3
 
 ATTN_MODES = ("causal", "full", "noise")
 ATTN_MODE_CODES = {name: code for code, name in enumerate(ATTN_MODES)}
@@ -109,6 +112,9 @@ class PackedBatch:
     packed_timesteps: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float32))
     mse_loss_indexes: np.ndarray = field(default_factory=_i32)
     origins: list[SampleOrigin] = field(default_factory=list)
+    # where each image of the table came from (``schemas.pixel_index.PictureSource`` or None), for the
+    # shard's pixel index: never part of the record (empty for a batch read back)
+    image_sources: list = field(default_factory=list, compare=False, repr=False, metadata={"stored": False})
 
     @property
     def num_samples(self) -> int:
@@ -211,10 +217,12 @@ _ORIGIN_COLUMNS: list[tuple[str, pa.DataType]] = [
 _ORIGIN_ATTRS = [name[len("origin_") :] for name, _ in _ORIGIN_COLUMNS]
 # How ``image_pixels`` is stored; not part of the content (nor of the digest).
 _CODEC_COLUMN = "image_pixels_codec"
+_FRAMES_COLUMN = "image_pixels_frames"  # [n_images + 1] offsets of each image's frame in the stored bytes
 
 RECORD_SCHEMA = pa.schema(
     [pa.field(n, t, nullable=False) for n, t in _SCALAR_COLUMNS]
     + [pa.field(_CODEC_COLUMN, pa.string(), nullable=False)]
+    + [pa.field(_FRAMES_COLUMN, pa.list_(pa.int64()), nullable=False)]
     + [pa.field(n, pa.list_(t), nullable=False) for n, t in _ARRAY_COLUMNS]
     + [pa.field(n, pa.list_(t), nullable=False) for n, t in _ORIGIN_COLUMNS]
 )
@@ -223,9 +231,12 @@ _NUMPY = {pa.int32(): np.int32, pa.int64(): np.int64, pa.uint8(): np.uint8, pa.f
 ARRAY_DTYPES = {name: np.dtype(_NUMPY[t]) for name, t in _ARRAY_COLUMNS}
 
 
-def _to_record(batch: PackedBatch, codec: str, stored_pixels, metadata: dict[str, str] | None) -> pa.RecordBatch:
+def _to_record(batch: PackedBatch, codec: str, stored_pixels, frames: np.ndarray,
+               metadata: dict[str, str] | None) -> pa.RecordBatch:
     cols = [pa.array([getattr(batch, n)], type=t) for n, t in _SCALAR_COLUMNS]
     cols.append(pa.array([codec], type=pa.string()))
+    cols.append(pa.ListArray.from_arrays(pa.array([0, len(frames)], type=pa.int32()),
+                                         pa.array(np.asarray(frames, np.int64), type=pa.int64())))
     for name, typ in _ARRAY_COLUMNS:
         if name == "image_pixels":
             values = pa.py_buffer(stored_pixels) if not isinstance(stored_pixels, pa.Buffer) else stored_pixels
@@ -248,8 +259,8 @@ def encode_record(batch: PackedBatch, compression: Compression | None = None,
     compressed; it equals ``record_digest`` of the record read back.
     """
     pixels = np.ascontiguousarray(batch.image_pixels, dtype=np.uint8).reshape(-1)
-    codec, stored = (compression or Compression(None, None)).compress(pixels)
-    record = _to_record(batch, codec, stored, metadata)
+    codec, stored, frames = (compression or Compression(None, None)).compress_frames(pixels, batch.image_offsets)
+    record = _to_record(batch, codec, stored, frames, metadata)
     return record, _digest(record, pixels)
 
 
@@ -257,7 +268,7 @@ def batch_to_record(batch: PackedBatch, metadata: dict[str, str] | None = None) 
     """Encode a PackedBatch as one single-row record batch (schema ``RECORD_SCHEMA``), pixels
     stored uncompressed (``encode_record`` compresses them)."""
     pixels = np.ascontiguousarray(batch.image_pixels, dtype=np.uint8).reshape(-1)
-    return _to_record(batch, "none", pixels, metadata)
+    return _to_record(batch, "none", pixels, np.asarray(batch.image_offsets, np.int64), metadata)
 
 
 def record_arrays(record: pa.RecordBatch) -> dict[str, np.ndarray]:
@@ -277,15 +288,27 @@ def _stored_pixels(record: pa.RecordBatch) -> tuple[str, pa.Array, int]:
     return codec, record.column("image_pixels").flatten(), nbytes
 
 
+def stored_pixel_frames(record: pa.RecordBatch) -> tuple[str, pa.Buffer, np.ndarray]:
+    """(codec, the stored pixel bytes, each image's frame offsets in them) as written."""
+    codec, stored, _ = _stored_pixels(record)
+    frames = record.column(_FRAMES_COLUMN).flatten().to_numpy(zero_copy_only=True)
+    data = stored.buffers()[1].slice(stored.offset, len(stored)) if len(stored) else pa.py_buffer(b"")
+    return codec, data, frames
+
+
 def record_pixels(record: pa.RecordBatch) -> np.ndarray:
     """The record's pixel table, decoded (row-delta coded uint8, as in ``PackedBatch``; read-only)."""
     codec, stored, nbytes = _stored_pixels(record)
+    frames = record.column(_FRAMES_COLUMN).flatten().to_numpy(zero_copy_only=True)
+    offsets = record.column("image_offsets").flatten().to_numpy(zero_copy_only=True)
+    if len(frames) != len(offsets) or (len(frames) and int(frames[-1]) != len(stored)):
+        raise ValueError(f"pixel frames {frames.tolist()[:4]}... do not match the {len(stored)} stored bytes")
     if codec == "none":
         if len(stored) != nbytes:
             raise ValueError(f"pixel table is {len(stored)} bytes, the image offsets say {nbytes}")
         return stored.to_numpy(zero_copy_only=True)
     data = stored.buffers()[1].slice(stored.offset, len(stored))
-    return np.frombuffer(decompress(codec, data, nbytes), dtype=np.uint8)
+    return np.frombuffer(decompress_frames(codec, data, frames, offsets), dtype=np.uint8)
 
 
 class _DecodedPixels:
@@ -378,4 +401,4 @@ def record_digest(record: pa.RecordBatch) -> str:
 
 def batch_fields() -> list[str]:
     """Names of PackedBatch fields, in declaration order (for comparisons and reports)."""
-    return [f.name for f in fields(PackedBatch)]
+    return [f.name for f in fields(PackedBatch) if f.metadata.get("stored", True)]

@@ -20,7 +20,23 @@ from schemas.checkpoint import (
     decode_pixels,
     encode_pixels,
 )
+from schemas.pixel_index import DecodeFacts, PictureSource
 from schemas.record import SampleOrigin
+
+
+def _source_json(source: PictureSource | None) -> dict | None:
+    if source is None:
+        return None
+    f = source.facts
+    return {"content": source.content.hex(), "decode": source.decode, "width": f.width, "height": f.height,
+            "damage": list(f.damage)}
+
+
+def _source_from_json(d: dict | None) -> PictureSource | None:
+    if d is None:
+        return None
+    return PictureSource(bytes.fromhex(d["content"]), str(d["decode"]),
+                         DecodeFacts(int(d["width"]), int(d["height"]), tuple(map(str, d["damage"]))))
 
 
 def state_to_payload(state: StreamState) -> tuple[CheckpointDoc, bytes]:
@@ -34,7 +50,7 @@ def state_to_payload(state: StreamState) -> tuple[CheckpointDoc, bytes]:
             if id(img) not in index:
                 index[id(img)] = len(pixels)
                 pixels.append(img.pixels())
-            images.append(BufferedImage(index[id(img)], [float(x) for x in img.norm]))
+            images.append(BufferedImage(index[id(img)], [float(x) for x in img.norm], _source_json(img.source)))
         buffer.append(BufferedSample(
             plan=[asdict(p) for p in sample.plan],
             texts=[list(map(int, t)) for t in sample.texts],
@@ -61,7 +77,8 @@ def state_from_payload(doc: CheckpointDoc, pixel_bytes: bytes) -> StreamState:
         for im in s.images:
             if im.pixels not in shared:
                 arr = pixels[im.pixels]
-                shared[im.pixels] = SampleImage(None, arr.shape[1], arr.shape[0], tuple(im.norm), pixels=arr)
+                shared[im.pixels] = SampleImage(None, arr.shape[1], arr.shape[0], tuple(im.norm), pixels=arr,
+                                                source=_source_from_json(im.source))
             images.append(shared[im.pixels])
         buffer.append(Sample(
             plan=[PlanItem(**p) for p in s.plan],

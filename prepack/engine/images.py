@@ -18,6 +18,7 @@ import numpy as np
 from PIL import Image, ImageFile, PngImagePlugin
 
 from prepack.engine.accounting import Rejected
+from schemas.pixel_index import DecodeFacts
 
 _HIGH_BIT_DEPTH_MODES = {"I", "F", "I;16", "I;16B", "I;16L", "I;16N"}
 _ALPHA_MODES_WITHOUT_COMPOSITE = {"LA", "La", "PA"}
@@ -57,25 +58,21 @@ def _open(source: bytes | str, policy: ImagePolicy, load_truncated: bool) -> Ima
     return img
 
 
-def load_image(source: bytes | str, policy: ImagePolicy, warn: Callable[[str], None]) -> Image.Image:
-    """Decode fully (as the reference's PIL settings would), counting damage via ``warn``."""
+def _load(source: bytes | str, policy: ImagePolicy) -> tuple[Image.Image, bool]:
+    """Decode fully (as the reference's PIL settings would): (image, whether it was truncated)."""
     if not isinstance(source, (bytes, bytearray, memoryview, str)):
         raise Rejected("image_not_bytes", type(source).__name__)
     try:
-        return _open(source, policy, load_truncated=False)
+        return _open(source, policy, load_truncated=False), False
     except Rejected:
         raise
     except OSError:
         pass  # maybe truncated: the reference accepts truncated images, retry as it decodes
-    img = _open(source, policy, load_truncated=True)
-    if policy.strict:
-        raise Rejected("strict_truncated_image")
-    warn("truncated_image")
-    return img
+    return _open(source, policy, load_truncated=True), True
 
 
-def check_damage(img: Image.Image, policy: ImagePolicy, warn: Callable[[str], None]) -> None:
-    """Count (or refuse, in strict mode) what the reference's RGB conversion silently damages."""
+def observed_damage(img: Image.Image) -> tuple[str, ...]:
+    """What the reference's RGB conversion silently damages in ``img`` (policy-free)."""
     kinds = []
     if img.mode in _HIGH_BIT_DEPTH_MODES:
         kinds.append("high_bit_depth_image_saturated")
@@ -83,10 +80,38 @@ def check_damage(img: Image.Image, policy: ImagePolicy, warn: Callable[[str], No
         kinds.append("alpha_dropped_without_composite")
     if getattr(img, "n_frames", 1) > 1:
         kinds.append("animated_image_first_frame_only")
-    for kind in kinds:
+    return tuple(kinds)
+
+
+def decode_observed(source: bytes | str, policy: ImagePolicy) -> tuple[Image.Image, DecodeFacts]:
+    """Decode fully and say what the decode saw (size, damage), before any policy but the pixel
+    limit (checked from the header, before decoding).  ``apply_facts`` then counts or refuses."""
+    img, truncated = _load(source, policy)
+    damage = (("truncated_image",) if truncated else ()) + observed_damage(img)
+    return img, DecodeFacts(img.size[0], img.size[1], damage)
+
+
+def apply_facts(facts: DecodeFacts, policy: ImagePolicy, warn: Callable[[str], None]) -> None:
+    """Count (or refuse, in strict mode) a decode's damage, in the order a decode meets it; the
+    same call for a picture decoded now and for one whose facts an earlier pack recorded."""
+    if facts.width * facts.height > policy.max_pixels:
+        raise Rejected("image_over_pixel_limit", f"{facts.width}x{facts.height} > {policy.max_pixels} pixels")
+    for kind in facts.damage:
         if policy.strict and kind != "animated_image_first_frame_only":
             raise Rejected(f"strict_{kind}")
         warn(kind)
+
+
+def load_image(source: bytes | str, policy: ImagePolicy, warn: Callable[[str], None]) -> Image.Image:
+    """Decode fully (as the reference's PIL settings would), counting truncation via ``warn``."""
+    img, truncated = _load(source, policy)
+    if truncated:
+        if policy.strict:
+            raise Rejected("strict_truncated_image")
+        warn("truncated_image")
+    return img
+
+
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
@@ -101,18 +126,23 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
+def to_plain_rgb(img: Image.Image) -> Image.Image:
+    """``convert("RGB")`` without compositing (the reference's frame folders)."""
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
 def decode_rgb(source: bytes | str, policy: ImagePolicy, warn: Callable[[str], None]) -> Image.Image:
     """Bytes or a path -> a loaded RGB image (reference ``pil_img2rgb(Image.open(...))``)."""
-    img = load_image(source, policy, warn)
-    check_damage(img, policy, warn)
+    img, facts = decode_observed(source, policy)
+    apply_facts(facts, policy, warn)
     return to_rgb(img)
 
 
 def decode_plain_rgb(path: bytes | str, policy: ImagePolicy, warn: Callable[[str], None]) -> Image.Image:
     """Frame-folder decoding: the reference uses ``.convert("RGB")`` there, with no compositing."""
-    img = load_image(path, policy, warn)
-    check_damage(img, policy, warn)
-    return img if img.mode == "RGB" else img.convert("RGB")
+    img, facts = decode_observed(path, policy)
+    apply_facts(facts, policy, warn)
+    return to_plain_rgb(img)
 
 
 def _make_divisible(value: float, stride: int) -> int:

@@ -22,6 +22,7 @@ import numpy as np
 from prepack.engine.accounting import Counters
 from prepack.engine.images import ImagePolicy
 from prepack.engine.layout import PackingError, SequenceBuilder
+from prepack.engine.pictures import PictureStore, PixelProvider
 from prepack.engine.sample import Sample
 from prepack.engine.sources import Source, StreamContext, make_source
 from prepack.engine.sources.readahead import IOPool, ReadAheadSettings
@@ -78,10 +79,15 @@ class StreamPacker:
     ``read_ahead``: how far sources on an object store read ahead (default: from the environment,
     ``ReadAheadSettings.from_env``); it changes no byte.  ``close()`` (or ``with``) stops the I/O
     threads; a packer that reaches its budget stops them itself.
+
+    ``pixels``: where earlier pixels of the same pictures can be taken from instead of decoding and
+    resizing (``prepack.engine.reuse``); it changes no byte either.  ``pictures.counts`` says how
+    the resizes were served.
     """
 
     def __init__(self, cfg: PrepackConfig, stream: int, tokenizer, special, state: StreamState | None = None,
-                 *, reuse_pixel_table: bool = False, read_ahead: ReadAheadSettings | None = None):
+                 *, reuse_pixel_table: bool = False, read_ahead: ReadAheadSettings | None = None,
+                 pixels: PixelProvider | None = None):
         self.cfg = cfg
         self.stream = stream
         self.rank, self.worker = cfg.stream_rank_worker(stream)
@@ -90,6 +96,8 @@ class StreamPacker:
         self.py = random.Random(self.seed)
         self.np = np.random.RandomState(self.seed)
         self.counters = Counters()
+        policy = ImagePolicy(max_pixels=cfg.prepack.max_image_pixels, strict=cfg.prepack.strict)
+        self.pictures = PictureStore(policy, self.counters.warn, pixels)
         self._io = IOPool(read_ahead if read_ahead is not None else ReadAheadSettings.from_env(),
                           name=f"prepack-io-s{stream}")
         ctx = StreamContext(
@@ -102,10 +110,11 @@ class StreamPacker:
             py_rng=self.py,
             np_rng=self.np,
             counters=self.counters,
-            image_policy=ImagePolicy(max_pixels=cfg.prepack.max_image_pixels, strict=cfg.prepack.strict),
+            image_policy=policy,
             max_consecutive_failures=cfg.prepack.max_consecutive_failures,
             config_dir=os.path.dirname(cfg.config_path) if cfg.config_path else os.getcwd(),
             io=self._io,
+            pictures=self.pictures,
         )
         self.sources: list[Source] = [make_source(g, ctx) for g in cfg.groups]
         self.buffer: list[Sample] = []
@@ -206,6 +215,7 @@ class StreamPacker:
             self.counters.warn("batch_over_max_num_tokens")
         self.refused_in_row = 0
         batch = builder.build(None if self._table_buffer is None else self._reused_table)
+        batch.image_sources = [img.source for img in builder.images]
         for o in builder.origins:
             self.counters.samples_packed[o.group] = self.counters.samples_packed.get(o.group, 0) + 1
         self.batches += 1

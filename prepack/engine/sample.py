@@ -1,9 +1,11 @@
 """One source sample before packing: its sequence plan, token ids and (lazily resized) images.
 
 A sample is what the reference's per-dataset iterators yield, in our own types.  Images keep the
-decoded RGB picture and their target size; the bicubic resize runs only when the sample is
-actually packed (or checkpointed), and once per (picture, size) even when the plan uses the same
-picture twice (an edit frame that is both a VAE target and a VAE condition).
+source picture (``prepack.engine.pictures.Picture``, or a decoded video frame) and their target
+size; the bicubic resize runs only when the sample is actually packed (or checkpointed), and once
+per (picture, size) even when the plan uses the same picture twice (an edit frame that is both a
+VAE target and a VAE condition).  An image remembers its picture's identity (``source``) after
+the resize, for the shard's pixel index.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+from prepack.engine.pictures import Picture
 from prepack.engine.resize import resize_pixels
 from schemas.config import TransformArgs
+from schemas.pixel_index import PictureSource
 from schemas.record import SampleOrigin
 
 
@@ -35,24 +39,28 @@ class PlanItem:
 class SampleImage:
     """A decoded picture bound to a resize target and a normalisation; pixels made on demand."""
 
-    __slots__ = ("picture", "width", "height", "norm", "_pixels")
+    __slots__ = ("picture", "width", "height", "norm", "source", "_pixels")
 
-    def __init__(self, picture: Image.Image | None, width: int, height: int, norm: tuple[float, ...],
-                 pixels: np.ndarray | None = None):
+    def __init__(self, picture: "Picture | Image.Image | None", width: int, height: int, norm: tuple[float, ...],
+                 pixels: np.ndarray | None = None, source: PictureSource | None = None):
         self.picture = picture
         self.width = width
         self.height = height
         self.norm = norm  # mean rgb + std rgb
+        self.source = picture.source if isinstance(picture, Picture) else source  # None: no key (video frames)
         self._pixels = pixels
 
     @classmethod
-    def from_transform(cls, picture: Image.Image, target: tuple[int, int], args: TransformArgs) -> "SampleImage":
+    def from_transform(cls, picture: "Picture | Image.Image", target: tuple[int, int], args: TransformArgs) -> "SampleImage":
         return cls(picture, target[0], target[1], tuple(args.image_mean) + tuple(args.image_std))
 
     def pixels(self) -> np.ndarray:
         """(h, w, 3) uint8 after the NaViT resize; computed once, the picture then released."""
         if self._pixels is None:
-            self._pixels = resize_pixels(self.picture, self.width, self.height)
+            if isinstance(self.picture, Picture):
+                self._pixels = self.picture.resized(self.width, self.height)
+            else:
+                self._pixels = resize_pixels(self.picture, self.width, self.height)
             self.picture = None
         return self._pixels
 

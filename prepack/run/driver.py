@@ -29,7 +29,7 @@ from prepack.run.progress import RunProgress
 from prepack.run.stream_job import drop_lineage_leftovers, read_done
 from prepack.run.writer import read_index, write_bytes_atomic
 from schemas.config import PrepackConfig
-from schemas.errors import PackRefused, StreamFailed
+from schemas.errors import DamagedFile, PackFormatError, PackRefused, StreamFailed
 from schemas.location import PackLocation, redact_uri, resolve_location
 from schemas.manifest import FORMAT_VERSION, MANIFEST_NAME, PackSummary, StreamSummary
 
@@ -53,6 +53,7 @@ class RunSummary:
     # what this run itself packed (resumed streams count only their new shards); None: all of ``streams``
     packed_now: tuple[int, int] | None = None  # (records, tokens)
     retried: str = ""  # a line naming the streams Ray retried, if any
+    reuse_from: tuple[str, ...] = ()  # the --reuse packs
 
     def lines(self) -> list[str]:
         recs = sum(s.num_records for s in self.streams)
@@ -83,9 +84,27 @@ class RunSummary:
             out.append("damaged input packed as the reference does: " + ", ".join(f"{k}={v}" for k, v in sorted(warns.items())))
         if self.retried:
             out.append(self.retried)
+        out.extend(self.reuse_lines())
         if not self.manifest_written:
             out.append("manifest not written yet: some streams of this config are still unpacked "
                        "(their committed shards are readable now)")
+        return out
+
+
+    def reuse_lines(self) -> list[str]:
+        """``reused N of M images (P%) from OLD`` (the streams packed now), and fallbacks by reason."""
+        images = sum(int(s.reuse.get("images", 0)) for s in self.streams)
+        reused = sum(int(s.reuse.get("reused", 0)) for s in self.streams)
+        fallbacks: dict[str, int] = {}
+        for s in self.streams:
+            for k, v in s.reuse.get("fallbacks", {}).items():
+                fallbacks[k] = fallbacks.get(k, 0) + int(v)
+        if not images or (not reused and not self.reuse_from and not fallbacks):
+            return []
+        where = " + ".join(redact_uri(r) for r in self.reuse_from) or "this pack's own shards"
+        out = [f"reused {reused:,} of {images:,} images ({reused / images:.0%}) from {where}"]
+        if fallbacks:
+            out.append("reuse fell back to decoding: " + ", ".join(f"{k}={v}" for k, v in sorted(fallbacks.items())))
         return out
 
 
@@ -149,7 +168,7 @@ def _make_remote(ray):
             return dict(self.reports), {s: list(n) for s, n in self.attempts.items()}
 
     @ray.remote(num_cpus=1, max_retries=TASK_RETRIES)
-    def stream_task(cfg, out, stream, metadata, progress, local_ray=False, log_level=logging.WARNING):
+    def stream_task(cfg, out, stream, metadata, progress, local_ray=False, log_level=logging.WARNING, reuse=()):
         def tell(method, *args) -> None:  # progress is best effort: it may never fail the stream
             try:
                 getattr(progress, method).remote(*args)
@@ -189,7 +208,7 @@ def _make_remote(ray):
 
         check_raylet()
         settle_worker_process()
-        return pack_one_stream(cfg, out, stream, tokenizer, special, metadata, report)
+        return pack_one_stream(cfg, out, stream, tokenizer, special, metadata, report, reuse)
 
     return Progress, stream_task
 
@@ -238,11 +257,13 @@ def output_bytes(loc) -> int:
 # -- run --------------------------------------------------------------------------------------
 def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, address: str | None = None,
              progress: bool = True, num_cpus: int | None = None, inline: bool = False,
-             tokenizer=None) -> RunSummary:
+             tokenizer=None, reuse: "list[str] | tuple[str, ...]" = ()) -> RunSummary:
     """Pack ``streams`` (default: all) of ``cfg`` into ``out``: new, resumed or extended.
 
     ``inline`` packs the streams one after another in this process, without Ray (debugging,
-    tests); ``tokenizer`` is an already loaded ``(tokenizer, special)`` pair to use.
+    tests); ``tokenizer`` is an already loaded ``(tokenizer, special)`` pair to use.  ``reuse``:
+    earlier packs whose pixels the streams may take (``prepack.engine.reuse``); the output is the
+    same bytes with or without them, and pack.json does not name them.
     """
     from prepack.engine.tokenizer import load_tokenizer, special_token_ids, tokenizer_fingerprint
 
@@ -251,7 +272,17 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
     wanted = list(range(cfg.num_streams)) if streams is None else sorted(set(streams))
     for s in wanted:
         cfg.stream_rank_worker(s)  # range check with a clear message
+    from prepack.engine.reuse import open_old_pack
+
     loc = resolve_location(out)
+    reuse = tuple(str(r) for r in reuse)
+    for old in reuse:  # a wrong --reuse is the user's to fix, before any stream starts
+        try:
+            open_old_pack(old)
+        except (OSError, ValueError, DamagedFile, PackFormatError) as e:
+            raise PackRefused(f"--reuse {redact_uri(old)}: {str(e).strip().splitlines()[0]}") from None
+        if resolve_location(old).path("") == loc.path(""):
+            raise PackRefused(f"--reuse {redact_uri(old)} is the output itself (a stream reuses its own shards anyway)")
     try:
         loc.fs.create_dir(loc.base, recursive=True)  # on a store too: its bucket HEAD and PUTs are the early probe
     except OSError as e:  # no such bucket, no access, store unreachable: the user's to fix, in one line
@@ -283,9 +314,9 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
 
             for s in todo:
                 lease.check()
-                pack_one_stream(cfg, out, s, tokenizer, special, pack.metadata, report)
+                pack_one_stream(cfg, out, s, tokenizer, special, pack.metadata, report, reuse)
         else:
-            _run_tasks(cfg, out, todo, pack.metadata, address, progress, num_cpus, lease, run)
+            _run_tasks(cfg, out, todo, pack.metadata, address, progress, num_cpus, lease, run, reuse)
         lease.check()  # never write the manifest over a run that took our streams over
         written, _ = finalize(loc, cfg, pack.identity)
         entries = [read_done(loc, s) for s in wanted]
@@ -294,7 +325,7 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
                       sum(e.num_tokens for e in now) - sum(b[1] for b in before))
         return RunSummary(out, entries, written, time.perf_counter() - start,
                           max_num_tokens=cfg.knobs.max_num_tokens, output_bytes=output_bytes(loc),
-                          packed_now=packed_now, retried=run.retry_summary())
+                          packed_now=packed_now, retried=run.retry_summary(), reuse_from=reuse)
     finally:
         lease.release()
 
@@ -389,7 +420,7 @@ class _Watch:
 
 
 def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus, lease: StreamLease,
-               run: RunProgress) -> None:
+               run: RunProgress, reuse: tuple[str, ...] = ()) -> None:
     ray = init_ray(address, num_cpus)
     try:
         Progress, stream_task = _make_remote(ray)
@@ -398,7 +429,7 @@ def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus, lease
         local = not (address or os.environ.get("RAY_ADDRESS"))
         level = logging.getLogger().getEffectiveLevel()
         pending = {stream_task.options(name=f"stream_task[{s}]").remote(cfg, out, s, metadata, watch.progress, local,
-                                                                      level): s for s in todo}
+                                                                      level, reuse): s for s in todo}
         started = last_log = time.monotonic()
         bar = None
         if show_progress:

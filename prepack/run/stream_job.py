@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 from prepack.engine.accounting import Counters
 from prepack.engine.checkpoint import state_from_payload, state_to_payload
 from prepack.engine.packer import StreamPacker, StreamState
+from prepack.engine.reuse import PixelReuse, own_reuse_on
 from prepack.run.writer import StreamWriter, recover_stream, sha256_hex, write_bytes_atomic, write_index
 from schemas.checkpoint import CheckpointDoc
 from schemas.config import PrepackConfig
@@ -163,9 +164,24 @@ def compact_lineage(loc: PackLocation, index: StreamIndex) -> tuple[str, int]:
     return sha256_hex(data), rows
 
 
+def pixel_provider(loc: PackLocation, index: StreamIndex, reuse: "tuple[str, ...] | list[str]") -> PixelReuse | None:
+    """Where this stream's earlier pixels come from: the ``reuse`` packs, and its own committed shards
+    (its later passes over a small set) unless ``PREPACK_REUSE_OWN=0``."""
+    own = own_reuse_on()
+    if not reuse and not own:
+        return None
+    provider = PixelReuse(reuse)
+    if own:
+        provider.add_stream(loc, index)
+    return provider
+
+
 def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, tokenizer, special,
-                    metadata: dict[str, str], report: Callable[[ProgressEvent], None] | None = None) -> StreamSummary:
-    """Pack (or continue, or extend) stream ``stream`` into ``out``; returns its summary (done.json)."""
+                    metadata: dict[str, str], report: Callable[[ProgressEvent], None] | None = None,
+                    reuse: "tuple[str, ...] | list[str]" = ()) -> StreamSummary:
+    """Pack (or continue, or extend) stream ``stream`` into ``out``; returns its summary (done.json).
+
+    ``reuse``: earlier packs whose pixels may be taken instead of decoding (no byte changes)."""
     cpu_start = time.process_time()  # the whole process (Ray's threads too): what packing costs per core
     loc = resolve_location(out)
     rank, worker = cfg.stream_rank_worker(stream)
@@ -180,12 +196,15 @@ def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, 
         loc.fs.delete_file(loc.path(done_file(stream)))
     index = recover_stream(loc, stream)
     next_shard, next_record = len(index.shards), index.num_records
+    pixels = pixel_provider(loc, index, reuse)
+    own = pixels is not None and own_reuse_on()
     if next_shard == 0:
-        packer = StreamPacker(cfg, stream, tokenizer, special, reuse_pixel_table=True)  # each batch is written before the next
+        packer = StreamPacker(cfg, stream, tokenizer, special, reuse_pixel_table=True,  # each batch is written before the next
+                              pixels=pixels)
         index.ckpt0_json_sha256, index.ckpt0_arrow_sha256 = write_checkpoint(loc, stream, 0, packer)
     else:
         packer = StreamPacker(cfg, stream, tokenizer, special, state=read_checkpoint(loc, stream, next_shard, index),
-                              reuse_pixel_table=True)
+                              reuse_pixel_table=True, pixels=pixels)
         log.info("stream %d: continuing at shard %d (record %d)", stream, next_shard, next_record)
     writer = StreamWriter(loc, stream, shard_bytes=cfg.prepack.shard_bytes, compression=cfg.prepack.compression,
                           metadata=metadata, start_shard=next_shard, start_record=next_record)
@@ -200,6 +219,8 @@ def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, 
         index.append(entry)
         write_index(loc, index)  # the commit
         pending.clear()
+        if own:  # a later pass of this stream may take these pictures back
+            pixels.add_shard(loc, stream, entry.shard, entry.nbytes, writer.committed_pixels)
 
     try:
         for batch in packer:
@@ -218,6 +239,9 @@ def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, 
         writer.abort()
         packer.close()  # the sources' read-ahead threads end with the stream, on errors too
         raise
+    finally:
+        if pixels is not None:
+            pixels.close()
     lineage_sha, lineage_rows = compact_lineage(loc, index) if index.shards else ("", 0)
     counters = packer.final_counters()
     records = [r for s in index.shards for r in s.records]
@@ -229,6 +253,7 @@ def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, 
         drops=counters.drops, warnings=counters.warnings, examples=counters.examples,
         group_samples=counters.samples_packed,
         elapsed_s=round(time.perf_counter() - start, 3), cpu_s=round(time.process_time() - cpu_start, 3),
+        reuse=packer.pictures.counts.to_json(),
     )
     write_bytes_atomic(loc, done_file(stream), result.to_json().encode())
     for entry in index.shards:  # the stream's lineage file now holds these rows

@@ -21,16 +21,19 @@ import re
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import xxhash
 import pyarrow.fs as pafs
 
+from prepack.engine.pictures import RESIZE_IMPL
 from prepack.run.direct_file import DirectFile
 from schemas.compression import Compression
 from schemas.location import PackLocation, resolve_location
 from schemas.errors import DamagedFile
-from schemas.manifest import RecordEntry, ShardEntry, StreamIndex, index_file, shard_file, stream_dir
-from schemas.record import RECORD_SCHEMA, RECORD_SCHEMA_VERSION, PackedBatch, encode_record
+from schemas.manifest import RecordEntry, ShardEntry, StreamIndex, index_file, shard_file, shard_pixels_file, stream_dir
+from schemas.pixel_index import PixelEntry, pixel_digest, pixel_index_bytes
+from schemas.record import RECORD_SCHEMA, RECORD_SCHEMA_VERSION, PackedBatch, encode_record, stored_pixel_frames
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +41,29 @@ TMP_SUFFIX = ".tmp"
 
 
 class _HashingSink:
-    """File-like sink for pyarrow that counts and XXH3-128-hashes every byte on its way to ``raw``."""
+    """File-like sink for pyarrow that counts and XXH3-128-hashes every byte on its way to ``raw``.
+
+    ``watch(buffer)`` asks where one buffer of the next record lands in the file: pyarrow hands a
+    record's body buffers to ``write`` as they are (zero copy), so the write of that memory is
+    recognised by address and size; ``seen`` is its file offset (None if it was not seen, e.g. a
+    pyarrow that copies: then the shard's pixel index simply lists nothing for that record).
+    """
 
     def __init__(self, raw):
         self.raw = raw
         self.xxh3 = xxhash.xxh3_128()
         self.nbytes = 0
         self.closed = False
+        self._watch: tuple[int, int] | None = None
+        self.seen: int | None = None
+
+    def watch(self, buffer: pa.Buffer | None) -> None:
+        self._watch = (buffer.address, buffer.size) if buffer is not None and buffer.size else None
+        self.seen = None
 
     def write(self, data) -> int:
+        if self._watch is not None and isinstance(data, pa.Buffer) and (data.address, data.size) == self._watch:
+            self.seen, self._watch = self.nbytes, None
         view = memoryview(data)
         self.xxh3.update(view)
         self.raw.write(view)
@@ -160,7 +177,9 @@ class StreamWriter:
     ``append`` returns the ``ShardEntry`` of a shard it just committed (the shard ends after the
     record that made it reach ``shard_bytes``), else ``None``; ``finish`` commits the last,
     partial shard.  The caller persists entries (``write_json_atomic``): the writer never writes
-    a shard index, so the caller can checkpoint first.
+    a shard index, so the caller can checkpoint first.  With the shard file the writer commits its
+    pixel index (``schemas.pixel_index``: where each keyed picture's frame lies in the file);
+    ``committed_pixels`` holds the entries of the shard just committed.
     """
 
     def __init__(
@@ -188,6 +207,8 @@ class StreamWriter:
         self._sink: _HashingSink | None = None
         self._ipc: pa.ipc.RecordBatchFileWriter | None = None
         self._records: list[RecordEntry] = []
+        self._pixels: list[PixelEntry] = []
+        self.committed_pixels: list[PixelEntry] = []
 
     def _schema(self) -> pa.Schema:
         meta = dict(self.metadata)
@@ -205,17 +226,35 @@ class StreamWriter:
         self._sink = _HashingSink(self._file.raw)
         self._ipc = pa.ipc.new_file(self._sink, self._schema(), options=self.compression.write_options())
         self._records = []
+        self._pixels = []
 
     def append(self, batch: PackedBatch) -> ShardEntry | None:
         """Write one packed batch; return the shard's entry if this record completed a shard."""
         record, digest = encode_record(batch, self.compression)  # the pixel table is compressed here
         if self._ipc is None:
             self._open()
+        codec, stored, frames = stored_pixel_frames(record)
+        self._sink.watch(stored)
         self._ipc.write_batch(record)
+        if self._sink.seen is not None:
+            self._index_pixels(batch, codec, self._sink.seen, frames)
         self._records.append(RecordEntry(digest, int(batch.sequence_length), batch.num_samples))
         if self._sink.nbytes >= self.shard_bytes:
             return self._commit()
         return None
+
+    def _index_pixels(self, batch: PackedBatch, codec: str, at: int, frames) -> None:
+        """Pixel index rows for the record about to be listed (``at``: its pixel bytes' file offset)."""
+        offsets = batch.image_offsets
+        pixels = np.asarray(batch.image_pixels).reshape(-1)
+        for i, source in enumerate(batch.image_sources):
+            if source is None:
+                continue
+            a, b = int(offsets[i]), int(offsets[i + 1])
+            self._pixels.append(PixelEntry(
+                source=source, width=int(batch.image_widths[i]), height=int(batch.image_heights[i]),
+                record=len(self._records), image=i, offset=at + int(frames[i]),
+                length=int(frames[i + 1] - frames[i]), nbytes=b - a, codec=codec, digest=pixel_digest(pixels[a:b])))
 
     def finish(self) -> ShardEntry | None:
         """Commit the current partial shard, if it holds any record."""
@@ -234,6 +273,9 @@ class StreamWriter:
     def _commit(self) -> ShardEntry:
         self._ipc.close()
         self._file.commit()
+        pixel_index = pixel_index_bytes(self._pixels, RESIZE_IMPL)
+        write_bytes_atomic(self.loc, shard_pixels_file(self.stream, self.next_shard), pixel_index)
+        self.committed_pixels = self._pixels
         entry = ShardEntry(
             stream=self.stream,
             shard=self.next_shard,
@@ -241,6 +283,7 @@ class StreamWriter:
             xxh3=self._sink.xxh3.hexdigest(),
             first_record=self.next_record,
             records=self._records,
+            pixels_sha256=sha256_hex(pixel_index),
         )
         log.debug(
             "stream %d: wrote %s (%d records, %d bytes)", self.stream, entry.file, len(entry.records), entry.nbytes
@@ -249,10 +292,11 @@ class StreamWriter:
         self.next_record += len(self._records)
         self._ipc = self._sink = self._file = None
         self._records = []
+        self._pixels = []
         return entry
 
 
-_STREAM_FILE = re.compile(r"(shard|ckpt)-(\d+)\.(arrow|json|lineage\.parquet)")
+_STREAM_FILE = re.compile(r"(shard|ckpt)-(\d+)\.(arrow|json|lineage\.parquet|pixels\.arrow)")
 
 
 def sha256_hex(data: bytes) -> str:

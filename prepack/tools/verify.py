@@ -36,6 +36,7 @@ from schemas.manifest import (
     done_file,
     index_file,
     shard_lineage_file,
+    shard_pixels_file,
     stream_lineage_file,
 )
 
@@ -138,6 +139,7 @@ def check_stream(pack: Pack, stream: int, rep: CheckReport, pool: ThreadPoolExec
     for sh in index.shards:
         for ext, sha in (("json", sh.ckpt_json_sha256), ("arrow", sh.ckpt_arrow_sha256)):
             _check_file(loc, rep, "checkpoint", checkpoint_file(stream, sh.shard + 1, ext), sha)
+        _check_file(loc, rep, "pixel index", shard_pixels_file(stream, sh.shard), sh.pixels_sha256)
     done = _check_done(pack, index, rep)
     if done is not None and done.lineage_sha256:
         data = _check_file(loc, rep, "lineage", stream_lineage_file(stream), done.lineage_sha256)

@@ -18,7 +18,7 @@ import random
 import sys
 from dataclasses import dataclass, field
 
-KINDS = ("pack", "manifest", "done", "index", "ckpt-json", "ckpt-arrow", "shard", "lineage")
+KINDS = ("pack", "manifest", "done", "index", "ckpt-json", "ckpt-arrow", "shard", "pixels", "lineage")
 JSON_KINDS = ("pack", "manifest", "done", "ckpt-json")
 
 
@@ -34,6 +34,8 @@ def kind_of(rel: str) -> str | None:
         return "index"
     if name.startswith("ckpt-"):
         return "ckpt-json" if name.endswith(".json") else "ckpt-arrow"
+    if name.startswith("shard-") and name.endswith(".pixels.arrow"):
+        return "pixels"
     if name.startswith("shard-") and name.endswith(".arrow"):
         return "shard"
     if name.endswith(".parquet"):

@@ -19,6 +19,7 @@ import numpy as np
 
 from prepack.engine.accounting import Counters, Rejected
 from prepack.engine.images import ImagePolicy
+from prepack.engine.pictures import PictureStore
 from prepack.engine.sources import files
 from prepack.engine.sources.readahead import IOPool, ReadAhead, Submit
 from prepack.engine.sample import Sample
@@ -45,6 +46,11 @@ class StreamContext:
     max_consecutive_failures: int
     config_dir: str = ""  # relative paths inside data files (parquet_info keys) resolve here
     io: IOPool | None = None  # the stream's I/O threads: sources on an object store read ahead (None: never)
+    pictures: PictureStore | None = None  # decodes pictures (and finds earlier pixels); made from the policy if None
+
+    def __post_init__(self) -> None:
+        if self.pictures is None:
+            self.pictures = PictureStore(self.image_policy, self.counters.warn)
 
     @property
     def worker_id(self) -> int:

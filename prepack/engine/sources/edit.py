@@ -15,7 +15,7 @@ import os
 from typing import Iterator
 
 from prepack.engine.accounting import Rejected
-from prepack.engine.images import decode_rgb, navit_size
+from prepack.engine.images import navit_size
 from prepack.engine.sample import PlanItem, Sample, SampleImage
 from prepack.engine.sources import files
 from prepack.engine.sources.base import Source, StreamContext, list_parquet_files, slice_for_stream
@@ -158,7 +158,7 @@ class EditSource(Source):
             data = images[i]
             if not isinstance(data, bytes):
                 raise Rejected("edit_image_not_bytes")
-            return decode_rgb(data, ctx.image_policy, ctx.counters.warn)
+            return ctx.pictures.rgb(data)
 
         def add_text(text: str) -> None:
             nonlocal tokens

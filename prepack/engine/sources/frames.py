@@ -17,6 +17,7 @@ from PIL import Image
 
 from prepack.engine.accounting import Rejected
 from prepack.engine.images import ImagePolicy, decode_plain_rgb
+from prepack.engine.pictures import Picture, PictureStore
 from prepack.engine.sources import files
 from prepack.engine.sources.readahead import DIRECT, Prefetched
 from schemas.config import FrameSamplerArgs
@@ -89,10 +90,14 @@ def read_video_file(path: str, args: FrameSamplerArgs, py: random.Random, rs: np
 
 
 def read_frame_folder(path: str, args: FrameSamplerArgs, py: random.Random, rs: np.random.RandomState,
-                      policy: ImagePolicy, warn: Callable[[str], None], objects: Prefetched = DIRECT) -> list[Image.Image]:
+                      policy: ImagePolicy, warn: Callable[[str], None], objects: Prefetched = DIRECT,
+                      pictures: PictureStore | None = None) -> "list[Picture | Image.Image]":
     """Frames of a folder of images, ordered by the ``_NNN.jpg`` suffix (others first)."""
     names = frame_names_in_order(objects.list_names(path))
-    frames = [decode_plain_rgb(objects.media(files.join(path, n)), policy, warn) for n in names]
+    if pictures is not None:
+        frames = [pictures.plain(objects.media(files.join(path, n))) for n in names]
+    else:
+        frames = [decode_plain_rgb(objects.media(files.join(path, n)), policy, warn) for n in names]
     count = rs.randint(args.min_num_frames, args.max_num_frames + 1)
     if len(frames) > count:
         frames = [frames[i] for i in frame_indices(count, len(frames), args.sample, py, rs)]
@@ -100,11 +105,12 @@ def read_frame_folder(path: str, args: FrameSamplerArgs, py: random.Random, rs: 
 
 
 def sample_frames(path: str, args: FrameSamplerArgs, py: random.Random, rs: np.random.RandomState,
-                  policy: ImagePolicy, warn: Callable[[str], None], objects: Prefetched = DIRECT) -> list[Image.Image]:
+                  policy: ImagePolicy, warn: Callable[[str], None], objects: Prefetched = DIRECT,
+                  pictures: PictureStore | None = None) -> "list[Picture | Image.Image]":
     """A trailing slash names a frame folder, anything else a video file (reference rule).
 
     ``objects``: where the bytes come from (what a read-ahead fetched; by default direct reads).
     """
     if path.endswith("/"):
-        return read_frame_folder(path, args, py, rs, policy, warn, objects)
+        return read_frame_folder(path, args, py, rs, policy, warn, objects, pictures)
     return read_video_file(path, args, py, rs, policy, objects)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from prepack.engine.accounting import Rejected
-from prepack.engine.images import decode_rgb, navit_size
+from prepack.engine.images import navit_size
 from prepack.engine.sample import PlanItem, Sample, SampleImage
 from prepack.engine.sources import files
 from prepack.engine.sources.base import Source, StreamContext, slice_for_stream
@@ -178,10 +178,10 @@ class SftSource(Source):
         ctx = self.ctx
         if "image" in item:
             names = item["image"] if type(item["image"]) is list else [item["image"]]
-            return [decode_rgb(objects.media(_inside(data_dir, n)), ctx.image_policy, ctx.counters.warn) for n in names]
+            return [ctx.pictures.rgb(objects.media(_inside(data_dir, n))) for n in names]
         if "video" in item:
             frames = sample_frames(_inside(data_dir, item["video"]), self.group.frame_sampler, ctx.py_rng,
-                                   ctx.np_rng, ctx.image_policy, ctx.counters.warn, objects)
+                                   ctx.np_rng, ctx.image_policy, ctx.counters.warn, objects, ctx.pictures)
             convs = item["conversations"]
             first = convs[0]
             if "<video>" not in first["value"]:

@@ -12,7 +12,7 @@ import json
 from typing import Iterator
 
 from prepack.engine.accounting import Rejected
-from prepack.engine.images import decode_rgb, navit_size
+from prepack.engine.images import navit_size
 from prepack.engine.sample import PlanItem, Sample, SampleImage
 from prepack.engine.sources import files
 from prepack.engine.sources.base import Source, StreamContext, list_parquet_files, slice_for_stream
@@ -128,7 +128,7 @@ class T2ISource(Source):
         if not isinstance(data, bytes):
             raise Rejected("t2i_image_parse", f"image value is {type(data).__name__}, not bytes")
         try:
-            picture = decode_rgb(data, ctx.image_policy, ctx.counters.warn)
+            picture = ctx.pictures.rgb(data)
         except Rejected:
             raise
         except Exception as e:

@@ -107,7 +107,7 @@ def shard_files(out: str) -> dict[str, bytes]:
     for d in sorted(os.listdir(out)):
         if d.startswith("stream-"):
             for f in sorted(os.listdir(os.path.join(out, d))):
-                if f.startswith("shard-") and f.endswith(".arrow"):
+                if f.startswith("shard-") and f.endswith(".arrow"):  # the shard files and their pixel indexes
                     with open(os.path.join(out, d, f), "rb") as fh:
                         got[f"{d}/{f}"] = fh.read()
     return got

@@ -156,7 +156,8 @@ def test_stream_index_round_trip_and_chain(tmp_path):
     assert back.record(5).digest == entries[-1].records[-1].digest
     with pytest.raises(IndexError):
         back.record(6)
-    assert sorted(os.listdir(tmp_path / "stream-00000")) == ["index.arrow"] + [f"shard-0000{k}.arrow" for k in range(len(entries))]
+    assert sorted(os.listdir(tmp_path / "stream-00000")) == ["index.arrow"] + sorted(
+        f"shard-0000{k}.{kind}" for k in range(len(entries)) for kind in ("arrow", "pixels.arrow"))
 
 
 def test_damaged_index_is_refused_naming_it(tmp_path):
@@ -212,10 +213,12 @@ def test_recover_after_crash_then_resume_gives_identical_output(tmp_path):
     (sdir / "index.arrow.tmp").write_bytes(b"{")
     # ... and the process dies here (no finish, no abort)
 
+    assert (sdir / "shard-00002.pixels.arrow").exists()  # written with its shard, which the index never listed
     recovered = recover_stream(out, 4)
     assert len(recovered.shards) == 2 and recovered.num_records == full[2].first_record
     assert [c.records for c in recovered.shards] == [e.records for e in full[:2]]
-    kept = ["ckpt-00001.json", "ckpt-00002.json", "index.arrow", "shard-00000.arrow", "shard-00001.arrow"]
+    kept = ["ckpt-00001.json", "ckpt-00002.json", "index.arrow", "shard-00000.arrow", "shard-00000.pixels.arrow",
+            "shard-00001.arrow", "shard-00001.pixels.arrow"]
     assert sorted(os.listdir(sdir)) == kept
     assert recover_stream(out, 4) == recovered  # idempotent
 

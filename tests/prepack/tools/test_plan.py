@@ -11,6 +11,7 @@ samples with is the run's, and planning imports neither Ray nor transformers.
 from __future__ import annotations
 
 import os
+import re
 
 from prepack.tools.plan import batch_allotment, estimate_settled, plan_pack, sample_streams
 from schemas.config import load_config
@@ -31,7 +32,7 @@ def test_projection_is_within_30_percent_of_a_real_pack(tmp_path, tokenizer_and_
     real = _bytes_under(out)
     assert plan.records == 16
     assert 0.7 <= plan.output_bytes / real <= 1.3, f"projected {plan.output_bytes:,} bytes, packed {real:,}"
-    shards = [len([n for n in os.listdir(os.path.join(out, d)) if n.startswith("shard-") and n.endswith(".arrow")])
+    shards = [len([n for n in os.listdir(os.path.join(out, d)) if re.fullmatch(r"shard-\d+\.arrow", n)])
               for d in os.listdir(out) if d.startswith("stream-")]
     assert all(abs(plan.shards_per_stream - s) <= 1 for s in shards), (plan.shards_per_stream, shards)
     from loader.reader import Pack

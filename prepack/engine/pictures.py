@@ -1,0 +1,149 @@
+"""Source pictures that know what they are: content key, decode facts, and pixels on demand.
+
+A source decodes a picture to learn its size (the NaViT target) and its damage (warnings, strict
+drops); the resize runs later, when the sample is packed.  ``PictureStore.rgb``/``plain`` do the
+first part once per picture and remember its identity (``schemas.pixel_index.PictureSource``: the
+XXH3-128 of its encoded bytes and how they are decoded), so the writer can index where its
+pixels land, and a later pack can take them instead of decoding and resizing again.
+
+With a reuse provider (``prepack.engine.reuse``), a picture whose decode facts are known is not
+decoded at all: the facts are replayed through the same policy as a fresh decode (same drops,
+same warnings, same order), and each resize target is first looked up; only a miss (or a reused
+frame that fails its check) decodes the kept bytes.  Nothing here changes a byte of the output.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import numpy as np
+import PIL
+from PIL import Image
+
+from prepack.engine.images import ImagePolicy, apply_facts, decode_observed, to_plain_rgb, to_rgb
+from prepack.engine.resize import resize_pixels
+from schemas.pixel_index import DecodeFacts, PictureSource, content_key
+
+log = logging.getLogger(__name__)
+
+# The resize's exact implementation: the pixels of a target depend on this and nothing else.
+RESIZE_IMPL = f"pillow-{PIL.__version__}-bicubic-antialias"
+
+
+class PixelProvider(Protocol):
+    """Where earlier pixels come from (``prepack.engine.reuse.PixelReuse``)."""
+
+    def facts(self, key: tuple[bytes, str]) -> DecodeFacts | None: ...
+
+    def fetch(self, source: PictureSource, width: int, height: int) -> np.ndarray | None: ...
+
+    counts: "ReuseCounts"  # where the provider counts its fallbacks: the store counts into the same
+
+
+@dataclass
+class ReuseCounts:
+    """How the stream's resizes were served (done.json's ``reuse``; never in a checkpoint, so a
+    reused pack's checkpoints are a fresh pack's bytes)."""
+
+    images: int = 0  # resizes asked for (every packed image, video frames included)
+    reused: int = 0  # served from earlier pixels
+    decodes_saved: int = 0  # pictures never decoded
+    fallbacks: dict[str, int] = field(default_factory=dict)  # reason -> reused pixels refused, decoded instead
+
+    def fallback(self, reason: str) -> None:
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+
+    def to_json(self) -> dict:
+        return {"images": self.images, "reused": self.reused, "decodes_saved": self.decodes_saved,
+                "fallbacks": dict(sorted(self.fallbacks.items()))}
+
+
+class Picture:
+    """A decoded-on-demand source picture: its identity and size are known, its pixels are made
+    (or taken from earlier ones) per resize target."""
+
+    __slots__ = ("source", "size", "_image", "_data", "_store")
+
+    def __init__(self, source: PictureSource, image: Image.Image | None, data: bytes | None, store: "PictureStore"):
+        self.source = source
+        self.size = (source.facts.width, source.facts.height)
+        self._image = image
+        self._data = data  # the encoded bytes while no image is decoded
+        self._store = store
+
+    @property
+    def width(self) -> int:
+        return self.size[0]
+
+    @property
+    def height(self) -> int:
+        return self.size[1]
+
+    def image(self) -> Image.Image:
+        """The decoded RGB picture (decoded now if it was not: its facts were counted already)."""
+        if self._image is None:
+            self._image = self._store.decode_again(self.source, self._data)
+            self._data = None
+            self._store.counts.decodes_saved -= 1
+        return self._image
+
+    def resized(self, width: int, height: int) -> np.ndarray:
+        """(height, width, 3) uint8: earlier pixels when they are provably these, else the resize."""
+        store = self._store
+        store.counts.images += 1
+        if store.provider is not None:
+            got = store.provider.fetch(self.source, width, height)
+            if got is not None:
+                store.counts.reused += 1
+                return got
+        return resize_pixels(self.image(), width, height)
+
+
+class PictureStore:
+    """Decodes a stream's source pictures under its policy, counting into its warnings."""
+
+    def __init__(self, policy: ImagePolicy, warn: Callable[[str], None], provider: PixelProvider | None = None):
+        self.policy = policy
+        self.warn = warn
+        self.provider = provider
+        self.counts = provider.counts if provider is not None else ReuseCounts()
+
+    def rgb(self, data: "bytes | str") -> Picture:
+        """The reference's ``pil_img2rgb(Image.open(...))``: transparency composited on white."""
+        return self._picture(data, "rgb")
+
+    def plain(self, data: "bytes | str") -> Picture:
+        """Frame folders: ``Image.open(...).convert("RGB")``, no compositing."""
+        return self._picture(data, "plain")
+
+    def _picture(self, data: "bytes | str", decode: str) -> Picture:
+        if isinstance(data, str):
+            with open(data, "rb") as f:  # by content, not path: the key needs the bytes
+                data = f.read()
+        key = content_key(data)
+        known = self.provider.facts((key, decode)) if self.provider is not None else None
+        if known is not None:
+            apply_facts(known, self.policy, self.warn)  # the same drops and warnings as a decode
+            self.counts.decodes_saved += 1  # until a target misses (``Picture.image``)
+            return Picture(PictureSource(key, decode, known), None, data, self)
+        img, facts = decode_observed(data, self.policy)
+        apply_facts(facts, self.policy, self.warn)
+        return Picture(PictureSource(key, decode, facts), _convert(img, decode), None, self)
+
+    def decode_again(self, source: PictureSource, data: bytes) -> Image.Image:
+        """Decode bytes whose facts were replayed (a reused picture that one target missed)."""
+        img, facts = decode_observed(data, ImagePolicy(max_pixels=max(self.policy.max_pixels, facts_pixels(source)),
+                                                       strict=False))
+        if facts != source.facts:  # the same bytes decode the same way: anything else is a bug
+            raise RuntimeError(f"picture {source.content.hex()} decoded as {facts}, its index said {source.facts}")
+        return _convert(img, source.decode)
+
+
+def facts_pixels(source: PictureSource) -> int:
+    return source.facts.width * source.facts.height
+
+
+def _convert(img: Image.Image, decode: str) -> Image.Image:
+    return to_rgb(img) if decode == "rgb" else to_plain_rgb(img)
