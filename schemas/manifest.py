@@ -101,6 +101,11 @@ def row_facts(s: "ShardEntry") -> bytes:
     return "|".join(map(str, scalars)).encode() + tokens.tobytes() + samples.tobytes()
 
 
+# done.json fields that say how the last run went, not what was packed: a resumed, retried or
+# reused pack has other values and the same bytes (comparisons of packs leave them out)
+INFORMATIONAL_FIELDS = ("elapsed_s", "cpu_s", "reuse")
+
+
 @dataclass
 class StreamSummary(Document):
     """``done.json``: a finished stream's totals and accounting (and the manifest's per-stream entry)."""

@@ -29,6 +29,7 @@ from typing import Self
 
 import yaml
 
+from schemas.manifest import INFORMATIONAL_FIELDS
 from tests.helpers.paths import REPO
 MARK_VAR = "PREPACK_TEST_MARK"
 
@@ -311,10 +312,10 @@ def comparable(stream_entry: dict, with_bytes: bool = True) -> dict:
     """A manifest stream entry without its timing (wall and CPU seconds) (and, unless
     ``with_bytes``, without the shard files' sha256/size: shard metadata carries the code
     fingerprint, records do not)."""
-    d = {k: v for k, v in stream_entry.items() if k not in ("elapsed_s", "cpu_s")}
+    d = {k: v for k, v in stream_entry.items() if k not in INFORMATIONAL_FIELDS}
     if not with_bytes:
         d["shards"] = [{k: v for k, v in sh.items() if k not in ("xxh3", "nbytes", "ckpt_json_sha256", "ckpt_arrow_sha256",
-                                                                "lineage_sha256")} for sh in d["shards"]]
+                                                                "lineage_sha256", "pixels_sha256")} for sh in d["shards"]]
         d.pop("root", None)  # the chain covers the file digests too
     return d
 

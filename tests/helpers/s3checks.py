@@ -10,6 +10,8 @@ import os
 
 import torch
 
+from schemas.manifest import INFORMATIONAL_FIELDS
+
 
 def batch_fingerprint(batch) -> str:
     """SHA-256 of everything training sees of one batch (``to_dict()``: tensors with dtype and
@@ -46,7 +48,7 @@ def local_files(root: str) -> dict[str, bytes]:
 
 def _untimed(value):
     if isinstance(value, dict):
-        return {k: _untimed(v) for k, v in value.items() if k not in ("elapsed_s", "cpu_s", "checksum")}
+        return {k: _untimed(v) for k, v in value.items() if k not in (*INFORMATIONAL_FIELDS, "checksum")}
     if isinstance(value, list):
         return [_untimed(v) for v in value]
     return value
