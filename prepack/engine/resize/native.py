@@ -118,9 +118,9 @@ def build(target: Path, env: Mapping[str, str], flags: tuple[str, ...] = FLAGS) 
         tmp.unlink(missing_ok=True)
 
 
-def load(env: Mapping[str, str] | None = None, flags: tuple[str, ...] = FLAGS) -> ResizeFn:
-    """The kernel's entry point, building it first if this machine has no build of this source.
-    ``flags``: other compiler flags (tests build the narrower x86 variants with them)."""
+def library(env: Mapping[str, str] | None = None, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
+    """The built kernel, building it first if this machine has no build of this source.
+    ``flags``: other compiler flags (tests and the bench build the narrower x86 variants)."""
     env = os.environ if env is None else env
     path = library_path(env, flags)
     if not path.exists():
@@ -128,8 +128,19 @@ def load(env: Mapping[str, str] | None = None, flags: tuple[str, ...] = FLAGS) -
             fcntl.flock(lock, fcntl.LOCK_EX)  # one worker compiles; the others wait and load its build
             if not path.exists():
                 build(path, env, flags)
-    lib = ctypes.CDLL(str(path))
-    fn = lib.prepack_resize_rgbx
+    return ctypes.CDLL(str(path))
+
+
+def isa(lib: ctypes.CDLL) -> str:
+    """The vector path the build took: "avx512", "avx2", "neon" or "portable"."""
+    fn = lib.prepack_resize_isa
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
+
+
+def load(env: Mapping[str, str] | None = None, flags: tuple[str, ...] = FLAGS) -> ResizeFn:
+    """The kernel's entry point (see ``library``)."""
+    fn = library(env, flags).prepack_resize_rgbx
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                    ctypes.c_int]
     fn.restype = ctypes.c_int
