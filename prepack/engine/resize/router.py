@@ -74,11 +74,12 @@ def _import_kernel():
     return kernel
 
 
-def native_kernel(env: Mapping[str, str] | None = None) -> Kernel:
-    """The C kernel as the packer calls it: an RGB picture in, (h, w, 3) uint8 out."""
+def native_kernel(env: Mapping[str, str] | None = None, flags: tuple[str, ...] | None = None) -> Kernel:
+    """The C kernel as the packer calls it: an RGB picture in, (h, w, 3) uint8 out (``flags``:
+    another build, for the bench)."""
     from prepack.engine.resize import native
 
-    fn = native.load(env)
+    fn = native.load(env) if flags is None else native.load(env, flags)
 
     def resize(img: Image.Image, width: int, height: int) -> np.ndarray:
         in_w, in_h = img.size

@@ -1,10 +1,11 @@
 """Every kernel against the installed Pillow, value for value: random sizes and contents, tall,
 wide and 1-pixel pictures, both pass orders, photographs at the packer's target sizes.
 
-The C kernel is checked as this machine builds it and, on x86, also built without AVX-512 and
-without AVX2, so each of its code paths (the x86 widening instructions and the portable loops) is
-proven here, not only the one this CPU happens to take.  The numba kernel is the fallback for
-machines with no C compiler.
+The C kernel is checked as this machine builds it and, on x86, also built without AVX-512 (the
+AVX2 path, and its opt-in 16-bit multiply-add variant) and without AVX2 (the portable loops), so
+each of its x86 code paths is proven here, not only the one this CPU happens to take
+(test_cross.py runs the aarch64 ones under qemu).  The numba kernel is the fallback for machines
+with no C compiler.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ pytestmark = pytest.mark.skipif(Image.__version__ != PINNED_PILLOW, reason="the 
 # (picture, out_w, out_h, vertical_first) -> (out_h, out_w, 3) uint8, with the pass order forced
 Raw = Callable[[Image.Image, int, int, bool], np.ndarray]
 # build -> (its extra flags, the vector path it must take)
-NARROWER_X86 = {"native-avx2": (("-mno-avx512f",), "avx2"), "native-portable": (("-mno-avx2", "-mno-avx512f"), "portable")}
+NARROWER_X86 = {"native-avx2": (("-mno-avx512f",), "avx2"), "native-portable": (("-mno-avx2", "-mno-avx512f"), "portable"),
+                "native-avx2-madd": (("-mno-avx512f", "-DPREPACK_RESIZE_MADD"), "avx2-madd")}
 
 
 def _native(name: str) -> Raw:
@@ -72,7 +74,7 @@ def _raw(name: str) -> Raw:
     return _numba() if name == "numba" else _native(name)
 
 
-@pytest.fixture(scope="module", params=["native", "native-avx2", "native-portable", "numba"])
+@pytest.fixture(scope="module", params=["native", "native-avx2", "native-avx2-madd", "native-portable", "numba"])
 def raw(request) -> Raw:
     return _raw(request.param)
 
