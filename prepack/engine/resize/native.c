@@ -448,3 +448,21 @@ done:
     free_axis(&av);
     return rc;
 }
+
+/* The same, reading the picture in place from its row pointers (Pillow's image32 rows, 4 bytes a
+ * pixel): where the rows lie end to end (one Pillow memory block, the usual case) they are the
+ * RGBX picture itself, else they are gathered into one first. */
+int prepack_resize_rows(const uint8_t *const *rows, int in_w, int in_h, uint8_t *dst, int out_w, int out_h,
+                        int vertical_first) {
+    size_t line = (size_t)in_w * 4;
+    int contiguous = in_w > 0 && in_h > 0;
+    for (int y = 1; y < in_h && contiguous; y++) contiguous = rows[y] == rows[0] + (size_t)y * line;
+    if (contiguous || in_w <= 0 || in_h <= 0)
+        return prepack_resize_rgbx(in_h > 0 ? rows[0] : NULL, in_w, in_h, dst, out_w, out_h, vertical_first);
+    uint8_t *src = malloc(line * in_h);
+    if (!src) return -1;
+    for (int y = 0; y < in_h; y++) memcpy(src + y * line, rows[y], line);
+    int rc = prepack_resize_rgbx(src, in_w, in_h, dst, out_w, out_h, vertical_first);
+    free(src);
+    return rc;
+}

@@ -35,7 +35,7 @@ CACHE_ENV = "PREPACK_CACHE_DIR"
 BUILD_TIMEOUT_S = 120
 
 # int prepack_resize_rgbx(const uint8_t *src, int in_w, int in_h, uint8_t *dst, int out_w, int out_h,
-#                         int vertical_first)
+#                         int vertical_first)  (and prepack_resize_rows, with const uint8_t *const *rows)
 ResizeFn = Callable[[int, int, int, int, int, int, int], int]
 
 
@@ -138,9 +138,11 @@ def isa(lib: ctypes.CDLL) -> str:
     return fn().decode()
 
 
-def load(env: Mapping[str, str] | None = None, flags: tuple[str, ...] = FLAGS) -> ResizeFn:
-    """The kernel's entry point (see ``library``)."""
-    fn = library(env, flags).prepack_resize_rgbx
+def load(env: Mapping[str, str] | None = None, flags: tuple[str, ...] = FLAGS,
+         entry: str = "prepack_resize_rgbx") -> ResizeFn:
+    """The kernel's entry point (see ``library``): ``prepack_resize_rgbx`` takes the RGBX picture,
+    ``prepack_resize_rows`` a table of its row pointers (Pillow's own, read in place)."""
+    fn = getattr(library(env, flags), entry)
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                    ctypes.c_int]
     fn.restype = ctypes.c_int

@@ -74,19 +74,28 @@ def _import_kernel():
     return kernel
 
 
-def native_kernel(env: Mapping[str, str] | None = None, flags: tuple[str, ...] | None = None) -> Kernel:
-    """The C kernel as the packer calls it: an RGB picture in, (h, w, 3) uint8 out (``flags``:
-    another build, for the bench)."""
-    from prepack.engine.resize import native
+def native_kernel(env: Mapping[str, str] | None = None, flags: tuple[str, ...] | None = None,
+                  in_place: bool = True) -> Kernel:
+    """The C kernel as the packer calls it: an RGB picture in, (h, w, 3) uint8 out.  It reads
+    Pillow's rows in place where ``inplace`` finds them as expected (``in_place``), else a copy of
+    the picture.  ``flags``: another build, for the bench."""
+    from prepack.engine.resize import inplace, native
 
-    fn = native.load(env) if flags is None else native.load(env, flags)
+    flags = native.FLAGS if flags is None else flags
+    fn = native.load(env, flags)
+    fn_rows = native.load(env, flags, "prepack_resize_rows") if in_place and inplace.probe() else None
 
     def resize(img: Image.Image, width: int, height: int) -> np.ndarray:
         in_w, in_h = img.size
-        src = raw_pixels(img, "RGBX", 4)
         out = np.empty((height, width, 3), np.uint8)
-        if fn(src.ctypes.data, in_w, in_h, out.ctypes.data, width, height,
-              int(vertical_first(in_w, in_h, width, height))):
+        vfirst = int(vertical_first(in_w, in_h, width, height))
+        held = inplace.rows(img) if fn_rows is not None else None  # the capsule keeps the rows alive
+        if held is not None:
+            rc = fn_rows(held[1], in_w, in_h, out.ctypes.data, width, height, vfirst)
+        else:
+            src = raw_pixels(img, "RGBX", 4)  # held: only its address goes to C
+            rc = fn(src.ctypes.data, in_w, in_h, out.ctypes.data, width, height, vfirst)
+        if rc:
             raise MemoryError(f"resize {in_w}x{in_h} -> {width}x{height}: out of memory")
         return out
 
