@@ -133,8 +133,8 @@ def default_candidates(env: Mapping[str, str]) -> list[Candidate]:
     from prepack.engine.resize import native
 
     def native_identity() -> str:
-        try:
-            return native.library_path(env).name  # source, compiler, flags and CPU
+        try:  # the build (source, compiler, flags, CPU) and how pictures reach it
+            return f"{native.library_path(env).name} {_source_digest(Path(__file__).with_name('inplace.py'))}"
         except native.BuildError as exc:
             return f"unavailable: {exc}"
 
