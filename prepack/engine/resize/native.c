@@ -1,7 +1,8 @@
 /* Pillow 13.0.0's bicubic resample of RGB pictures, value for value, in portable vector C.
  *
  * Built at first use by prepack/engine/resize/native.py with the machine's C compiler
- * (-O3 -march=native -ffp-contract=off) and proven against the installed Pillow before use.
+ * (-O2 -march=native -ffp-contract=off) and proven against the installed Pillow before use.
+ * Vector paths: AVX-512, AVX2, NEON (aarch64), and portable loops for anything else.
  *
  * Exactness (the arithmetic of Pillow 13.0.0's libImaging/Resample.c, re-derived, not copied):
  *   - per axis, double-precision filter weights: window [int(center - support + 0.5),
@@ -15,8 +16,8 @@
  *
  * Layout: pixels are 4 bytes (R, G, B, X: Pillow's own storage of an RGB image).  The vertical
  * pass runs 64 lanes (16 pixels) of one output row in registers over its taps; the horizontal pass
- * multiplies four taps x four channels per 16-lane vector with the weights pre-expanded per
- * channel, so neither pass transposes anything.
+ * holds 16 rows transposed (one input column is 64 contiguous bytes) and runs the same loop per
+ * output column, then transposes the result back.
  */
 #include <math.h>
 #include <stdint.h>
@@ -26,32 +27,59 @@
 #define PRECISION_BITS 22
 #define HALF (1 << (PRECISION_BITS - 1))
 
-typedef int32_t v16si __attribute__((vector_size(64)));
-
-/* 16 bytes widened to 16 int32 lanes.  Compilers lower a generic vector conversion of bytes to
- * scalar code, so the x86 widening instructions are asked for by name where the target has them. */
+/* The instruction set this build vectorizes with.  The arithmetic is generic vector C at the
+ * machine's register width (GCC lowers wider generic vectors through the stack); the widening,
+ * the narrowing, the transposes and the RGBX -> RGB store are asked for by name where the target
+ * has the instructions (a generic conversion of bytes to int32 is lowered to scalar code, and the
+ * others have no generic spelling). */
 #if defined(__AVX512F__)
 #include <immintrin.h>
-static inline v16si widen16(const uint8_t *p) {
-    return (v16si)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-}
+#define ISA_NAME "avx512"
+#define VL 16
 #elif defined(__AVX2__)
 #include <immintrin.h>
-static inline v16si widen16(const uint8_t *p) {
-    __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
-    v16si r;
-    memcpy(&r, &lo, 32);
-    memcpy((char *)&r + 32, &hi, 32);
-    return r;
-}
+#if defined(PREPACK_RESIZE_MADD)
+#define ISA_NAME "avx2-madd"
 #else
-static inline v16si widen16(const uint8_t *p) {
-    v16si r;
-    for (int i = 0; i < 16; i++) r[i] = p[i];
-    return r;
-}
+#define ISA_NAME "avx2"
 #endif
+#define VL 8
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+#include <arm_neon.h>
+#define ISA_NAME "neon"
+#define VL 4
+#else
+#define ISA_NAME "portable"
+#define VL 4
+#endif
+#define NV (64 / VL) /* vectors per 64 lanes (16 RGBX pixels) */
+#define UNROLL _Pragma("GCC unroll 16")
+
+typedef int32_t vsi __attribute__((vector_size(VL * 4)));
+
+/* Which of the paths below this build took (the bench and the tests report it). */
+const char *prepack_resize_isa(void) { return ISA_NAME; }
+
+/* 64 bytes widened to 64 int32 lanes. */
+static inline void widen64(const uint8_t *p, vsi x[NV]) {
+#if defined(__AVX512F__)
+    UNROLL for (int i = 0; i < NV; i++) x[i] = (vsi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * i)));
+#elif defined(__AVX2__)
+    UNROLL for (int i = 0; i < NV; i++) x[i] = (vsi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * i)));
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+    UNROLL for (int i = 0; i < 4; i++) {
+        uint8x16_t b = vld1q_u8(p + 16 * i);
+        uint16x8_t lo = vmovl_u8(vget_low_u8(b)), hi = vmovl_high_u8(b);
+        x[4 * i] = (vsi)vmovl_u16(vget_low_u16(lo));
+        x[4 * i + 1] = (vsi)vmovl_high_u16(lo);
+        x[4 * i + 2] = (vsi)vmovl_u16(vget_low_u16(hi));
+        x[4 * i + 3] = (vsi)vmovl_high_u16(hi);
+    }
+#else
+    for (int i = 0; i < NV; i++)
+        for (int j = 0; j < VL; j++) x[i][j] = p[VL * i + j];
+#endif
+}
 
 typedef struct {
     int ksize;       /* taps per output value, padded with zero weights */
@@ -122,17 +150,88 @@ static inline uint8_t clip8(int32_t v) {
     return (uint8_t)(v < 0 ? 0 : (v > 255 ? 255 : v));
 }
 
-/* o[i] = clip((HALF + v[i]) >> 22) for 16 lanes. */
-static inline void narrow16(uint8_t *o, v16si v) {
+/* o[i] = clip((HALF + a[i]) >> 22) for 64 lanes. */
+static inline void narrow64(uint8_t *o, vsi a[NV]) {
+    UNROLL for (int i = 0; i < NV; i++) a[i] = (a[i] + HALF) >> PRECISION_BITS;
 #if defined(__AVX512F__)
-    __m512i x = _mm512_srai_epi32(_mm512_add_epi32((__m512i)v, _mm512_set1_epi32(HALF)), PRECISION_BITS);
-    _mm_storeu_si128((__m128i *)o, _mm512_cvtusepi32_epi8(_mm512_max_epi32(x, _mm512_setzero_si512())));
+    UNROLL for (int i = 0; i < NV; i++)
+        _mm_storeu_si128((__m128i *)(o + 16 * i), _mm512_cvtusepi32_epi8(_mm512_max_epi32((__m512i)a[i], _mm512_setzero_si512())));
+#elif defined(__AVX2__)
+    /* saturating packs clip as clip8 does; they interleave the 128-bit lanes, which one dword
+     * permute puts back in order */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    UNROLL for (int i = 0; i < 2; i++) {
+        __m256i w0 = _mm256_packs_epi32((__m256i)a[4 * i], (__m256i)a[4 * i + 1]);
+        __m256i w1 = _mm256_packs_epi32((__m256i)a[4 * i + 2], (__m256i)a[4 * i + 3]);
+        _mm256_storeu_si256((__m256i *)(o + 32 * i), _mm256_permutevar8x32_epi32(_mm256_packus_epi16(w0, w1), order));
+    }
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+    UNROLL for (int i = 0; i < 4; i++) { /* saturating narrows: clip8's clip */
+        int16x8_t lo = vcombine_s16(vqmovn_s32((int32x4_t)a[4 * i]), vqmovn_s32((int32x4_t)a[4 * i + 1]));
+        int16x8_t hi = vcombine_s16(vqmovn_s32((int32x4_t)a[4 * i + 2]), vqmovn_s32((int32x4_t)a[4 * i + 3]));
+        vst1q_u8(o + 16 * i, vcombine_u8(vqmovun_s16(lo), vqmovun_s16(hi)));
+    }
 #else
-    int32_t a[16];
-    memcpy(a, &v, sizeof a);
-    for (int i = 0; i < 16; i++) o[i] = clip8(HALF + a[i]);
+    for (int i = 0; i < NV; i++)
+        for (int j = 0; j < VL; j++) o[VL * i + j] = (uint8_t)(a[i][j] < 0 ? 0 : (a[i][j] > 255 ? 255 : a[i][j]));
 #endif
 }
+
+#if defined(__AVX2__) && !defined(__AVX512F__) && defined(PREPACK_RESIZE_MADD)
+/* AVX2 with -DPREPACK_RESIZE_MADD (not the default: on a Sapphire Rapids it was 0-10% slower than
+ * the 32-bit multiplies; a CPU with slow vpmulld may differ): 16-bit multiply-adds, two taps per
+ * instruction, exactly.  A weight is 22-bit fixed point
+ * (|w| < 2^23), so w = hi * 2^11 + lo with hi = w >> 11 (|hi| < 2^12) and lo = w & 0x7ff both fit
+ * int16, and sum(p * w) = 2^11 * sum(p * hi) + sum(p * lo) in int32 (wrapping, like Pillow's
+ * own sum).  Pixels of taps t and t + 1 sit side by side in 16-bit lanes; an odd last tap is
+ * paired with itself at weight 0 (no read past the window).  32 lanes per loop: 8 accumulators. */
+#define MADD2(h, l, x) (h = _mm256_add_epi32(h, _mm256_madd_epi16(x, wh)), l = _mm256_add_epi32(l, _mm256_madd_epi16(x, wl)))
+static inline void taps32(const uint8_t *base, size_t stride, const int32_t *k, int n, uint8_t *o) {
+    __m256i h0 = _mm256_setzero_si256(), h1 = h0, h2 = h0, h3 = h0, l0 = h0, l1 = h0, l2 = h0, l3 = h0;
+    for (int t = 0; t < n; t += 2) {
+        const uint8_t *p = base + (size_t)t * stride;
+        int pair = t + 1 < n;
+        const uint8_t *q = p + (pair ? stride : 0);
+        int32_t k1 = pair ? k[t + 1] : 0;
+        __m256i wh = _mm256_set1_epi32((int32_t)(((uint32_t)(k1 >> 11) << 16) | (uint16_t)(k[t] >> 11)));
+        __m256i wl = _mm256_set1_epi32((int32_t)(((uint32_t)(k1 & 0x7ff) << 16) | (uint32_t)(k[t] & 0x7ff)));
+        __m256i a = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+        __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
+        MADD2(h0, l0, _mm256_unpacklo_epi16(a, b)); /* lanes 0-3, 8-11 */
+        MADD2(h1, l1, _mm256_unpackhi_epi16(a, b)); /* lanes 4-7, 12-15 */
+        a = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)));
+        b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
+        MADD2(h2, l2, _mm256_unpacklo_epi16(a, b));
+        MADD2(h3, l3, _mm256_unpackhi_epi16(a, b));
+    }
+    const __m256i half = _mm256_set1_epi32(HALF);
+#define JOIN(h, l) _mm256_srai_epi32(_mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(h, 11), l), half), PRECISION_BITS)
+    /* the packs undo the unpacks' lane order within each 128-bit lane; one qword permute joins them */
+    __m256i w = _mm256_packus_epi16(_mm256_packs_epi32(JOIN(h0, l0), JOIN(h1, l1)), _mm256_packs_epi32(JOIN(h2, l2), JOIN(h3, l3)));
+#undef JOIN
+    _mm256_storeu_si256((__m256i *)o, _mm256_permute4x64_epi64(w, 0xD8));
+}
+#undef MADD2
+
+static inline void taps64(const uint8_t *base, size_t stride, const int32_t *k, int n, uint8_t *o) {
+    taps32(base, stride, k, n, o);
+    taps32(base + 32, stride, k, n, o + 32);
+}
+#else
+/* o[0 .. 64) = the narrowed sum over t < n of the 64 bytes at base + t * stride times k[t]: the
+ * one inner loop of both passes, 64 lanes in registers over all taps.  int32 sums are exact, so
+ * neither the lanes nor the order of the taps can change a value. */
+static inline void taps64(const uint8_t *base, size_t stride, const int32_t *k, int n, uint8_t *o) {
+    vsi acc[NV];
+    UNROLL for (int i = 0; i < NV; i++) acc[i] = (vsi){0};
+    for (int t = 0; t < n; t++) {
+        vsi x[NV], kk = (vsi){0} + k[t];
+        widen64(base + (size_t)t * stride, x);
+        UNROLL for (int i = 0; i < NV; i++) acc[i] += x[i] * kk;
+    }
+    narrow64(o, acc);
+}
+#endif
 
 /* n RGBX pixels -> n RGB pixels (dst may not overlap src). */
 static void rgbx_to_rgb(const uint8_t *src, uint8_t *dst, size_t n) {
@@ -146,6 +245,23 @@ static void rgbx_to_rgb(const uint8_t *src, uint8_t *dst, size_t n) {
         __m512i px = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(src + 4 * i));
         _mm512_mask_storeu_epi8(dst + 3 * i, 0xffffffffffffULL, px);
     }
+#elif defined(__AVX2__)
+    /* per 128-bit lane the 12 RGB bytes of its 4 pixels first, then the two lanes' 24 bytes joined */
+    const __m256i pick = _mm256_setr_epi8(0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1,
+                                          0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1);
+    const __m256i join = _mm256_setr_epi32(0, 1, 2, 4, 5, 6, 3, 7);
+    for (; i + 8 <= n; i += 8) {
+        __m256i px = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(src + 4 * i)), pick);
+        px = _mm256_permutevar8x32_epi32(px, join);
+        _mm_storeu_si128((__m128i *)(dst + 3 * i), _mm256_castsi256_si128(px));
+        _mm_storel_epi64((__m128i *)(dst + 3 * i + 16), _mm256_extracti128_si256(px, 1));
+    }
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+    for (; i + 16 <= n; i += 16) {
+        uint8x16x4_t px = vld4q_u8(src + 4 * i);
+        uint8x16x3_t rgb = {{px.val[0], px.val[1], px.val[2]}};
+        vst3q_u8(dst + 3 * i, rgb);
+    }
 #endif
     for (; i < n; i++) {
         dst[3 * i] = src[4 * i];
@@ -154,9 +270,10 @@ static void rgbx_to_rgb(const uint8_t *src, uint8_t *dst, size_t n) {
     }
 }
 
-/* dst[c * dst_stride + r] = src[r * src_stride + c] for a 16 x 16 block of pixels. */
-static inline void transpose16(const uint32_t *src, size_t src_stride, uint32_t *dst, size_t dst_stride) {
+/* dst[c * dst_stride + r] = src[r * src_stride + c] for a TB x TB block of 32-bit pixels. */
 #if defined(__AVX512F__)
+#define TB 16
+static inline void transpose_block(const uint32_t *src, size_t src_stride, uint32_t *dst, size_t dst_stride) {
     __m512i r[16], a[16], b[16];
     for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(src + i * src_stride);
     for (int i = 0; i < 8; i++) { /* per 128-bit lane: rows 2i, 2i+1 interleaved by 32 bits */
@@ -179,23 +296,58 @@ static inline void transpose16(const uint32_t *src, size_t src_stride, uint32_t 
         _mm512_storeu_si512(dst + (8 + c) * dst_stride, _mm512_shuffle_i32x4(s1, s3, 0x88));
         _mm512_storeu_si512(dst + (12 + c) * dst_stride, _mm512_shuffle_i32x4(s1, s3, 0xDD));
     }
-#else
-    for (int r = 0; r < 16; r++)
-        for (int c = 0; c < 16; c++) dst[c * dst_stride + r] = src[r * src_stride + c];
-#endif
 }
+#elif defined(__AVX2__)
+#define TB 8
+static inline void transpose_block(const uint32_t *src, size_t src_stride, uint32_t *dst, size_t dst_stride) {
+    __m256i r[8], a[8], b[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i *)(src + i * src_stride));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: rows 2i, 2i+1 interleaved by 32 bits */
+        a[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) { /* b[4i + c], lane L: column 4L + c of rows 4i .. 4i + 3 */
+        b[4 * i] = _mm256_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm256_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm256_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm256_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int c = 0; c < 4; c++) { /* rows 0-3 and 4-7 of columns c and 4 + c */
+        _mm256_storeu_si256((__m256i *)(dst + c * dst_stride), _mm256_permute2x128_si256(b[c], b[4 + c], 0x20));
+        _mm256_storeu_si256((__m256i *)(dst + (4 + c) * dst_stride), _mm256_permute2x128_si256(b[c], b[4 + c], 0x31));
+    }
+}
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+#define TB 4
+static inline void transpose_block(const uint32_t *src, size_t src_stride, uint32_t *dst, size_t dst_stride) {
+    uint32x4_t r0 = vld1q_u32(src), r1 = vld1q_u32(src + src_stride), r2 = vld1q_u32(src + 2 * src_stride),
+               r3 = vld1q_u32(src + 3 * src_stride);
+    uint64x2_t t0 = vreinterpretq_u64_u32(vtrn1q_u32(r0, r1)), t1 = vreinterpretq_u64_u32(vtrn2q_u32(r0, r1));
+    uint64x2_t t2 = vreinterpretq_u64_u32(vtrn1q_u32(r2, r3)), t3 = vreinterpretq_u64_u32(vtrn2q_u32(r2, r3));
+    vst1q_u32(dst, vreinterpretq_u32_u64(vtrn1q_u64(t0, t2)));
+    vst1q_u32(dst + dst_stride, vreinterpretq_u32_u64(vtrn1q_u64(t1, t3)));
+    vst1q_u32(dst + 2 * dst_stride, vreinterpretq_u32_u64(vtrn2q_u64(t0, t2)));
+    vst1q_u32(dst + 3 * dst_stride, vreinterpretq_u32_u64(vtrn2q_u64(t1, t3)));
+}
+#else
+#define TB 16
+static inline void transpose_block(const uint32_t *src, size_t src_stride, uint32_t *dst, size_t dst_stride) {
+    for (int r = 0; r < TB; r++)
+        for (int c = 0; c < TB; c++) dst[c * dst_stride + r] = src[r * src_stride + c];
+}
+#endif
 
-/* dst[c * dst_stride + r] = src[r * src_stride + c] for r < rows, c < cols: 16 x 16 blocks where
+/* dst[c * dst_stride + r] = src[r * src_stride + c] for r < rows, c < cols: TB x TB blocks where
  * they fit, single pixels at the edges. */
 static void transpose(const uint32_t *src, size_t src_stride, size_t rows, size_t cols, uint32_t *dst,
                       size_t dst_stride) {
     size_t r = 0;
-    for (; r + 16 <= rows; r += 16) {
+    for (; r + TB <= rows; r += TB) {
         size_t c = 0;
-        for (; c + 16 <= cols; c += 16)
-            transpose16(src + r * src_stride + c, src_stride, dst + c * dst_stride + r, dst_stride);
+        for (; c + TB <= cols; c += TB)
+            transpose_block(src + r * src_stride + c, src_stride, dst + c * dst_stride + r, dst_stride);
         for (; c < cols; c++)
-            for (size_t i = r; i < r + 16; i++) dst[c * dst_stride + i] = src[i * src_stride + c];
+            for (size_t i = r; i < r + TB; i++) dst[c * dst_stride + i] = src[i * src_stride + c];
     }
     for (; r < rows; r++)
         for (size_t c = 0; c < cols; c++) dst[c * dst_stride + r] = src[r * src_stride + c];
@@ -216,25 +368,9 @@ static int horizontal(const uint8_t *src, int in_w, int rows, const axis_t *ax, 
         const uint32_t *block = (const uint32_t *)(src + (size_t)y0 * in_w * 4);
         if (n_rows < 16) memset(tile, 0, (size_t)in_w * 16 * 4);
         transpose(block, in_w, n_rows, in_w, tile, 16);
-        for (int xx = 0; xx < out_w; xx++) {
-            const int32_t *k = ax->weight + (size_t)xx * ax->ksize;
-            const uint8_t *base = (const uint8_t *)(tile + (size_t)ax->first[xx] * 16);
-            int n = ax->count[xx];
-            v16si a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            for (int t = 0; t < n; t++) {
-                const uint8_t *p = base + (size_t)t * 64;
-                v16si kk = (v16si){0} + k[t];
-                a0 += widen16(p) * kk;
-                a1 += widen16(p + 16) * kk;
-                a2 += widen16(p + 32) * kk;
-                a3 += widen16(p + 48) * kk;
-            }
-            uint8_t *o = (uint8_t *)(res + (size_t)xx * 16);
-            narrow16(o, a0);
-            narrow16(o + 16, a1);
-            narrow16(o + 32, a2);
-            narrow16(o + 48, a3);
-        }
+        for (int xx = 0; xx < out_w; xx++)
+            taps64((const uint8_t *)(tile + (size_t)ax->first[xx] * 16), 64, ax->weight + (size_t)xx * ax->ksize,
+                   ax->count[xx], (uint8_t *)(res + (size_t)xx * 16));
         transpose(res, 16, out_w, n_rows, back, out_w);
         for (int r = 0; r < n_rows; r++) {
             uint8_t *out = dst + (size_t)(y0 + r) * out_w * channels;
@@ -264,21 +400,7 @@ static int vertical(const uint8_t *src, int width, const axis_t *ax, int out_h, 
         int n = ax->count[yy];
         uint8_t *out = channels == 4 ? dst + (size_t)yy * lanes : line;
         size_t j = 0;
-        for (; j + 64 <= lanes; j += 64) {
-            v16si a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            for (int t = 0; t < n; t++) {
-                const uint8_t *p = base + (size_t)t * lanes + j;
-                v16si kk = (v16si){0} + k[t];
-                a0 += widen16(p) * kk;
-                a1 += widen16(p + 16) * kk;
-                a2 += widen16(p + 32) * kk;
-                a3 += widen16(p + 48) * kk;
-            }
-            narrow16(out + j, a0);
-            narrow16(out + j + 16, a1);
-            narrow16(out + j + 32, a2);
-            narrow16(out + j + 48, a3);
-        }
+        for (; j + 64 <= lanes; j += 64) taps64(base + j, lanes, k, n, out + j);
         for (; j < lanes; j++) {
             int32_t a = 0;
             for (int t = 0; t < n; t++) a += base[(size_t)t * lanes + j] * k[t];
@@ -324,5 +446,23 @@ done:
     free(mid);
     free_axis(&ah);
     free_axis(&av);
+    return rc;
+}
+
+/* The same, reading the picture in place from its row pointers (Pillow's image32 rows, 4 bytes a
+ * pixel): where the rows lie end to end (one Pillow memory block, the usual case) they are the
+ * RGBX picture itself, else they are gathered into one first. */
+int prepack_resize_rows(const uint8_t *const *rows, int in_w, int in_h, uint8_t *dst, int out_w, int out_h,
+                        int vertical_first) {
+    size_t line = (size_t)in_w * 4;
+    int contiguous = in_w > 0 && in_h > 0;
+    for (int y = 1; y < in_h && contiguous; y++) contiguous = rows[y] == rows[0] + (size_t)y * line;
+    if (contiguous || in_w <= 0 || in_h <= 0)
+        return prepack_resize_rgbx(in_h > 0 ? rows[0] : NULL, in_w, in_h, dst, out_w, out_h, vertical_first);
+    uint8_t *src = malloc(line * in_h);
+    if (!src) return -1;
+    for (int y = 0; y < in_h; y++) memcpy(src + y * line, rows[y], line);
+    int rc = prepack_resize_rgbx(src, in_w, in_h, dst, out_w, out_h, vertical_first);
+    free(src);
     return rc;
 }

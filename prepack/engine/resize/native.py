@@ -35,7 +35,7 @@ CACHE_ENV = "PREPACK_CACHE_DIR"
 BUILD_TIMEOUT_S = 120
 
 # int prepack_resize_rgbx(const uint8_t *src, int in_w, int in_h, uint8_t *dst, int out_w, int out_h,
-#                         int vertical_first)
+#                         int vertical_first)  (and prepack_resize_rows, with const uint8_t *const *rows)
 ResizeFn = Callable[[int, int, int, int, int, int, int], int]
 
 
@@ -118,9 +118,9 @@ def build(target: Path, env: Mapping[str, str], flags: tuple[str, ...] = FLAGS) 
         tmp.unlink(missing_ok=True)
 
 
-def load(env: Mapping[str, str] | None = None, flags: tuple[str, ...] = FLAGS) -> ResizeFn:
-    """The kernel's entry point, building it first if this machine has no build of this source.
-    ``flags``: other compiler flags (tests build the narrower x86 variants with them)."""
+def library(env: Mapping[str, str] | None = None, flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
+    """The built kernel, building it first if this machine has no build of this source.
+    ``flags``: other compiler flags (tests and the bench build the narrower x86 variants)."""
     env = os.environ if env is None else env
     path = library_path(env, flags)
     if not path.exists():
@@ -128,8 +128,21 @@ def load(env: Mapping[str, str] | None = None, flags: tuple[str, ...] = FLAGS) -
             fcntl.flock(lock, fcntl.LOCK_EX)  # one worker compiles; the others wait and load its build
             if not path.exists():
                 build(path, env, flags)
-    lib = ctypes.CDLL(str(path))
-    fn = lib.prepack_resize_rgbx
+    return ctypes.CDLL(str(path))
+
+
+def isa(lib: ctypes.CDLL) -> str:
+    """The vector path the build took: "avx512", "avx2", "neon" or "portable"."""
+    fn = lib.prepack_resize_isa
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
+
+
+def load(env: Mapping[str, str] | None = None, flags: tuple[str, ...] = FLAGS,
+         entry: str = "prepack_resize_rgbx") -> ResizeFn:
+    """The kernel's entry point (see ``library``): ``prepack_resize_rgbx`` takes the RGBX picture,
+    ``prepack_resize_rows`` a table of its row pointers (Pillow's own, read in place)."""
+    fn = getattr(library(env, flags), entry)
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                    ctypes.c_int]
     fn.restype = ctypes.c_int

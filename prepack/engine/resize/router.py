@@ -1,23 +1,33 @@
-"""One entry point for the packer's bicubic resizes: a kernel that has matched Pillow in this
-process when one is enabled, Pillow otherwise.
+"""One entry point for the packer's bicubic resizes: the fastest way on this machine that has
+matched Pillow in this process.
 
 Two kernels do the same arithmetic: the C one (``native.c``, built once per machine with its C
-compiler: a library load at start-up, the fastest) and the numba one (``kernel.py``: for machines
-with no C compiler; it JIT-compiles for a few seconds the first time per machine).  The decision is
-taken once per process (``default_resizer``), at the first resize: the first kernel that loads and
-passes the self-test against the installed Pillow is used.  Any doubt — another Pillow release
-than the one the kernels mirror, no kernel loading, one differing value — means Pillow, with one
-warning.  ``PREPACK_FAST_RESIZE``: ``0`` turns the kernels off, ``native`` or ``numba`` asks for
-one of them only, anything else (the default) tries the C kernel and then numba.
+compiler: a library load at start-up) and the numba one (``kernel.py``: a JIT, ~1 s to import and
+a few seconds to compile the first time per machine).  Which is faster depends on the machine (the
+C kernel's vector paths differ per instruction set; on one AVX2-only machine it ran at 0.83x
+Pillow while numba ran at 3.5x), so the first process on a machine self-tests every candidate,
+times those that pass and Pillow on the self-test's pictures, and takes the fastest; a kernel
+slower than Pillow is never used.  The choice is cached beside the C kernel's build, keyed by what
+it depends on (CPU, kernel sources and builds, Pillow), so later processes time nothing and load
+only the chosen kernel, which still self-tests in each process.  Any doubt — another Pillow
+release than the one the kernels mirror, no kernel loading, one differing value — means Pillow,
+with one warning.  ``PREPACK_FAST_RESIZE``: ``0`` turns the kernels off, ``native`` or ``numba``
+asks for one of them (self-tested, not timed), anything else (the default) chooses as above.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import hashlib
+import importlib.metadata
+import json
 import logging
 import os
 import tempfile
-from typing import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import PIL
@@ -32,6 +42,9 @@ PINNED_PILLOW = "13.0.0"  # the release whose Resample.c arithmetic the kernel m
 ENV_SWITCH = "PREPACK_FAST_RESIZE"
 
 Kernel = Callable[[Image.Image, int, int], np.ndarray]
+Timer = Callable[[Mapping[str, Kernel]], Mapping[str, float]]  # kernels -> seconds (selftest.timings)
+CHOICE_VERSION = 1  # of the cached choice's format and rule
+TIE = 0.05  # a candidate this close to a faster later one is kept: it starts cheaper (C loads in ms, numba imports in ~1 s)
 
 
 def pillow_resize(img: Image.Image, width: int, height: int) -> np.ndarray:
@@ -61,18 +74,28 @@ def _import_kernel():
     return kernel
 
 
-def native_kernel(env: Mapping[str, str] | None = None) -> Kernel:
-    """The C kernel as the packer calls it: an RGB picture in, (h, w, 3) uint8 out."""
-    from prepack.engine.resize import native
+def native_kernel(env: Mapping[str, str] | None = None, flags: tuple[str, ...] | None = None,
+                  in_place: bool = True) -> Kernel:
+    """The C kernel as the packer calls it: an RGB picture in, (h, w, 3) uint8 out.  It reads
+    Pillow's rows in place where ``inplace`` finds them as expected (``in_place``), else a copy of
+    the picture.  ``flags``: another build, for the bench."""
+    from prepack.engine.resize import inplace, native
 
-    fn = native.load(env)
+    flags = native.FLAGS if flags is None else flags
+    fn = native.load(env, flags)
+    fn_rows = native.load(env, flags, "prepack_resize_rows") if in_place and inplace.probe() else None
 
     def resize(img: Image.Image, width: int, height: int) -> np.ndarray:
         in_w, in_h = img.size
-        src = raw_pixels(img, "RGBX", 4)
         out = np.empty((height, width, 3), np.uint8)
-        if fn(src.ctypes.data, in_w, in_h, out.ctypes.data, width, height,
-              int(vertical_first(in_w, in_h, width, height))):
+        vfirst = int(vertical_first(in_w, in_h, width, height))
+        held = inplace.rows(img) if fn_rows is not None else None  # the capsule keeps the rows alive
+        if held is not None:
+            rc = fn_rows(held[1], in_w, in_h, out.ctypes.data, width, height, vfirst)
+        else:
+            src = raw_pixels(img, "RGBX", 4)  # held: only its address goes to C
+            rc = fn(src.ctypes.data, in_w, in_h, out.ctypes.data, width, height, vfirst)
+        if rc:
             raise MemoryError(f"resize {in_w}x{in_h} -> {width}x{height}: out of memory")
         return out
 
@@ -91,13 +114,115 @@ def numba_kernel() -> Kernel:
     return resize
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """A kernel the router may choose: ``make`` loads it, ``identity`` names the build it loads
+    (what a cached timing of it depends on besides the CPU and Pillow), cheaply, without loading."""
+
+    name: str
+    make: Callable[[], Kernel]
+    identity: Callable[[], str]
+
+
+def _source_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def default_candidates(env: Mapping[str, str]) -> list[Candidate]:
+    """The C kernel, then numba: the order of preference where they time alike."""
+    from prepack.engine.resize import native
+
+    def native_identity() -> str:
+        try:  # the build (source, compiler, flags, CPU) and how pictures reach it
+            return f"{native.library_path(env).name} {_source_digest(Path(__file__).with_name('inplace.py'))}"
+        except native.BuildError as exc:
+            return f"unavailable: {exc}"
+
+    def numba_identity() -> str:
+        try:
+            version = importlib.metadata.version("numba")
+        except importlib.metadata.PackageNotFoundError:
+            version = "absent"
+        return f"numba {version} {_source_digest(Path(__file__).with_name('kernel.py'))}"
+
+    return [Candidate("native", lambda: native_kernel(env), native_identity),
+            Candidate("numba", numba_kernel, numba_identity)]
+
+
+def choose(times: Mapping[str, float], order: Sequence[str]) -> str:
+    """The fastest of the kernels in ``order`` that beat ``times["pillow"]`` ("pillow" if none
+    does); of kernels within TIE of the fastest, the first in ``order``."""
+    faster = [name for name in order if times[name] < times["pillow"]]
+    if not faster:
+        return "pillow"
+    best = min(times[name] for name in faster)
+    return next(name for name in faster if times[name] <= best * (1 + TIE))
+
+
+def _times_text(times: Mapping[str, float]) -> str:
+    return ", ".join(f"{name} {secs * 1e3:.1f} ms" for name, secs in sorted(times.items(), key=lambda kv: kv[1]))
+
+
+class _ChoiceCache:
+    """The machine's timed choice: one small JSON file beside the C kernel's builds, named by a
+    digest of its key and holding the key itself; written atomically, timed under a file lock so
+    workers that start together time once.  ``path`` is None where no folder is writable."""
+
+    def __init__(self, env: Mapping[str, str], candidates: Sequence[Candidate], pillow_version: str):
+        from prepack.engine.resize import native
+
+        self.key = {"version": CHOICE_VERSION, "machine": native.machine_features(), "pillow": pillow_version,
+                    "cases": repr(selftest.TIMING_CASES), "candidates": {c.name: c.identity() for c in candidates}}
+        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:20]
+        try:
+            self.path: Path | None = native.cache_dir(env) / f"choice-{digest}.json"
+        except native.BuildError as exc:
+            log.info("fast resize: the timed choice is not cached (%s)", exc)
+            self.path = None
+
+    def read(self) -> dict | None:
+        """The cached choice, or None where there is none or it is unreadable, of another key
+        (an older format, a hash collision) or names no candidate: then it is timed and rewritten."""
+        if self.path is None or not self.path.exists():
+            return None
+        try:
+            entry = json.loads(self.path.read_text())
+            if (isinstance(entry, dict) and entry.get("key") == self.key and isinstance(entry.get("times"), dict)
+                    and entry.get("choice") in [*self.key["candidates"], "pillow"]):
+                return entry
+        except (OSError, ValueError):
+            pass
+        log.info("fast resize: ignoring the cached choice %s (unreadable or of another key)", self.path)
+        return None
+
+    def write(self, choice: str, times: Mapping[str, float]) -> None:
+        if self.path is None:
+            return
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps({"key": self.key, "choice": choice, "times": dict(times)}, indent=1))
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            log.info("fast resize: could not cache the timed choice in %s (%s)", self.path, exc)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def lock(self):
+        """An exclusive lock on the key's lock file (a no-op without a cache folder)."""
+        if self.path is None:
+            return open(os.devnull, "w")
+        lock = open(self.path.with_suffix(".lock"), "w")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return lock
+
+
 class Resizer:
     """Resizes RGB pictures with ``kernel`` where it applies, with Pillow everywhere else."""
 
-    def __init__(self, kernel: Kernel | None, reason: str, name: str = ""):
+    def __init__(self, kernel: Kernel | None, reason: str, name: str = "pillow"):
         self.kernel = kernel
-        self.reason = reason  # why the kernel is (not) used, for logs and tests
-        self.name = name  # which kernel: "native", "numba" (empty: Pillow)
+        self.reason = reason  # why this one, for logs and tests
+        self.name = name  # "native", "numba", or "pillow" (no kernel)
 
     @property
     def fast(self) -> bool:
@@ -110,10 +235,12 @@ class Resizer:
 
     @classmethod
     def create(cls, env: Mapping[str, str] | None = None, pillow_version: str | None = None,
-               make_kernel: Callable[[], Kernel] | None = None) -> "Resizer":
-        """Decide for this process: a kernel only if enabled, on the pinned Pillow, and self-tested.
-        The arguments default to this process's environment, installed Pillow and kernels
-        (``make_kernel``: the only candidate, for tests)."""
+               make_kernel: Callable[[], Kernel] | None = None, candidates: Sequence[Candidate] | None = None,
+               timer: Timer = selftest.timings) -> "Resizer":
+        """Decide for this process: a kernel only if enabled, on the pinned Pillow, self-tested, and
+        (unless one is asked for) the fastest of those and Pillow on this machine.  The arguments
+        default to this process's environment, installed Pillow and kernels (``make_kernel``: the
+        only candidate, not timed; ``candidates`` and ``timer``: for tests)."""
         env = os.environ if env is None else env
         pillow_version = PIL.__version__ if pillow_version is None else pillow_version
         setting = env.get(ENV_SWITCH, "1").strip().lower()
@@ -125,32 +252,88 @@ class Resizer:
             log.warning("fast resize off: Pillow %s is installed, the kernel mirrors Pillow %s; Pillow resizes",
                         pillow_version, PINNED_PILLOW)
             return cls(None, f"pillow {pillow_version}")
-        kernels = {"native": lambda: native_kernel(env), "numba": numba_kernel}  # in order of preference
         if make_kernel is not None:
-            candidates = [("kernel", make_kernel)]
-        elif setting in kernels:
-            candidates = [(setting, kernels[setting])]
-        else:
-            candidates = list(kernels.items())
+            candidates = [Candidate("kernel", make_kernel, lambda: "kernel")]
+        elif candidates is None:
+            candidates = default_candidates(env)
+        forced = [c for c in candidates if c.name == setting]
+        if make_kernel is not None or forced:
+            tested, failure, reason = cls._self_tested(forced or candidates, pillow_version, first_only=True)
+            if tested:
+                name, kernel = next(iter(tested.items()))
+                return cls(kernel, "self-tested", name)
+            log.warning("fast resize off: %s; Pillow resizes", failure)
+            return cls(None, reason)
+        return cls._timed(candidates, env, pillow_version, timer)
+
+    @classmethod
+    def _self_tested(cls, candidates: Sequence[Candidate], pillow_version: str,
+                     first_only: bool = False) -> tuple[dict[str, Kernel], str, str]:
+        """The candidates that load and match Pillow here (the first such only, with
+        ``first_only``), and the last failure's message and short reason."""
+        passed: dict[str, Kernel] = {}
         failure, reason = "no kernel", "no kernel"
-        for name, make in candidates:
+        for c in candidates:
             try:
-                kernel = make()
+                kernel = c.make()
                 bad = selftest.mismatches(kernel)
             except Exception as exc:  # no compiler, numba missing or broken: never fatal, Pillow is always right
-                failure = f"the {name} kernel failed to load or run ({type(exc).__name__}: {exc})"
+                failure = f"the {c.name} kernel failed to load or run ({type(exc).__name__}: {exc})"
                 log.info("fast resize: %s", failure)
                 reason = f"kernel error: {type(exc).__name__}"
                 continue
             if bad:
-                failure = f"the {name} kernel differs from Pillow {pillow_version} in its self-test ({', '.join(bad[:3])})"
+                failure = f"the {c.name} kernel differs from Pillow {pillow_version} in its self-test ({', '.join(bad[:3])})"
                 log.info("fast resize: %s", failure)
                 reason = "self-test mismatch"
                 continue
-            log.info("fast resize: the %s kernel matched Pillow %s in its self-test", name, pillow_version)
-            return cls(kernel, "self-tested", name)
-        log.warning("fast resize off: %s; Pillow resizes", failure)
-        return cls(None, reason)
+            log.info("fast resize: the %s kernel matched Pillow %s in its self-test", c.name, pillow_version)
+            passed[c.name] = kernel
+            if first_only:
+                break
+        return passed, failure, reason
+
+    @classmethod
+    def _timed(cls, candidates: Sequence[Candidate], env: Mapping[str, str], pillow_version: str,
+               timer: Timer) -> "Resizer":
+        """The machine's cached choice, self-tested here; else (first use on this machine, or the
+        cached kernel fails here) every candidate self-tested and timed with Pillow, and the
+        fastest cached."""
+        cache = _ChoiceCache(env, candidates, pillow_version)
+        by_name = {c.name: c for c in candidates}
+        entry = cache.read()
+        if entry is None:
+            with cache.lock():
+                entry = cache.read()  # another worker may have timed while this one waited
+                if entry is None:
+                    return cls._time_all(candidates, pillow_version, timer, cache)
+        times = _times_text(entry["times"])
+        if entry["choice"] == "pillow":
+            log.info("fast resize: Pillow resizes (fastest when timed on this machine: %s)", times)
+            return cls(None, "timed: pillow fastest")
+        tested, _, _ = cls._self_tested([by_name[entry["choice"]]], pillow_version)
+        if tested:
+            log.info("fast resize: the %s kernel resizes (fastest when timed on this machine: %s)", entry["choice"], times)
+            return cls(tested[entry["choice"]], "self-tested, timed fastest", entry["choice"])
+        log.info("fast resize: the cached choice %s does not pass here; timing again", entry["choice"])
+        with cache.lock():
+            return cls._time_all(candidates, pillow_version, timer, cache)
+
+    @classmethod
+    def _time_all(cls, candidates: Sequence[Candidate], pillow_version: str, timer: Timer,
+                  cache: _ChoiceCache) -> "Resizer":
+        tested, failure, reason = cls._self_tested(candidates, pillow_version)
+        if not tested:  # not cached: a failed build may be transient, and costs each process only its try
+            log.warning("fast resize off: %s; Pillow resizes", failure)
+            return cls(None, reason)
+        times = dict(timer({"pillow": pillow_resize, **tested}))
+        choice = choose(times, list(tested))
+        cache.write(choice, times)
+        log.info("fast resize: timed the resize candidates on this machine (CPU time over the self-test's "
+                 "pictures, best of %d): %s; %s resizes", selftest.TIMING_REPS, _times_text(times), choice)
+        if choice == "pillow":
+            return cls(None, "timed: pillow fastest")
+        return cls(tested[choice], "self-tested, timed fastest", choice)
 
 
 @functools.lru_cache(maxsize=1)

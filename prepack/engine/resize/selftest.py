@@ -4,11 +4,15 @@ The cases cover what the arithmetic distinguishes: both pass orders (Pillow runs
 first when the height shrinks by more than twice the width's shrink), down- and up-scaling on
 each axis, one axis unchanged, 1-pixel inputs and outputs, a filter wider than the picture, and
 contents that saturate the clip (a 0/255 checkerboard rings past both ends).
+
+The same pictures, with two photograph-sized ones, time the candidates once per machine
+(``timings``): the router uses the fastest exact one.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+import time
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 from PIL import Image
@@ -29,12 +33,37 @@ CASES: tuple[tuple[int, int, int, int], ...] = (
     (17, 13, 17, 13),     # same size: a copy
     (211, 157, 98, 73),   # an odd, photo-like ratio
 )
+# what the timing adds: the packer's pictures are ~0.8 MP, where the per-call overheads vanish
+TIMING_CASES = CASES + (
+    (1024, 768, 512, 384),   # horizontal first
+    (768, 1024, 672, 384),   # vertical first
+)
+TIMING_REPS = 5
 
 
 def _pictures(w: int, h: int, rng: np.random.Generator) -> Iterator[Image.Image]:
     yield Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
     checker = ((np.add.outer(np.arange(h), np.arange(w)) % 2) * 255).astype(np.uint8)
     yield Image.fromarray(np.stack([checker, 255 - checker, checker], axis=-1))
+
+
+def timings(kernels: Mapping[str, Callable[[Image.Image, int, int], np.ndarray]],
+            clock: Callable[[], float] = time.thread_time, reps: int = TIMING_REPS) -> dict[str, float]:
+    """Seconds of ``clock`` (this thread's CPU time: the machine may be shared) each kernel takes
+    for all of TIMING_CASES, best of ``reps`` runs, the kernels alternating (each run starts
+    with the next one), so a busy spell on the machine hits all of them alike."""
+    rng = np.random.default_rng(20260102)
+    cases = [(next(_pictures(w, h, rng)), ow, oh) for w, h, ow, oh in TIMING_CASES]
+    names = list(kernels)
+    best = dict.fromkeys(names, float("inf"))
+    for rep in range(reps):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            kernel = kernels[name]
+            start = clock()
+            for picture, ow, oh in cases:
+                kernel(picture, ow, oh)
+            best[name] = min(best[name], clock() - start)
+    return best
 
 
 def mismatches(kernel: Callable[[Image.Image, int, int], np.ndarray]) -> list[str]:

@@ -1,10 +1,11 @@
 """Every kernel against the installed Pillow, value for value: random sizes and contents, tall,
 wide and 1-pixel pictures, both pass orders, photographs at the packer's target sizes.
 
-The C kernel is checked as this machine builds it and, on x86, also built without AVX-512 and
-without AVX2, so each of its code paths (the x86 widening instructions and the portable loops) is
-proven here, not only the one this CPU happens to take.  The numba kernel is the fallback for
-machines with no C compiler.
+The C kernel is checked as this machine builds it and, on x86, also built without AVX-512 (the
+AVX2 path, and its opt-in 16-bit multiply-add variant) and without AVX2 (the portable loops), so
+each of its x86 code paths is proven here, not only the one this CPU happens to take
+(test_cross.py runs the aarch64 ones under qemu).  The numba kernel is the fallback for machines
+with no C compiler.
 """
 
 from __future__ import annotations
@@ -23,17 +24,22 @@ from prepack.engine.images import raw_pixels
 from prepack.engine.resize import PINNED_PILLOW
 from prepack.engine.resize.router import vertical_first
 from tests.helpers import datagen as dg
+from tests.helpers.pictures import KINDS
+from tests.helpers.pictures import picture as _picture
 
 pytestmark = pytest.mark.skipif(Image.__version__ != PINNED_PILLOW, reason="the kernel mirrors the pinned Pillow")
 
 # (picture, out_w, out_h, vertical_first) -> (out_h, out_w, 3) uint8, with the pass order forced
 Raw = Callable[[Image.Image, int, int, bool], np.ndarray]
-NARROWER_X86 = {"native-avx2": ("-mno-avx512f",), "native-portable": ("-mno-avx2", "-mno-avx512f")}
+# build -> (its extra flags, the vector path it must take)
+NARROWER_X86 = {"native-avx2": (("-mno-avx512f",), "avx2"), "native-portable": (("-mno-avx2", "-mno-avx512f"), "portable"),
+                "native-avx2-madd": (("-mno-avx512f", "-DPREPACK_RESIZE_MADD"), "avx2-madd")}
 
 
-def _native(extra: tuple[str, ...]) -> Raw:
+def _native(name: str) -> Raw:
     from prepack.engine.resize import native
 
+    extra, isa = NARROWER_X86.get(name, ((), None))
     if extra and platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the narrower builds are x86 flags")
     try:
@@ -41,6 +47,7 @@ def _native(extra: tuple[str, ...]) -> Raw:
     except native.BuildError as exc:
         pytest.skip(f"no C kernel on this machine: {exc}")
     fn = native.load(flags=native.FLAGS + extra)
+    assert isa is None or native.isa(native.library(flags=native.FLAGS + extra)) == isa  # the path it is to prove
 
     def raw(img: Image.Image, ow: int, oh: int, vfirst: bool) -> np.ndarray:
         out = np.empty((oh, ow, 3), np.uint8)
@@ -64,10 +71,10 @@ def _numba() -> Raw:
 
 
 def _raw(name: str) -> Raw:
-    return _numba() if name == "numba" else _native(NARROWER_X86.get(name, ()))
+    return _numba() if name == "numba" else _native(name)
 
 
-@pytest.fixture(scope="module", params=["native", "native-avx2", "native-portable", "numba"])
+@pytest.fixture(scope="module", params=["native", "native-avx2", "native-avx2-madd", "native-portable", "numba"])
 def raw(request) -> Raw:
     return _raw(request.param)
 
@@ -84,22 +91,6 @@ def default_kernel():
     return lambda img, ow, oh: raw(img, ow, oh, vertical_first(img.width, img.height, ow, oh))
 
 
-def _picture(kind: str, w: int, h: int, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    if kind == "noise":
-        arr = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
-    elif kind == "checker":  # rings past 0 and 255: exercises the clip
-        c = ((np.add.outer(np.arange(h), np.arange(w)) % 2) * 255).astype(np.uint8)
-        arr = np.stack([c, 255 - c, c], axis=-1)
-    elif kind == "extremes":
-        arr = rng.choice(np.array([0, 1, 254, 255], np.uint8), (h, w, 3))
-    else:  # smooth gradient plus a little noise: photo-like
-        y, x = np.mgrid[0:h, 0:w]
-        base = (x * 255 // max(w - 1, 1) + y * 127 // max(h - 1, 1)) % 256
-        arr = np.clip(base[..., None] + rng.integers(-8, 9, (h, w, 3)), 0, 255).astype(np.uint8)
-    return Image.fromarray(arr)
-
-
 def _check(kernel, img: Image.Image, ow: int, oh: int) -> None:
     want = np.asarray(img.resize((ow, oh), Image.Resampling.BICUBIC))
     got = kernel(img, ow, oh)
@@ -110,7 +101,7 @@ def _check(kernel, img: Image.Image, ow: int, oh: int) -> None:
 
 
 sides = st.integers(1, 160)
-kinds = st.sampled_from(["noise", "checker", "extremes", "smooth"])
+kinds = st.sampled_from(KINDS)
 
 
 @settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
