@@ -1,6 +1,7 @@
 """Pack one stream into its directory, resumably and extendably: the body of one Ray task.
 
-Per shard k the commit order is: shard file (atomic) -> ``shard-k.lineage.parquet`` ->
+Per shard k the commit order is: shard file (atomic) -> its pixel index (the writer) ->
+``shard-k.lineage.parquet`` ->
 ``ckpt-(k+1)`` (state after the shard's last record) -> ``index.arrow`` listing shard k (the
 commit).  A crash anywhere leaves a committed prefix; ``recover_stream`` removes the rest, and the
 stream restarts from the checkpoint of its first uncommitted shard, producing the same bytes.

@@ -32,6 +32,9 @@ SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O2", "-march=native", "-ffp-contract=off", "-Wno-psabi", "-fPIC", "-shared")
 PORTABLE_FLAGS = ("-O2", "-ffp-contract=off", "-Wno-psabi", "-fPIC", "-shared")  # a compiler that refuses -march=native
 CACHE_ENV = "PREPACK_CACHE_DIR"
+# extra compiler flags after the default ones, e.g. "-mno-avx512f" to run a pack on the AVX2 build
+# of an AVX-512 machine (how the other ISA levels are timed end to end); part of the build's key
+EXTRA_FLAGS_ENV = "PREPACK_KERNEL_CFLAGS"
 BUILD_TIMEOUT_S = 120
 
 # int prepack_resize_rgbx(const uint8_t *src, int in_w, int in_h, uint8_t *dst, int out_w, int out_h,
@@ -86,7 +89,14 @@ def machine_features() -> str:
     return f"{platform.machine()} {features}"
 
 
+def effective_flags(env: Mapping[str, str], flags: tuple[str, ...]) -> tuple[str, ...]:
+    """``flags``, with $PREPACK_KERNEL_CFLAGS after the default ones."""
+    extra = tuple(shlex.split(env.get(EXTRA_FLAGS_ENV, "")))
+    return flags + extra if flags == FLAGS and extra else flags
+
+
 def library_path(env: Mapping[str, str], flags: tuple[str, ...] = FLAGS) -> Path:
+    flags = effective_flags(env, flags)
     key = hashlib.sha256()
     for part in (SOURCE.read_bytes(), " ".join(compiler(env)).encode(), " ".join(flags).encode(),
                  machine_features().encode()):
@@ -127,7 +137,7 @@ def library(env: Mapping[str, str] | None = None, flags: tuple[str, ...] = FLAGS
         with open(path.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one worker compiles; the others wait and load its build
             if not path.exists():
-                build(path, env, flags)
+                build(path, env, effective_flags(env, flags))
     return ctypes.CDLL(str(path))
 
 

@@ -221,3 +221,23 @@ def test_a_wrong_reuse_is_one_clear_line(old, tmp_path, tokenizer_and_special):
         _pack(config, str(tmp_path / "x"), tokenizer_and_special, reuse=[str(tmp_path / "nothing-here")])
     with pytest.raises(PackRefused, match="the output itself"):
         _pack(config, old["out"], tokenizer_and_special, reuse=[old["out"]])
+
+
+@pytest.mark.slow
+def test_old_on_the_s3_server(old, s3, tmp_path, tokenizer_and_special, monkeypatch):
+    """OLD copied to a real S3 server: read by ranged reads of its frames, the same bytes."""
+    monkeypatch.setenv(OWN_SETTING, "0")
+    uri = s3.new_prefix("old")
+    import pyarrow.fs as pafs
+
+    from schemas.location import resolve_location
+
+    dest = resolve_location(uri)
+    pafs.copy_files(old["out"], dest.base, destination_filesystem=dest.fs)
+    config = _config(old["ds"], str(tmp_path / "new.yaml"), seed=13, num_workers=1, prepack={"world_size": 2})
+    fresh = _pack(config, str(tmp_path / "fresh"), tokenizer_and_special)
+    reused = _pack(config, str(tmp_path / "reused"), tokenizer_and_special, reuse=[uri])
+    assert _files(str(tmp_path / "reused")) == _files(str(tmp_path / "fresh"))
+    images, hits, fallbacks = _reuse(reused)
+    assert hits > images // 2 and not fallbacks, (images, hits, fallbacks)
+    assert _reuse(fresh)[1] == 0

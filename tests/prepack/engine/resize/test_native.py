@@ -101,3 +101,14 @@ def test_workers_starting_together_build_once(tmp_path):
     built = sorted(p.name for p in (tmp_path / "resize").iterdir())
     assert len([n for n in built if n.endswith(".so")]) == 1 and not [n for n in built if n.endswith(".tmp")]
     assert len([n for n in built if n.startswith("choice-") and n.endswith(".json")]) == 1
+
+
+@needs_cc
+def test_extra_flags_from_the_environment_make_another_build(tmp_path):
+    import platform
+
+    env = _env(tmp_path)
+    narrowed = dict(env, **{native.EXTRA_FLAGS_ENV: "-mno-avx512f -mno-avx2"})
+    assert native.library_path(narrowed) != native.library_path(env)
+    if platform.machine() == "x86_64":  # the portable loops, whatever this CPU has
+        assert native.isa(native.library(narrowed)) == "portable"
