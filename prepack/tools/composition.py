@@ -68,11 +68,15 @@ def count_batch(get: Callable[[str], np.ndarray], use_flex: bool, max_num_tokens
                 groups: list[str]) -> BatchCounts:
     """Counts of one batch whose arrays ``get(name)`` returns (a record's columns or a PackedBatch's fields)."""
     sample_lens = np.asarray(get("sample_lens"), np.int64)
-    ends = np.cumsum(sample_lens)
     n = len(sample_lens)
+    bounds = np.concatenate([[0], np.cumsum(sample_lens)])
 
     def per_sample(positions: np.ndarray) -> np.ndarray:
-        return np.bincount(np.searchsorted(ends, positions, side="right"), minlength=n)[:n]
+        # positions are laid out in increasing order: cut them at the samples' bounds; in any
+        # other order, look up each position's sample
+        if len(positions) < 2 or bool((positions[1:] >= positions[:-1]).all()):
+            return np.diff(np.searchsorted(positions, bounds))
+        return np.bincount(np.repeat(np.arange(n), sample_lens)[positions], minlength=n)
 
     pos = {"text": get("packed_text_indexes"), "vit": get("packed_vit_token_indexes"),
            "vae": get("packed_vae_token_indexes"), "ce": get("ce_loss_indexes"), "mse": get("mse_loss_indexes")}

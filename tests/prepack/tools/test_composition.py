@@ -131,3 +131,18 @@ def test_a_composition_from_records_equals_one_from_the_batches(known):
     st = compute_stats(out)
     assert st.token_batch.to_dicts() == from_batches.batch_rows()
     assert st.token_group.to_dicts() == from_batches.group_rows()
+
+
+def test_positions_in_any_order_count_alike():
+    """Positions are laid out in increasing order (cut at the samples' bounds); any other order is
+    counted position by position, with the same result."""
+    b = make_batch(11, BatchSpec(n_samples=3))
+    rng = np.random.default_rng(0)
+    shuffled = {n: rng.permutation(getattr(b, n)) for n in ("packed_text_indexes", "packed_vit_token_indexes",
+                                                            "packed_vae_token_indexes", "ce_loss_indexes")}
+    ordered = packed_batch_counts(b)
+    mixed = comp.count_batch(lambda n: shuffled.get(n, getattr(b, n)), b.use_flex, b.max_num_tokens,
+                             b.sequence_length, [o.group for o in b.origins])
+    assert ordered.batch == mixed.batch
+    for q in ("tokens", "text", "vit", "vae", "ce", "mse"):
+        assert np.array_equal(ordered.samples[q], mixed.samples[q]), q
