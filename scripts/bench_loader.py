@@ -125,10 +125,7 @@ def build_pack(tmp: str, batches: int):
     from schemas.location import resolve_location
 
     ds = bench_pack.make_data(os.path.join(tmp, "data"))
-    knobs = dict(expected_num_tokens=32768, max_num_tokens=36864, max_num_tokens_per_sample=16384,
-                 prefer_buffer_before=16384, max_buffer_size=50, use_flex=True,
-                 vit_cond_dropout_prob=0.3, vae_cond_dropout_prob=0.3)
-    cfg = load_config(ds.config(knobs=knobs, num_workers=2, prepack={"batches_per_stream": batches}))
+    cfg = load_config(ds.config(knobs=bench_pack.NEMO_PRETRAIN_KNOBS, num_workers=2, prepack={"batches_per_stream": batches}))
     tok, special = special_token_ids(load_tokenizer(cfg.tokenizer))
     identity = pack_identity(cfg, tokenizer_fingerprint(tok), special)
     out = os.path.join(tmp, "pack")

@@ -43,7 +43,14 @@ import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
 
-def make_data(root: str, seed: int = 0):
+# NeMo's BAGEL pretrain packing knobs (flex attention; CFG dropout of the ViT and VAE conditions)
+NEMO_PRETRAIN_KNOBS = dict(expected_num_tokens=32768, max_num_tokens=36864, max_num_tokens_per_sample=16384,
+                           prefer_buffer_before=16384, max_buffer_size=50, use_flex=True,
+                           vit_cond_dropout_prob=0.3, vae_cond_dropout_prob=0.3)
+
+
+def make_data(root: str, seed: int = 0, size: tuple[int, int] = (700, 1200)):
+    """The benchmark's dataset under ``root``: photographs with sides in ``size`` (t2i, edit, SFT)."""
     import datagen as dg
 
     rs = np.random.RandomState(seed)
@@ -51,7 +58,7 @@ def make_data(root: str, seed: int = 0):
     def big(i):
         # skimage's photographs are small; upscaled they are smoother than camera photos, which
         # flatters both decoding and compression.  Sensor-like noise restores realistic detail.
-        img = np.asarray(dg.photo(i, rs, 700, 1200), dtype=np.int16)
+        img = np.asarray(dg.photo(i, rs, *size), dtype=np.int16)
         noisy = np.clip(img + rs.normal(0, 6, img.shape), 0, 255).astype(np.uint8)
         return Image.fromarray(noisy)
 
@@ -216,9 +223,7 @@ def main() -> None:
 
     tmp = tempfile.mkdtemp(prefix="bench-pack-")
     ds = make_data(tmp)
-    knobs = dict(expected_num_tokens=32768, max_num_tokens=36864, max_num_tokens_per_sample=16384,
-                 prefer_buffer_before=16384, max_buffer_size=50, use_flex=args.flex,
-                 vit_cond_dropout_prob=0.3, vae_cond_dropout_prob=0.3)
+    knobs = dict(NEMO_PRETRAIN_KNOBS, use_flex=args.flex)
     cfg = load_config(ds.config(knobs=knobs, num_workers=2, prepack={"batches_per_stream": args.batches}))
     tok, special = special_token_ids(load_tokenizer("qwen2-offline"))
     n = args.batches

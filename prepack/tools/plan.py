@@ -5,7 +5,9 @@ A few batches of a few streams are packed in this process exactly as ``prepack r
 nothing: records go to a byte-counting sink, so no output is written.  From the sample and the
 config's budget it projects the whole run: records, tokens, output bytes (shards, checkpoints,
 lineage), shards per stream, CPU core-hours and wall time on N cores, each group's token share,
-drop rate and passes over its data; and it warns about knobs that look wrong.
+drop rate and passes over its data, and what the sampled batches hold (text, ViT, VAE and
+loss-bearing tokens, images and flex padding per batch and per sample of each group:
+``prepack.tools.composition``); and it warns about knobs that look wrong.
 
 What it cannot know: the sample is the streams' first batches (later ones may differ a little),
 CPU time is this machine's, and a ``tokens_per_stream`` or ``passes`` budget is converted into
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 
 import pyarrow as pa
 
+from prepack.tools.composition import Composition, packed_batch_counts
 from schemas.compression import Compression
 from schemas.config import PrepackConfig
 from schemas.record import RECORD_SCHEMA, encode_record
@@ -69,9 +72,11 @@ class PackPlan:
     fill: float  # tokens per batch / max_num_tokens
     warnings: list[str]
     sample: dict = field(default_factory=dict)
+    composition: Composition = field(default_factory=Composition, repr=False)  # of the sampled batches
 
     def to_json(self) -> dict:
-        d = dataclasses.asdict(self)
+        d = dataclasses.asdict(dataclasses.replace(self, composition=None))
+        d["composition"] = self.composition.to_json()
         d["groups"] = {g.name: g.to_json() for g in self.groups}
         for k in ("batches_per_stream", "record_bytes", "cpu_core_hours", "wall_hours", "packer_drop_rate", "fill"):
             d[k] = float(f"{d[k]:.4g}")  # 4 significant digits: a demo's core-hours are tiny
@@ -98,6 +103,7 @@ class PackPlan:
             out.append(f"    {g.name:14s} {g.token_share:6.1%} / {g.drop_rate:6.2%} / {g.passes:8.2f}"
                        f"  ({g.rows_per_batch:.1f} rows per batch of {g.rows_per_pass:,} per pass)")
         out.append(f"  packer drops  {self.packer_drop_rate:.2%} of samples (over-long, no fit in the buffer)")
+        out += [f"  {line}" if line else line for line in self.composition.lines()]
         out += [f"  warning: {w}" for w in self.warnings] or ["  no warnings"]
         return out
 
@@ -144,6 +150,7 @@ class _Sample:
     rows_per_pass: dict = field(default_factory=dict)
     streams: list = field(default_factory=list)
     batch_bytes: list = field(default_factory=list)  # each sampled record's buffer bytes: when to stop sampling
+    composition: Composition = field(default_factory=Composition)  # tokens of each kind per sampled batch
 
 
 def _ipc_sizes(records: list[pa.RecordBatch], compression: Compression) -> tuple[int, int]:
@@ -179,6 +186,7 @@ def _sample_stream(cfg: PrepackConfig, stream: int, tokenizer, special, least: i
                 acc.group_tokens[o.group] = acc.group_tokens.get(o.group, 0) + int(n)
             stamps.append(time.process_time())
             acc.batch_bytes.append(record.nbytes)
+            acc.composition.add(packed_batch_counts(batch))
             if len(records) >= most:
                 break
             if len(records) >= least and (time.monotonic() > deadline or estimate_settled(acc.batch_bytes)):
@@ -340,7 +348,7 @@ def _project(cfg: PrepackConfig, acc: _Sample, cores: int, seconds: float, worke
         tokens=int(round(batches * per_batch_tokens)) * n_streams, output_bytes=int(stream_bytes * n_streams),
         shards_per_stream=shards, shard_bytes=int(shard_bytes), record_bytes=record_bytes,
         cpu_core_hours=stream_cpu * n_streams / 3600, wall_hours=(worker_start_s + waves * stream_cpu) / 3600, groups=groups,
-        packer_drop_rate=packer_drop_rate, fill=fill, warnings=warnings,
+        packer_drop_rate=packer_drop_rate, fill=fill, warnings=warnings, composition=acc.composition,
         sample={"streams": acc.streams, "batches": acc.batches, "seconds": round(seconds, 2),
                 "cpu_s_per_batch": round(cpu_per_batch, 4)},
     )

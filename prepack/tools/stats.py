@@ -2,10 +2,12 @@
 
 Why: packing is lossy by design (greedy fill, overflow buffer, drops) and weighted-random by
 design (group mix); these numbers say whether the knobs did what was meant.  Fill ratio per
-batch, group mix against the configured weights, samples and images per batch, drops by reason,
-how often each source row was used, and per-stream throughput.  Image counts come from three
-tiny columns of each shard (a projected read: pixels are not read), accumulated one stream at a
-time into value counts and a fill histogram: memory does not grow with the pack.  ``--html`` renders the same
+batch, group mix against the configured weights, samples and images per batch, how a batch's
+tokens divide (text, ViT, VAE, CE and MSE loss tokens, images, flex padding: per batch and per
+sample of each group, ``prepack.tools.composition``), drops by reason, how often each source row
+was used, and per-stream throughput.  Counts come from the position arrays and image ids of each
+shard (a projected read: the pixel table is not read), accumulated one stream at a time into value
+counts, a fill histogram and fixed-size distributions: memory does not grow with the pack.  ``--html`` renders the same
 tables with plots into one self-contained page (inline SVG).
 
 The lineage is a dataset of parquet files, never merged: ``lineage/stream-SSSSS.parquet`` per
@@ -30,13 +32,13 @@ import numpy as np
 import polars as pl
 
 from loader.reader import Pack, read_shard
+from prepack.tools.composition import COLUMNS, BatchCounts, Composition, record_counts, table_lines
 from schemas.location import resolve_location
 from schemas.manifest import LINEAGE_DIR, StreamSummary
 
 log = logging.getLogger(__name__)
 
 FILL_BIN = 0.05
-_IMAGE_COLUMNS = ("image_heights", "vit_image_ids", "vae_image_ids")
 _ROW_KEY = ["source_file", "source_row_group", "source_row"]
 
 
@@ -102,34 +104,38 @@ class PackStats:
     row_use: pl.DataFrame  # uses, rows: how many source rows were packed that many times
     top_rows: pl.DataFrame  # the most used source rows
     streams: pl.DataFrame  # stream, rank, worker, records, tokens, samples, elapsed_s, tokens_per_s, records_per_s
+    token_batch: pl.DataFrame  # quantity, min, p50, p90, max, mean, total, share (of the tokens) over batches
+    token_group: pl.DataFrame  # group, quantity, samples, min, p50, p90, max, mean, total, share, over its samples
 
 
 _PER_BATCH = ("num_samples", "images", "vit_uses", "vae_uses")
 
 
-def _stream_records(pack: Pack, stream: int) -> Iterator[tuple[int, int, int, int, int]]:
-    """(tokens, samples, stored images, ViT uses, VAE uses) per record of ``stream``, from a
-    projected read of three small columns of each shard (pixels are not read)."""
+def _stream_records(pack: Pack, stream: int) -> Iterator[tuple[int, int, BatchCounts]]:
+    """(tokens, samples, token composition) per record of ``stream``, from a projected read of
+    each shard (``composition.COLUMNS``: position arrays and image ids, never the pixel table)."""
     for sh in pack.index(stream).shards:
-        for (_, b), r in zip(read_shard(pack, sh, columns=list(_IMAGE_COLUMNS)), sh.records):
-            yield (r.num_tokens, r.num_samples, *(len(b.column(n)[0]) for n in _IMAGE_COLUMNS))
+        for (_, b), r in zip(read_shard(pack, sh, columns=list(COLUMNS)), sh.records):
+            yield r.num_tokens, r.num_samples, record_counts(b)
     pack.forget(stream)
 
 
-def _batch_tables(pack: Pack, max_tokens: int) -> tuple[dict, pl.DataFrame, pl.DataFrame]:
-    """Totals, per-batch value counts and the fill histogram, accumulated one stream at a time:
-    memory is one stream's index plus counters, whatever the pack's size."""
+def _batch_tables(pack: Pack, max_tokens: int) -> tuple[dict, pl.DataFrame, pl.DataFrame, Composition]:
+    """Totals, per-batch value counts, the fill histogram and the token composition, accumulated
+    one stream at a time: memory is one stream's index plus counters, whatever the pack's size."""
     counts = {q: Counter() for q in _PER_BATCH}
     bins: Counter = Counter()
+    composition = Composition()
     n = tokens = samples = 0
     fill_sum, fill_min, fill_max = 0.0, float("inf"), 0.0
     for s in range(pack.num_streams):
-        for toks, smp, *images in _stream_records(pack, s):
+        for toks, smp, c in _stream_records(pack, s):
+            composition.add(c)
             fill = toks / max(max_tokens, 1)
             n, tokens, samples, fill_sum = n + 1, tokens + toks, samples + smp, fill_sum + fill
             fill_min, fill_max = min(fill_min, fill), max(fill_max, fill)
             bins[int(fill / FILL_BIN)] += 1
-            for q, v in zip(_PER_BATCH, (smp, *images)):
+            for q, v in zip(_PER_BATCH, (smp, c.batch["images"], c.batch["vit_images"], c.batch["vae_images"])):
                 counts[q][v] += 1
     totals = {"batches": n, "tokens": tokens, "samples": samples, "fill_mean": fill_sum / n if n else 0.0,
               "fill_min": fill_min if n else 0.0, "fill_max": fill_max}
@@ -139,7 +145,7 @@ def _batch_tables(pack: Pack, max_tokens: int) -> tuple[dict, pl.DataFrame, pl.D
     edges = np.round(np.arange(top + 1) * FILL_BIN, 6)
     fill_hist = pl.DataFrame({"lo": edges[:-1], "hi": edges[1:],
                               "batches": np.array([bins.get(i, 0) for i in range(top)], np.int64)})
-    return totals, per_batch, fill_hist
+    return totals, per_batch, fill_hist, composition
 
 
 def _group_mix(identity: dict, lineage: pl.DataFrame) -> pl.DataFrame:
@@ -177,6 +183,10 @@ def _streams(summaries: list[StreamSummary]) -> pl.DataFrame:
                            per_s.then(pl.col("records") / pl.col("elapsed_s")).alias("records_per_s"))
 
 
+_DISTRIBUTION = {"min": pl.Int64, "p50": pl.Int64, "p90": pl.Int64, "max": pl.Int64, "mean": pl.Float64,
+                 "total": pl.Int64, "share": pl.Float64}
+
+
 def compute_stats(out) -> PackStats:
     """All statistics of a pack's committed records (indexes, done.json, lineage, projected shard reads)."""
     pack = Pack.open(out)
@@ -185,7 +195,7 @@ def compute_stats(out) -> PackStats:
     summaries = [d for d in (pack.done(s) for s in range(pack.num_streams)) if d is not None]
     lazy = scan_lineage(loc)
     groups = lazy.group_by("group").agg(pl.len().cast(pl.Int64).alias("samples")).collect()
-    totals, per_batch, fill_hist = _batch_tables(pack, max_tokens)
+    totals, per_batch, fill_hist, composition = _batch_tables(pack, max_tokens)
     per_row = lazy.group_by("group", *_ROW_KEY).agg(pl.len().cast(pl.Int64).alias("uses")).collect()
     return PackStats(
         title=f"pack {loc.base}",
@@ -198,6 +208,9 @@ def compute_stats(out) -> PackStats:
         row_use=per_row.group_by("uses").agg(pl.len().cast(pl.Int64).alias("rows")).sort("uses"),
         top_rows=per_row.sort(["uses", *_ROW_KEY], descending=[True, False, False, False]).head(10),
         streams=_streams(summaries),
+        token_batch=pl.DataFrame(composition.batch_rows(), schema={"quantity": pl.String, **_DISTRIBUTION}),
+        token_group=pl.DataFrame(composition.group_rows(),
+                                 schema={"group": pl.String, "quantity": pl.String, "samples": pl.Int64, **_DISTRIBUTION}),
     )
 
 
@@ -248,6 +261,7 @@ def format_stats(st: PackStats) -> str:
     lines += ["", f"samples per batch: {_summary(st, 'num_samples')}",
               f"images per batch:  stored {_summary(st, 'images')}",
               f"                   ViT uses {_summary(st, 'vit_uses')}; VAE uses {_summary(st, 'vae_uses')}", ""]
+    lines += table_lines(t["batches"], st.token_batch.to_dicts(), st.token_group.to_dicts()) + [""]
     if st.drops.height:
         lines.append("drops and damaged-input warnings by reason:")
         lines += text_table(st.drops)
@@ -323,6 +337,8 @@ def _plots(st: PackStats) -> list[str]:
         _style(ax, f"{label} per batch", label, "batches", integer_x=True)
     svgs.append(_svg(fig))
 
+    svgs.append(_mix_plot(st))
+
     fig, ax = _figure()
     uses = st.row_use["uses"].to_numpy()
     ax.bar(uses, st.row_use["rows"].to_numpy(), width=0.8, color="#8172B3", edgecolor="white")
@@ -347,6 +363,31 @@ def _plots(st: PackStats) -> list[str]:
     return svgs
 
 
+_KIND_COLORS = {"text tokens": "#4C72B0", "ViT tokens": "#DD8452", "VAE tokens": "#55A868", "flex padding": "#D9D9D9"}
+
+
+def _mix_plot(st: PackStats) -> str:
+    """Stacked shares of text / ViT / VAE tokens (and padding) over all batches and per group."""
+    fig, ax = _figure(6.4, 1.2 + 0.4 * (1 + st.token_group["group"].n_unique()))
+    batch = dict(st.token_batch.select("quantity", "total").iter_rows())
+    bars = [("all batches", {k: batch.get(k, 0) for k in _KIND_COLORS})]
+    for (g,), d in st.token_group.partition_by("group", as_dict=True).items():
+        totals = dict(d.select("quantity", "total").iter_rows())
+        bars.append((g, {k: totals.get(k, 0) for k in _KIND_COLORS}))
+    for y, (name, parts) in enumerate(bars):
+        whole, left = sum(parts.values()) or 1, 0.0
+        for kind, color in _KIND_COLORS.items():
+            share = parts[kind] / whole
+            ax.barh(y, share, left=left, color=color, label=kind if y == 0 else None)
+            left += share
+    ax.set_yticks(range(len(bars)), [b[0] for b in bars])
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1)
+    ax.legend(frameon=False, fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    _style(ax, "Token mix (share of positions)", "share", "")
+    return _svg(fig)
+
+
 def _html_table(df: pl.DataFrame) -> str:
     head = "".join(f"<th>{html_lib.escape(c)}</th>" for c in df.columns)
     body = "".join("<tr>" + "".join(f"<td>{html_lib.escape(_cell(v))}</td>" for v in row) + "</tr>" for row in df.iter_rows())
@@ -359,12 +400,20 @@ table{border-collapse:collapse;font-size:.9em}td,th{padding:.2em .8em;border-bot
 th{background:#f0f0f0}td:first-child,th:first-child{text-align:left}.plots{display:flex;flex-wrap:wrap;gap:1em}.plots svg{max-width:100%;height:auto}"""
 
 
+def _percent(df: pl.DataFrame) -> pl.DataFrame:
+    """A token-composition table for the page: mean to one decimal, share as a percentage."""
+    return df.with_columns(pl.col("mean").round(1), (pl.col("share") * 100).round(1).alias("share %")).drop("share")
+
+
 def render_html(st: PackStats) -> str:
     """One self-contained page: summary text, plots as inline SVG, tables."""
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html_lib.escape(st.title)}</title>",
              f"<style>{_CSS}</style></head><body><h1>{html_lib.escape(st.title)}</h1>",
              f"<pre>{html_lib.escape(format_stats(st))}</pre>", "<div class='plots'>", *_plots(st), "</div>"]
-    for name, df in (("Group mix", st.group_mix), ("Drops and warnings", st.drops), ("Source row reuse", st.row_use),
+    for name, df in (("Group mix", st.group_mix),
+                     ("Token composition per batch", _percent(st.token_batch)),
+                     ("Token composition per sample, by group", _percent(st.token_group)),
+                     ("Drops and warnings", st.drops), ("Source row reuse", st.row_use),
                      ("Most used source rows", st.top_rows), ("Streams", st.streams),
                      ("Per batch (value counts)", st.per_batch)):
         parts.append(f"<h2>{name}</h2>{_html_table(df) if df.height else '<p>none</p>'}")

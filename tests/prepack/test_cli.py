@@ -156,6 +156,8 @@ def test_plan_prints_one_json_object_and_its_help_teaches(tmp_path):
     assert plan["records"] == 10 and plan["streams"] == 2 and plan["cores"] == 4
     assert plan["output_bytes"] > 0 and plan["cpu_core_hours"] > 0
     assert set(plan["groups"]) == {"t2i_pretrain", "vlm_sft"}
+    assert set(plan["composition"]) == {"per_batch", "per_group"}
+    assert plan["composition"]["per_batch"]["tokens"]["count"] == 1 and plan["composition"]["per_batch"]["text"]["max"] > 0
     r = prepack("plan", config, "--cores", "4", "--sample-batches", "1", "--sample-streams", "1")
     assert r.returncode == 0 and "records" in r.stdout and "core-hours" in r.stdout
     r = prepack("plan", config, "--cores", "0")

@@ -15,10 +15,12 @@ from tests.helpers.fakepack import BOS, EOI, EOS, SOI, write_pack
 from loader.reader import Pack
 from prepack.cli import main
 from prepack.tools.inspect_record import attention_mask, inspect_record
+from prepack.tools.composition import BATCH_QUANTITIES, LABELS
 from prepack.tools.stats import batches_with_row, compute_stats, pack_stats, rows_of_batch
 from schemas.manifest import MANIFEST_NAME, PackSummary
 from schemas.record import ATTN_MODE_CODES, PackedBatch, SampleOrigin, image_table, record_to_batch
 from tests.helpers.packs import build_pack
+from tests.helpers.tokens import check_summary, expected_values
 
 
 # -- inspect --------------------------------------------------------------------------------------
@@ -178,11 +180,23 @@ def test_stats_agree_with_counts_from_the_records(pack, tmp_path):
     assert st.streams["elapsed_s"].to_list() == [s.elapsed_s for s in man.streams]
     assert st.streams["tokens"].to_list() == [sum(x.sequence_length for k, x in batches.items() if k[0] == s.stream) for s in man.streams]
 
+    want_batch, want_group = expected_values(b)
+    rows = {r["quantity"]: r for r in st.token_batch.to_dicts()}
+    for q in BATCH_QUANTITIES:
+        check_summary(rows[LABELS[q]], want_batch[q], q)
+    assert rows["VAE tokens"]["max"] > 0 and rows["ViT tokens"]["max"] > 0 and rows["CE loss tokens"]["max"] > 0
+    for r in st.token_group.to_dicts():
+        q = next(k for k, v in LABELS.items() if v == r["quantity"])
+        check_summary(r, want_group[r["group"]][q], f"{r['group']}/{q}")
+        assert r["samples"] == groups[r["group"]]
+
     html = tmp_path / "stats.html"
     text = pack_stats(pack, html=str(html))
     assert f"{len(b)} batches" in text and "group mix" in text
+    assert f"token composition per batch ({len(b)} batches" in text and "token composition per sample, by group" in text
     page = html.read_text()
-    assert page.count("<svg") >= 5 and "<script" not in page and "src=" not in page and "<link" not in page
+    assert page.count("<svg") >= 6 and "<script" not in page and "src=" not in page and "<link" not in page
+    assert "<h2>Token composition per batch</h2>" in page and "<td>MSE loss tokens</td>" in page
 
 
 def test_lineage_answers_which_batches_hold_a_row_and_which_rows_form_a_batch(pack):
@@ -210,4 +224,5 @@ def test_cli_inspect_and_stats(pack, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "sample 0" in text and "<|im_start|>" in text and png.stat().st_size > 10_000
     assert main(["stats", pack]) == 0
-    assert "fill ratio" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "fill ratio" in out and "token composition per batch" in out

@@ -13,9 +13,13 @@ from __future__ import annotations
 import os
 import re
 
+from loader.reader import Pack, iter_records
+from prepack.tools.composition import BATCH_QUANTITIES, SAMPLE_QUANTITIES
 from prepack.tools.plan import batch_allotment, estimate_settled, plan_pack, sample_streams
 from schemas.config import load_config
+from schemas.record import record_to_batch
 from tests.helpers.packs import pack_in_process, small_dataset
+from tests.helpers.tokens import check_summary, expected_values
 
 
 def _bytes_under(root: str) -> int:
@@ -35,12 +39,25 @@ def test_projection_is_within_30_percent_of_a_real_pack(tmp_path, tokenizer_and_
     shards = [len([n for n in os.listdir(os.path.join(out, d)) if re.fullmatch(r"shard-\d+\.arrow", n)])
               for d in os.listdir(out) if d.startswith("stream-")]
     assert all(abs(plan.shards_per_stream - s) <= 1 for s in shards), (plan.shards_per_stream, shards)
-    from loader.reader import Pack
-
     tokens = sum(r.num_tokens for s in range(2) for sh in Pack.open(out).index(s).shards for r in sh.records)
     assert 0.7 <= plan.tokens / tokens <= 1.3, (plan.tokens, tokens)
     assert abs(sum(g.token_share for g in plan.groups) - 1) < 1e-6
     assert plan.cpu_core_hours > 0 and plan.wall_hours > 0
+
+    # what the sampled batches hold: stream 0's first two records, counted from the records
+    records = [record_to_batch(r) for _, (_, r) in zip(range(2), iter_records(Pack.open(out), 0))]
+    want_batch, want_group = expected_values(records)
+    got = plan.to_json()["composition"]
+    assert list(got["per_batch"]) == list(BATCH_QUANTITIES)
+    for q in BATCH_QUANTITIES:
+        check_summary(got["per_batch"][q], want_batch[q], q)
+    assert sorted(got["per_group"]) == sorted(want_group)
+    for g, values in want_group.items():
+        assert list(got["per_group"][g]) == list(SAMPLE_QUANTITIES)
+        for q in SAMPLE_QUANTITIES:
+            check_summary(got["per_group"][g][q], values[q], f"{g}/{q}")
+    text = "\n".join(plan.lines())
+    assert "token composition per batch (2 batches" in text and "token composition per sample, by group" in text
 
 
 def test_knobs_that_look_wrong_are_named(tmp_path, tokenizer_and_special):
