@@ -150,18 +150,23 @@ def decode_rows(coded: np.ndarray) -> np.ndarray:
     return np.cumsum(coded, axis=1, dtype=np.uint8)
 
 
-def image_table(images: list[np.ndarray], alloc: Callable[[int], np.ndarray] | None = None) -> dict[str, np.ndarray]:
+def image_table(images: list[np.ndarray], alloc: Callable[[int], np.ndarray] | None = None,
+                coded: "list[bool] | None" = None) -> dict[str, np.ndarray]:
     """The PackedBatch image-table fields for decoded (h, w, 3) uint8 images.
 
     ``alloc(n)`` gives the uint8 array of n bytes the table is coded into (default: a new one).
+    ``coded[i]``: image i is already row-delta coded (pixels reused from a stored table), copied as is.
     """
     offsets = np.zeros(len(images) + 1, np.int64)
     if images:
         np.cumsum([im.size for im in images], out=offsets[1:])
     size = int(offsets[-1])
     pixels = np.empty(size, np.uint8) if alloc is None else alloc(size)  # coded straight into place
-    for im, a, b in zip(images, offsets[:-1], offsets[1:]):
-        encode_rows(im, out=pixels[a:b].reshape(im.shape))
+    for i, (im, a, b) in enumerate(zip(images, offsets[:-1], offsets[1:])):
+        if coded is not None and coded[i]:
+            pixels[a:b] = im.reshape(-1)
+        else:
+            encode_rows(im, out=pixels[a:b].reshape(im.shape))
     return {
         "image_heights": np.asarray([im.shape[0] for im in images], np.int32),
         "image_widths": np.asarray([im.shape[1] for im in images], np.int32),

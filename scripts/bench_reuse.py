@@ -84,12 +84,12 @@ def files(root: str) -> dict[str, bytes]:
 
 
 def measure(configs: dict[int, str], reuse: str | None, reps: int, tmp: str, env: dict | None = None) -> list[list]:
-    """Per rep: [(cpu_s, records, summary) for each budget]."""
+    """Per rep: [(done.json summary, output folder) for each budget]."""
     out = []
-    for rep in range(reps):
+    for _ in range(reps):
         row = []
         for n, config in configs.items():
-            dest = os.path.join(tmp, f"run-{'r' if reuse else 'f'}-{n}-{rep}")
+            dest = tempfile.mkdtemp(prefix=f"run-{'r' if reuse else 'f'}-{n}-", dir=tmp)
             row.append((stream_run(config, dest, reuse, env), dest))
         out.append(row)
     return out

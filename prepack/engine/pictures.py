@@ -37,7 +37,9 @@ class PixelProvider(Protocol):
 
     def facts(self, key: tuple[bytes, str]) -> DecodeFacts | None: ...
 
-    def fetch(self, source: PictureSource, width: int, height: int) -> np.ndarray | None: ...
+    def fetch(self, source: PictureSource, width: int, height: int) -> np.ndarray | None:
+        """The row-delta coded (height, width, 3) pixels stored for this picture and target, checked;
+        None: none (or none that holds)."""
 
     counts: "ReuseCounts"  # where the provider counts its fallbacks: the store counts into the same
 
@@ -89,16 +91,17 @@ class Picture:
             self._store.counts.decodes_saved -= 1
         return self._image
 
-    def resized(self, width: int, height: int) -> np.ndarray:
-        """(height, width, 3) uint8: earlier pixels when they are provably these, else the resize."""
+    def resized(self, width: int, height: int) -> tuple[np.ndarray, bool]:
+        """``(pixels, coded)``: (height, width, 3) uint8, row-delta coded as an earlier table stored
+        them (``coded``) when they are provably these, else the resize's own pixels."""
         store = self._store
         store.counts.images += 1
         if store.provider is not None:
             got = store.provider.fetch(self.source, width, height)
             if got is not None:
                 store.counts.reused += 1
-                return got
-        return resize_pixels(self.image(), width, height)
+                return got, True
+        return resize_pixels(self.image(), width, height), False
 
 
 class PictureStore:

@@ -34,7 +34,6 @@ from schemas.errors import DamagedFile, PackFormatError
 from schemas.manifest import (PACK_INFO_NAME, StreamIndex, check_format, index_file, load_checked, shard_file,
                               shard_pixels_file)
 from schemas.pixel_index import DecodeFacts, PictureSource, PixelEntry, pixel_digest, read_pixel_index
-from schemas.record import decode_rows
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +138,7 @@ class PixelReuse:
             return self._fallback("frame_damaged", e)
         if coded.size != width * height * 3 or pixel_digest(coded) != where.digest:
             return self._fallback("frame_damaged", "digest differs from the pixel index")
-        return decode_rows(coded.reshape(height, width, 3))
+        return coded.reshape(height, width, 3)  # as stored: the new table takes them coded
 
     # -- loading --------------------------------------------------------------------------------
     def add_shard(self, loc: PackLocation, stream: int, shard: int, size: int, entries: list[PixelEntry]) -> None:
