@@ -45,5 +45,10 @@ def machine_line() -> str:
     from prepack.engine.resize import default_resizer
 
     r = default_resizer()
+    kernel = r.name or "pillow"
+    if kernel == "native":  # which vector path the C build takes (PREPACK_KERNEL_CFLAGS can narrow it)
+        from prepack.engine.resize import native
+
+        kernel += f", {native.isa(native.library())} path"
     return (f"machine: {cpu_model()}, {os.cpu_count()} cores, {platform.machine()}, vector ISA {isa_level()}; "
-            f"resize kernel: {r.name or 'pillow'} ({r.reason})")
+            f"resize kernel: {kernel} ({r.reason})")
