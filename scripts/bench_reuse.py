@@ -37,7 +37,6 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "helpers"), os.path.dirname(os
 KNOBS = dict(expected_num_tokens=32768, max_num_tokens=36864, max_num_tokens_per_sample=16384,
              prefer_buffer_before=16384, max_buffer_size=50, use_flex=True,
              vit_cond_dropout_prob=0.3, vae_cond_dropout_prob=0.3)
-INFORMATIONAL = ("done.json", "manifest.json")
 
 
 def write_config(ds, path: str, *, seed: int = 42, num_workers: int = 2, weights: dict | None = None,
@@ -74,13 +73,9 @@ def stream_run(config: str, out: str, reuse: str | None, env: dict | None = None
 
 
 def files(root: str) -> dict[str, bytes]:
-    out = {}
-    for d, _, names in os.walk(root):
-        for n in names:
-            if n not in INFORMATIONAL:
-                p = os.path.join(d, n)
-                out[os.path.relpath(p, root)] = open(p, "rb").read()
-    return out
+    from s3checks import pack_bytes  # tests/helpers: the pack's files but done.json / manifest.json
+
+    return pack_bytes(root)
 
 
 def measure(configs: dict[int, str], reuse: str | None, reps: int, tmp: str, env: dict | None = None) -> list[list]:

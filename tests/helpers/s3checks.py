@@ -46,6 +46,12 @@ def local_files(root: str) -> dict[str, bytes]:
     return out
 
 
+def pack_bytes(root: str) -> dict[str, bytes]:
+    """``local_files`` without the files that say how a run went rather than what it packed
+    (done.json, manifest.json: times and reuse counts): two runs of one pack compare equal."""
+    return {k: v for k, v in local_files(root).items() if k.rsplit("/", 1)[-1] not in ("done.json", "manifest.json")}
+
+
 def _untimed(value):
     if isinstance(value, dict):
         return {k: _untimed(v) for k, v in value.items() if k not in (*INFORMATIONAL_FIELDS, "checksum")}

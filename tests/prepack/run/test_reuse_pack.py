@@ -24,18 +24,11 @@ from schemas.config import load_config
 from schemas.errors import PackRefused
 from schemas.manifest import shard_file, shard_pixels_file
 from tests.helpers.packs import KNOBS, make_dataset, pack_in_process
+from tests.helpers.s3checks import pack_bytes
 
-INFORMATIONAL = ("done.json", "manifest.json")
 
 
-def _files(root: str) -> dict[str, bytes]:
-    out = {}
-    for d, _, names in os.walk(root):
-        for n in names:
-            if n not in INFORMATIONAL:
-                p = os.path.join(d, n)
-                out[os.path.relpath(p, root)] = open(p, "rb").read()
-    return out
+_files = pack_bytes
 
 
 def _config(ds, path: str, **change) -> str:
