@@ -26,6 +26,7 @@ EPILOG = textwrap.dedent(
       prepack audit out/demo --stream 1 --shard 0       # re-pack a shard, compare record by record
       prepack inspect out/demo --stream 0 --record 3 --png rec.png
       prepack stats out/demo --html stats.html
+      prepack run new.yaml --out out/new --reuse out/demo   # another mix, the old pack's pixels
 
     A config is a NeMo AutoModel BAGEL recipe YAML (seed, tokenizer, dataset, dataloader.num_workers)
     plus a 'prepack:' section (world_size, batches_per_stream | tokens_per_stream | passes,
@@ -124,6 +125,28 @@ def cmd_audit(args) -> int:
     for line in report.lines():
         print(line)
     return 0 if report.ok else 1
+
+
+def cmd_index(args) -> int:
+    from prepack.run.catalog import build_catalog, catalog_is_current
+    from prepack.engine.reuse import open_old_pack
+
+    _require_pack(args.dir)
+    if not args.force and catalog_is_current(*open_old_pack(args.dir)):
+        print(f"pixel catalog of {args.dir} is up to date")
+        return 0
+
+    def progress(done: int, total: int) -> None:
+        if sys.stderr.isatty():
+            print(f"\rindexing shards {done:,}/{total:,}", end="", file=sys.stderr, flush=True)
+
+    result = build_catalog(args.dir, on_shard=progress)
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    print(f"indexed {result.rows:,} pictures of {result.shards:,} of {result.committed:,} committed shards in {args.dir}")
+    for why in result.skipped:
+        print(f"left out (its stream's later shards are looked up in their own index): {why}")
+    return 0
 
 
 def cmd_inspect(args) -> int:
@@ -237,6 +260,15 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--shard", type=int, help="shard of that stream (default: all of its shards)")
     a.add_argument("--all", action="store_true", help="re-pack whole streams from their seeds (also proves checkpoints)")
     a.set_defaults(func=cmd_audit)
+
+    x = sub.add_parser("index", help="build a pack's pixel catalog, so later --reuse runs look pictures up without "
+                       "loading every shard's index",
+                       description="Merge the pixel indexes of DIR's committed shards into one catalog sorted by "
+                       "content (DIR/pixels/). prepack run --reuse DIR builds it when it is missing or behind; run "
+                       "this ahead of time, or for a pack still packing, to index what is committed now.")
+    x.add_argument("dir", help="pack directory or URI")
+    x.add_argument("--force", action="store_true", help="rebuild even when the catalog covers every committed shard")
+    x.set_defaults(func=cmd_index)
 
     i = sub.add_parser("inspect", help="explain one packed batch (text, samples, layout picture)")
     i.add_argument("dir")

@@ -12,8 +12,11 @@ short or changed, a frame that fails its digest — means decode and resize as u
 reason: never a wrong byte, never a failed run.
 
 Only committed shards are read (the ones a stream's ``index.arrow`` lists), so an earlier pack may
-still be packing.  Memory: the index rows of every committed shard of the earlier packs, ~150
-bytes a picture (10^6 pictures: ~150 MB) — loaded once per stream at its first picture.
+still be packing.  Lookups go to the earlier pack's pixel catalog (``schemas.pixel_catalog``: the
+same rows sorted by content in blocks) where it covers a shard: memory is its block fences (~40
+bytes per 1,024 pictures) and a few cached blocks, whatever the size of the pack.  Shards the
+catalog does not cover (committed after it was built, or no catalog at all) and this stream's own
+shards are held in memory, ~150 bytes a picture, loaded once per stream at its first picture.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -33,6 +37,7 @@ from schemas.location import PackLocation, resolve_location
 from schemas.errors import DamagedFile, PackFormatError
 from schemas.manifest import (PACK_INFO_NAME, StreamIndex, check_format, index_file, load_checked, shard_file,
                               shard_pixels_file)
+from schemas.pixel_catalog import CATALOG_NAME, Catalog, block_columns, block_digest, fences_file, part_file
 from schemas.pixel_index import DecodeFacts, PictureSource, PixelEntry, pixel_digest, read_pixel_index
 
 log = logging.getLogger(__name__)
@@ -90,6 +95,93 @@ class _ShardFile:
             self._remote = None
 
 
+class CatalogView:
+    """Lookups by content in one earlier pack's pixel catalog: its fences in memory, its blocks read
+    one at a time (checked against their digest) and the last ``cache_blocks`` kept."""
+
+    def __init__(self, loc: PackLocation, catalog: Catalog, fences: pa.Table, cache_blocks: int = 64):
+        self.loc, self.catalog = loc, catalog
+        first = fences.column("first").combine_chunks()
+        self._first = np.frombuffer(first.buffers()[1], dtype="S16", count=len(first), offset=first.offset * 16)
+        self._part = fences.column("part").to_numpy()
+        self._batch = fences.column("batch").to_numpy()
+        self._rows = fences.column("rows").to_numpy()
+        self._digest = fences.column("digest").to_numpy()
+        self._readers: dict[int, pa.ipc.RecordBatchFileReader] = {}
+        self._blocks: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
+        self._cache = cache_blocks
+        self._decode = {name: code for code, name in enumerate(catalog.decodes)}
+        self._bad: set[int] = set()
+
+    @classmethod
+    def open(cls, loc: PackLocation) -> "CatalogView | None":
+        """The pack's catalog, checked; None when it has none.  ``ValueError`` when it is damaged."""
+        try:
+            raw = loc.read_bytes(CATALOG_NAME)
+        except FileNotFoundError:
+            return None
+        try:
+            catalog = Catalog.from_bytes(raw, loc.path(CATALOG_NAME))
+        except DamagedFile as e:
+            raise ValueError(str(e)) from None
+        data = loc.read_bytes(fences_file(catalog.build))
+        if hashlib.sha256(data).hexdigest() != catalog.fences_sha256:
+            raise ValueError(f"{loc.path(fences_file(catalog.build))}: sha256 differs from {CATALOG_NAME}")
+        try:
+            fences = pa.ipc.open_file(pa.py_buffer(data)).read_all()
+        except (pa.ArrowException, OSError) as e:
+            raise ValueError(f"{loc.path(fences_file(catalog.build))}: not readable ({e})") from None
+        return cls(loc, catalog, fences)
+
+    def rows(self, content: bytes, decode: str) -> tuple[list[dict], bool]:
+        """``(rows, damaged)``: the catalog rows of ``(content, decode)`` (every resize target it holds)
+        in the blocks that read and check, and whether a block the key may lie in did not."""
+        code = self._decode.get(decode)
+        if code is None or not len(self._first):
+            return [], False
+        out, damaged = [], False
+        block = max(int(np.searchsorted(self._first, content, side="left")) - 1, 0)
+        while block < len(self._first) and self._first[block] <= content:
+            try:
+                cols = self._block(block)
+            except (OSError, ValueError, pa.ArrowException) as e:
+                if block not in self._bad:
+                    log.debug("reuse: %s", e)
+                self._bad.add(block)  # its pictures are decoded; the other blocks still serve
+                damaged = True
+                block += 1
+                continue
+            lo, hi = np.searchsorted(cols["content"], content, "left"), np.searchsorted(cols["content"], content, "right")
+            out.extend({k: v[i] for k, v in cols.items()} for i in range(lo, hi) if cols["decode"][i] == code)
+            block += 1
+        return out, damaged
+
+    def _block(self, block: int) -> dict[str, np.ndarray]:
+        if block in self._bad:
+            raise ValueError(f"catalog block {block} is damaged")
+        cols = self._blocks.get(block)
+        if cols is not None:
+            self._blocks.move_to_end(block)
+            return cols
+        part = int(self._part[block])
+        reader = self._readers.get(part)
+        if reader is None:
+            f = self.loc.fs.open_input_file(self.loc.path(part_file(self.catalog.build, part)))
+            reader = self._readers[part] = pa.ipc.open_file(f)
+        try:
+            batch = reader.get_batch(int(self._batch[block]))
+        except (pa.ArrowException, IndexError) as e:
+            raise ValueError(f"catalog block {block}: not readable ({e})") from None
+        cols = block_columns(batch)
+        if batch.num_rows != self._rows[block] or block_digest(cols) != self._digest[block]:
+            raise ValueError(f"catalog block {block}: digest differs from its fence")
+        cols = {k: np.array(v) for k, v in cols.items()}  # own the values: the batch's buffers go
+        self._blocks[block] = cols
+        if len(self._blocks) > self._cache:
+            self._blocks.popitem(last=False)
+        return cols
+
+
 def open_old_pack(old: str) -> tuple[PackLocation, int]:
     """``(location, number of streams)`` of an earlier pack; ``NotAPack``-like errors name it."""
     loc = resolve_location(old)
@@ -106,30 +198,43 @@ class PixelReuse:
 
     ``olds``: earlier packs (paths or URIs), loaded at the first lookup.  ``add_shard`` adds one
     of this stream's own shards once it is committed (reuse within one pack).  ``counts`` is the
-    stream's ``ReuseCounts`` (fallbacks are counted there by reason).
+    stream's ``ReuseCounts`` (fallbacks are counted there by reason).  At most ``open_files``
+    earlier shard files are held open at once.
     """
 
-    def __init__(self, olds: Iterable[str] = (), counts: ReuseCounts | None = None):
+    def __init__(self, olds: Iterable[str] = (), counts: ReuseCounts | None = None, open_files: int = 64):
         self.olds = [str(o) for o in olds]
         self.counts = counts if counts is not None else ReuseCounts()
         self._facts: dict[tuple[bytes, str], DecodeFacts] = {}
         self._where: dict[tuple[bytes, str, int, int], _Where] = {}
         self._files: list[_ShardFile] = []
+        self._file_ids: dict[tuple[int, int, int], int] = {}  # (catalog, stream, shard) -> into _files
+        self._open: OrderedDict[int, None] = OrderedDict()
+        self._open_files = open_files
+        self._catalogs: list[CatalogView | None] = []
         self._loaded = not self.olds
-        self.indexed = 0  # pictures the loaded indexes list
+        self.indexed = 0  # pictures the loaded indexes list (catalogs included)
 
     # -- PixelProvider --------------------------------------------------------------------------
     def facts(self, key: tuple[bytes, str]) -> DecodeFacts | None:
         self._load()
-        return self._facts.get(key)
+        known = self._facts.get(key)
+        if known is not None:
+            return known
+        for i, row, view in self._catalog_rows(*key):
+            return DecodeFacts(int(row["src_width"]), int(row["src_height"]),
+                               tuple(k for k in view.catalog.damages[row["damage"]].split(",") if k))
+        return None
 
     def fetch(self, source: PictureSource, width: int, height: int) -> np.ndarray | None:
         self._load()
         where = self._where.get((source.content, source.decode, width, height))
         if where is None:
+            where = self._catalog_where(source, width, height)
+        if where is None:
             return None
         try:
-            frame = self._files[where.file].read(where.offset, where.length)
+            frame = self._read(where)
         except (OSError, ValueError, pa.ArrowException) as e:
             return self._fallback("shard_unreadable", e)
         try:
@@ -139,6 +244,38 @@ class PixelReuse:
         if coded.size != width * height * 3 or pixel_digest(coded) != where.digest:
             return self._fallback("frame_damaged", "digest differs from the pixel index")
         return coded.reshape(height, width, 3)  # as stored: the new table takes them coded
+
+    # -- catalogs -------------------------------------------------------------------------------
+    def _catalog_rows(self, content: bytes, decode: str):
+        for i, view in enumerate(self._catalogs):
+            if view is None:
+                continue
+            rows, damaged = view.rows(content, decode)
+            if damaged and not rows:
+                self.counts.fallback("pixel_catalog_damaged")
+            for row in rows:
+                yield i, row, view
+
+    def _catalog_where(self, source: PictureSource, width: int, height: int) -> _Where | None:
+        for i, row, view in self._catalog_rows(source.content, source.decode):
+            if row["width"] == width and row["height"] == height:
+                key = (i, int(row["stream"]), int(row["shard"]))
+                file = self._file_ids.get(key)
+                if file is None:
+                    file = self._file_ids[key] = len(self._files)
+                    self._files.append(_ShardFile(view.loc, shard_file(key[1], key[2]), int(row["shard_bytes"])))
+                return _Where(file, int(row["offset"]), int(row["length"]), int(row["nbytes"]),
+                              view.catalog.codecs[row["codec"]], int(row["digest"]))
+        return None
+
+    def _read(self, where: _Where) -> bytes:
+        """A frame's bytes, keeping at most ``open_files`` shard files open."""
+        self._open[where.file] = None
+        self._open.move_to_end(where.file)
+        while len(self._open) > self._open_files:
+            oldest, _ = self._open.popitem(last=False)
+            self._files[oldest].close()
+        return self._files[where.file].read(where.offset, where.length)
 
     # -- loading --------------------------------------------------------------------------------
     def add_shard(self, loc: PackLocation, stream: int, shard: int, size: int, entries: list[PixelEntry]) -> None:
@@ -151,8 +288,11 @@ class PixelReuse:
 
     def add_stream(self, loc: PackLocation, index: StreamIndex) -> None:
         """Every committed shard of one stream, read from its pixel index files."""
-        for entry in index.shards:
-            rel = shard_pixels_file(index.stream, entry.shard)
+        self._add_shards(loc, index.stream, [_Committed.of(e) for e in index.shards])
+
+    def _add_shards(self, loc: PackLocation, stream: int, shards: "list[_Committed]") -> None:
+        for entry in shards:
+            rel = shard_pixels_file(stream, entry.shard)
             try:
                 data = loc.read_bytes(rel)
             except FileNotFoundError:
@@ -171,7 +311,7 @@ class PixelReuse:
             if resize != RESIZE_IMPL:
                 self.counts.fallback("pixel_index_other_resize")
                 continue
-            self._add_table(loc, index.stream, entry.shard, entry.nbytes, table)
+            self._add_table(loc, stream, entry.shard, entry.nbytes, table)
 
     def _add_table(self, loc: PackLocation, stream: int, shard: int, size: int, table: pa.Table) -> None:
         file = len(self._files)
@@ -200,21 +340,52 @@ class PixelReuse:
                 log.warning("reuse: %s is not read (%s); its pictures are decoded", old, e)
                 self.counts.fallback("old_pack_unreadable")
                 continue
-            for stream in range(streams):
-                try:
-                    data = loc.read_bytes(index_file(stream))
-                except FileNotFoundError:
-                    continue  # nothing committed yet
-                except OSError as e:
-                    self._fallback("stream_index_unreadable", e)
-                    continue
-                try:
-                    index = StreamIndex.from_bytes(data, stream, loc.path(index_file(stream)))
-                except (DamagedFile, PackFormatError, ValueError) as e:
-                    self._fallback("stream_index_damaged", e)
-                    continue
-                self.add_stream(loc, index)
-        log.info("reuse: %d pictures indexed in %d earlier shards", self.indexed, len(self._files))
+            committed = self._committed(loc, streams)
+            view = self._open_catalog(loc, committed)
+            self._catalogs.append(view)
+            for stream, shards in committed.items():
+                covered = view.catalog.covered.get(stream, (0, ""))[0] if view is not None else 0
+                self._add_shards(loc, stream, shards[covered:])
+            if view is not None:
+                self.indexed += view.catalog.rows
+        log.info("reuse: %d pictures indexed (%d in memory)", self.indexed, len(self._where))
+
+    def _committed(self, loc: PackLocation, streams: int) -> "dict[int, list[_Committed]]":
+        out: dict[int, list[_Committed]] = {}
+        for stream in range(streams):
+            try:
+                data = loc.read_bytes(index_file(stream))
+            except FileNotFoundError:
+                continue  # nothing committed yet
+            except OSError as e:
+                self._fallback("stream_index_unreadable", e)
+                continue
+            try:
+                index = StreamIndex.from_bytes(data, stream, loc.path(index_file(stream)))
+            except (DamagedFile, PackFormatError, ValueError) as e:
+                self._fallback("stream_index_damaged", e)
+                continue
+            out[stream] = [_Committed.of(e) for e in index.shards]  # the records' digests are not kept
+        return out
+
+    def _open_catalog(self, loc: PackLocation, committed: "dict[int, list[_Committed]]") -> CatalogView | None:
+        """The pack's catalog when it holds, else None (its shards' own indexes are read instead)."""
+        try:
+            view = CatalogView.open(loc)
+        except (OSError, ValueError, pa.ArrowException) as e:
+            self._fallback("pixel_catalog_damaged", e)
+            return None
+        if view is None:
+            return None
+        if view.catalog.resize != RESIZE_IMPL:
+            self.counts.fallback("pixel_catalog_other_resize")
+            return None
+        for stream, (n, last) in view.catalog.covered.items():
+            shards = committed.get(stream, [])
+            if n and (len(shards) < n or shards[n - 1].pixels_sha256 != last):
+                self.counts.fallback("pixel_catalog_stale")  # the pack changed under it: not one byte trusted
+                return None
+        return view
 
     def close(self) -> None:
         for f in self._files:
@@ -224,3 +395,16 @@ class PixelReuse:
         self.counts.fallback(reason)
         log.debug("reuse: %s (%s); decoding instead", reason, detail)
         return None
+
+
+@dataclass(frozen=True)
+class _Committed:
+    """What reuse needs of a committed shard's index row."""
+
+    shard: int
+    nbytes: int
+    pixels_sha256: str
+
+    @classmethod
+    def of(cls, entry) -> "_Committed":
+        return cls(entry.shard, entry.nbytes, entry.pixels_sha256)

@@ -273,6 +273,7 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
     for s in wanted:
         cfg.stream_rank_worker(s)  # range check with a clear message
     from prepack.engine.reuse import open_old_pack
+    from prepack.run.catalog import ensure_catalog
 
     loc = resolve_location(out)
     reuse = tuple(str(r) for r in reuse)
@@ -302,6 +303,10 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
                           max_num_tokens=cfg.knobs.max_num_tokens, output_bytes=output_bytes(loc))
     lease = acquire_streams(loc, todo)
     try:
+        for old in reuse:  # once per job, not per stream: the streams look pictures up in it
+            line = ensure_catalog(old)
+            if line:
+                log.info("reuse: %s", line)
         before = [_committed_totals(loc, s) for s in todo]  # shards an earlier run already committed
         run = RunProgress(todo, cfg.prepack.batches_per_stream, asdict(cfg.knobs))
         if inline:

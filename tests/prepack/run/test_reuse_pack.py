@@ -22,7 +22,9 @@ from prepack.run.driver import run_pack
 from prepack.run.stream_job import pack_one_stream
 from schemas.config import load_config
 from schemas.errors import PackRefused
+from prepack.run.catalog import ensure_catalog
 from schemas.manifest import shard_file, shard_pixels_file
+from schemas.pixel_catalog import CATALOG_DIR, CATALOG_NAME, Catalog, fences_file, part_file
 from tests.helpers.packs import KNOBS, make_dataset, pack_in_process
 from tests.helpers.s3checks import pack_bytes
 
@@ -91,6 +93,13 @@ def test_reused_pack_is_the_fresh_pack(old, change, tmp_path, tokenizer_and_spec
     assert line == [f"reused {hits:,} of {images:,} images ({hits / images:.0%}) from {old['out']}"]
 
 
+def _a_part(pack: str, build: str) -> int:
+    """The catalog part holding the most pictures (so some of a new pack's lookups land in it)."""
+    folder = os.path.join(pack, CATALOG_DIR, build)
+    parts = [n for n in os.listdir(folder) if n.startswith("part-")]
+    return int(max(parts, key=lambda n: os.path.getsize(os.path.join(folder, n)))[5:8])
+
+
 def _damaged_copy(old: str, dest: str, how: str) -> str:
     shutil.copytree(old, dest)
     s0 = os.path.join(dest, os.path.dirname(shard_file(0, 0)))
@@ -107,12 +116,27 @@ def _damaged_copy(old: str, dest: str, how: str) -> str:
     elif how == "truncated_shard":
         p = os.path.join(dest, shard_file(0, 1))
         os.truncate(p, os.path.getsize(p) // 2)
+    elif how == "catalog_block":  # one block of the catalog: its pictures decode, the others still serve
+        build = Catalog.from_bytes(open(os.path.join(dest, CATALOG_NAME), "rb").read(), "catalog").build
+        p = os.path.join(dest, part_file(build, _a_part(dest, build)))
+        data = bytearray(open(p, "rb").read())
+        for i in range(64, len(data) - 64, 101):
+            data[i] ^= 0x5A
+        open(p, "wb").write(bytes(data))
+    elif how == "catalog_fences":  # the whole catalog is refused: the shards' own indexes serve
+        build = Catalog.from_bytes(open(os.path.join(dest, CATALOG_NAME), "rb").read(), "catalog").build
+        p = os.path.join(dest, fences_file(build))
+        data = bytearray(open(p, "rb").read())
+        data[len(data) // 2] ^= 0xFF
+        open(p, "wb").write(bytes(data))
     elif how == "index_damaged":
+        shutil.rmtree(os.path.join(dest, CATALOG_DIR))  # else the catalog serves what the index lost
         p = os.path.join(dest, shard_pixels_file(0, 0))
         data = bytearray(open(p, "rb").read())
         data[len(data) // 2] ^= 0xFF
         open(p, "wb").write(bytes(data))
     elif how == "index_deleted":
+        shutil.rmtree(os.path.join(dest, CATALOG_DIR))
         os.remove(os.path.join(dest, shard_pixels_file(1, 0)))
     return dest
 
@@ -120,9 +144,13 @@ def _damaged_copy(old: str, dest: str, how: str) -> str:
 @pytest.mark.parametrize("how,reason", [("frame", "frame_damaged"), ("deleted_shard", "shard_unreadable"),
                                         ("truncated_shard", "shard_unreadable"),
                                         ("index_damaged", "pixel_index_damaged"),
-                                        ("index_deleted", "pixel_index_missing")])
+                                        ("index_deleted", "pixel_index_missing"),
+                                        ("catalog_block", "pixel_catalog_damaged"),
+                                        ("catalog_fences", "pixel_catalog_damaged")])
 def test_damaged_old_falls_back_to_decoding(old, how, reason, tmp_path, tokenizer_and_special, monkeypatch):
     monkeypatch.setenv(OWN_SETTING, "0")
+    ensure_catalog(old["out"])  # the copy has a catalog to damage (the kinds that damage others drop it)
+    assert os.path.exists(os.path.join(old["out"], CATALOG_NAME))
     config = _config(old["ds"], str(tmp_path / "new.yaml"), seed=5)
     fresh = _pack(config, str(tmp_path / "fresh"), tokenizer_and_special)
     bad = _damaged_copy(old["out"], str(tmp_path / "bad"), how)

@@ -1,0 +1,161 @@
+"""A pack's pixel catalog: every picture of its committed shards, sorted by content, in blocks.
+
+Why: the per-shard pixel indexes (``schemas.pixel_index``) are written as shards commit, in pack
+order.  A later pack looking pictures up in them would have to load all of them (~150 bytes a
+picture in memory: 15 GB at 10^8).  The catalog is the same rows merged and sorted by content key,
+stored in blocks of ``BLOCK_ROWS`` rows; a reader keeps only the first key of each block (the
+fences, ~40 bytes a block: ~4 MB at 10^8 pictures) and reads the one block a key falls in.
+
+Layout, under the pack (the only home of these names):
+
+    OUT/pixels/catalog.json               the commit point: what the catalog covers, its vocabulary,
+                                          its build folder and the sha256 of its fences
+    OUT/pixels/<build>/fences.arrow       one row per block: first key, part, batch, rows, digest
+    OUT/pixels/<build>/part-PPP.arrow     the rows whose content key starts with byte PPP, sorted,
+                                          one record batch per block
+
+A build folder is named by what it covers, so two jobs indexing the same pack at once write the
+same files or different folders, never a mix.  Every block has an XXH3-64 over its column values
+(in the fences), the fences have their sha256 in ``catalog.json`` and ``catalog.json`` a checksum
+of its own: a damaged catalog is refused (the reader decodes instead), never misread.  Strings
+are small codes into vocabularies kept in ``catalog.json`` so a block's columns are fixed-width.
+``covered`` names, per stream, how many shards the catalog holds and the pixel index sha256 of
+the last of them (stream indexes are chained, so it pins the earlier ones): shards committed
+later are read from their own pixel indexes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import xxhash
+
+from schemas.documents import dump_checked, load_checked
+from schemas.errors import DamagedFile
+
+CATALOG_VERSION = 1
+CATALOG_DIR = "pixels"
+CATALOG_NAME = f"{CATALOG_DIR}/catalog.json"
+FENCES_NAME = "fences.arrow"
+BLOCK_ROWS = 1024
+PARTS = 256  # by the first byte of the content key: at 10^8 pictures a part is ~400k rows to sort
+
+CATALOG_SCHEMA = pa.schema([
+    pa.field("content", pa.binary(16), nullable=False),
+    pa.field("decode", pa.int8(), nullable=False),  # code into Catalog.decodes
+    pa.field("width", pa.int32(), nullable=False),
+    pa.field("height", pa.int32(), nullable=False),
+    pa.field("src_width", pa.int32(), nullable=False),
+    pa.field("src_height", pa.int32(), nullable=False),
+    pa.field("damage", pa.int32(), nullable=False),  # code into Catalog.damages
+    pa.field("stream", pa.int32(), nullable=False),
+    pa.field("shard", pa.int32(), nullable=False),
+    pa.field("shard_bytes", pa.int64(), nullable=False),
+    pa.field("offset", pa.int64(), nullable=False),
+    pa.field("length", pa.int64(), nullable=False),
+    pa.field("nbytes", pa.int64(), nullable=False),
+    pa.field("codec", pa.int8(), nullable=False),  # code into Catalog.codecs
+    pa.field("digest", pa.uint64(), nullable=False),
+])
+
+FENCES_SCHEMA = pa.schema([
+    pa.field("first", pa.binary(16), nullable=False),  # the block's first content key
+    pa.field("part", pa.int16(), nullable=False),
+    pa.field("batch", pa.int32(), nullable=False),
+    pa.field("rows", pa.int32(), nullable=False),
+    pa.field("digest", pa.uint64(), nullable=False),  # block_digest of its columns
+])
+
+
+def part_file(build: str, part: int) -> str:
+    return f"{CATALOG_DIR}/{build}/part-{part:03d}.arrow"
+
+
+def fences_file(build: str) -> str:
+    return f"{CATALOG_DIR}/{build}/{FENCES_NAME}"
+
+
+def part_of(content: bytes) -> int:
+    return content[0]
+
+
+def block_columns(batch: "pa.RecordBatch | pa.Table") -> dict[str, np.ndarray]:
+    """A block's columns as numpy arrays (``content`` as ``S16``), without copying where Arrow allows."""
+    out: dict[str, np.ndarray] = {}
+    for name in CATALOG_SCHEMA.names:
+        col = batch.column(name)
+        if isinstance(col, pa.ChunkedArray):
+            col = col.combine_chunks()
+        if name == "content":
+            out[name] = np.frombuffer(col.buffers()[1], dtype="S16", count=len(col), offset=col.offset * 16)
+        else:
+            out[name] = col.to_numpy(zero_copy_only=False)
+    return out
+
+
+def block_digest(cols: dict[str, np.ndarray]) -> int:
+    """XXH3-64 over a block's column values in schema order (fixed-width: no padding involved)."""
+    h = xxhash.xxh3_64()
+    for name in CATALOG_SCHEMA.names:
+        values = np.ascontiguousarray(cols[name])
+        h.update(name.encode())
+        h.update(len(values).to_bytes(8, "little"))
+        h.update(values.data)
+    return h.intdigest()
+
+
+@dataclass
+class Catalog:
+    """``catalog.json``: what a build covers and how to read it."""
+
+    resize: str  # the resize implementation every covered pixel index named
+    build: str  # the folder under pixels/
+    rows: int
+    fences_sha256: str
+    covered: dict[int, tuple[int, str]] = field(default_factory=dict)  # stream -> (shards, last pixels_sha256)
+    decodes: list[str] = field(default_factory=list)
+    codecs: list[str] = field(default_factory=list)
+    damages: list[str] = field(default_factory=list)
+
+    def to_bytes(self) -> bytes:
+        return dump_checked({
+            "catalog_version": CATALOG_VERSION, "resize": self.resize, "build": self.build, "rows": self.rows,
+            "fences_sha256": self.fences_sha256,
+            "covered": [[s, n, last] for s, (n, last) in sorted(self.covered.items())],
+            "decodes": self.decodes, "codecs": self.codecs, "damages": self.damages,
+        })
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> "Catalog":
+        d = load_checked(data, where)
+        if d.get("catalog_version") != CATALOG_VERSION:
+            raise DamagedFile(f"{where}: pixel catalog version {d.get('catalog_version')!r}, this code reads "
+                              f"{CATALOG_VERSION}")
+        try:
+            return cls(resize=str(d["resize"]), build=str(d["build"]), rows=int(d["rows"]),
+                       fences_sha256=str(d["fences_sha256"]),
+                       covered={int(s): (int(n), str(last)) for s, n, last in d["covered"]},
+                       decodes=[str(x) for x in d["decodes"]], codecs=[str(x) for x in d["codecs"]],
+                       damages=[str(x) for x in d["damages"]])
+        except (KeyError, TypeError, ValueError) as e:
+            raise DamagedFile(f"{where}: not a pixel catalog ({e})") from None
+
+
+def build_name(covered: dict[int, tuple[int, str]], resize: str) -> str:
+    """The build folder of a coverage: the same coverage always lands in the same folder."""
+    h = hashlib.sha256(resize.encode())
+    for s, (n, last) in sorted(covered.items()):
+        h.update(f"{s}:{n}:{last};".encode())
+    return h.hexdigest()[:16]
+
+
+def arrow_file_bytes(table: pa.Table, schema: pa.Schema, batch_rows: int) -> bytes:
+    """An Arrow IPC file of ``table`` in record batches of ``batch_rows`` (deterministic bytes)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, schema) as w:
+        for batch in table.to_batches(max_chunksize=batch_rows):
+            w.write_batch(batch)
+    return sink.getvalue().to_pybytes()
