@@ -10,15 +10,15 @@ Layout, under the pack (the only home of these names):
 
     OUT/pixels/catalog.json               the commit point: what the catalog covers, its vocabulary,
                                           its build folder and the sha256 of its fences
-    OUT/pixels/<build>/fences.arrow       one row per block: first key, part, batch, rows, digest
-    OUT/pixels/<build>/part-PPP.arrow     the rows whose content key starts with byte PPP, sorted,
-                                          one record batch per block
+    OUT/pixels/<build>/fences.arrow       one row per block: first key, part, first row, rows, digest
+    OUT/pixels/<build>/part-PPP.rows      the rows whose content key starts with byte PPP, sorted:
+                                          fixed-width little-endian records (``ROW_DTYPE``), so a
+                                          block is one ranged read and one ``np.frombuffer``
 
 A build folder is named by what it covers, so two jobs indexing the same pack at once write the
-same files or different folders, never a mix.  Every block has an XXH3-64 over its column values
-(in the fences), the fences have their sha256 in ``catalog.json`` and ``catalog.json`` a checksum
+same files or different folders, never a mix.  Every block has an XXH3-64 of its bytes (in the fences), the fences have their sha256 in ``catalog.json`` and ``catalog.json`` a checksum
 of its own: a damaged catalog is refused (the reader decodes instead), never misread.  Strings
-are small codes into vocabularies kept in ``catalog.json`` so a block's columns are fixed-width.
+are small codes into vocabularies kept in ``catalog.json`` so a row is fixed-width.
 ``covered`` names, per stream, how many shards the catalog holds and the pixel index sha256 of
 the last of them (stream indexes are chained, so it pins the earlier ones): shards committed
 later are read from their own pixel indexes.
@@ -40,7 +40,7 @@ CATALOG_VERSION = 1
 CATALOG_DIR = "pixels"
 CATALOG_NAME = f"{CATALOG_DIR}/catalog.json"
 FENCES_NAME = "fences.arrow"
-BLOCK_ROWS = 1024
+BLOCK_ROWS = 256
 PARTS = 256  # by the first byte of the content key: at 10^8 pictures a part is ~400k rows to sort
 
 CATALOG_SCHEMA = pa.schema([
@@ -61,17 +61,21 @@ CATALOG_SCHEMA = pa.schema([
     pa.field("digest", pa.uint64(), nullable=False),
 ])
 
+# A part file's row: the same columns, packed little-endian (the file format; never reordered).
+ROW_DTYPE = np.dtype([(f.name, "S16" if f.name == "content" else f.type.to_pandas_dtype())
+                      for f in CATALOG_SCHEMA]).newbyteorder("<")
+
 FENCES_SCHEMA = pa.schema([
     pa.field("first", pa.binary(16), nullable=False),  # the block's first content key
     pa.field("part", pa.int16(), nullable=False),
-    pa.field("batch", pa.int32(), nullable=False),
+    pa.field("row", pa.int64(), nullable=False),  # the block's first row in its part file
     pa.field("rows", pa.int32(), nullable=False),
-    pa.field("digest", pa.uint64(), nullable=False),  # block_digest of its columns
+    pa.field("digest", pa.uint64(), nullable=False),  # XXH3-64 of the block's bytes
 ])
 
 
 def part_file(build: str, part: int) -> str:
-    return f"{CATALOG_DIR}/{build}/part-{part:03d}.arrow"
+    return f"{CATALOG_DIR}/{build}/part-{part:03d}.rows"
 
 
 def fences_file(build: str) -> str:
@@ -82,29 +86,30 @@ def part_of(content: bytes) -> int:
     return content[0]
 
 
-def block_columns(batch: "pa.RecordBatch | pa.Table") -> dict[str, np.ndarray]:
-    """A block's columns as numpy arrays (``content`` as ``S16``), without copying where Arrow allows."""
+def table_columns(table: "pa.RecordBatch | pa.Table") -> dict[str, np.ndarray]:
+    """Columns of a ``CATALOG_SCHEMA`` table as numpy arrays (``content`` as ``S16``: mind that
+    numpy drops trailing NUL bytes from a single ``S16`` value; slice, don't index)."""
     out: dict[str, np.ndarray] = {}
     for name in CATALOG_SCHEMA.names:
-        col = batch.column(name)
+        col = table.column(name)
         if isinstance(col, pa.ChunkedArray):
             col = col.combine_chunks()
-        if name == "content":
-            out[name] = np.frombuffer(col.buffers()[1], dtype="S16", count=len(col), offset=col.offset * 16)
-        else:
-            out[name] = col.to_numpy(zero_copy_only=False)
+        dtype = ROW_DTYPE[name]
+        out[name] = np.frombuffer(col.buffers()[1], dtype=dtype, count=len(col), offset=col.offset * dtype.itemsize)
     return out
 
 
-def block_digest(cols: dict[str, np.ndarray]) -> int:
-    """XXH3-64 over a block's column values in schema order (fixed-width: no padding involved)."""
-    h = xxhash.xxh3_64()
-    for name in CATALOG_SCHEMA.names:
-        values = np.ascontiguousarray(cols[name])
-        h.update(name.encode())
-        h.update(len(values).to_bytes(8, "little"))
-        h.update(values.data)
-    return h.intdigest()
+def packed_rows(table: "pa.RecordBatch | pa.Table") -> np.ndarray:
+    """A ``CATALOG_SCHEMA`` table as ``ROW_DTYPE`` records."""
+    cols = table_columns(table)
+    rows = np.empty(table.num_rows, ROW_DTYPE)
+    for name, values in cols.items():
+        rows[name] = values
+    return rows
+
+
+def block_digest(data: "bytes | memoryview") -> int:
+    return xxhash.xxh3_64_intdigest(data)
 
 
 @dataclass
@@ -152,10 +157,9 @@ def build_name(covered: dict[int, tuple[int, str]], resize: str) -> str:
     return h.hexdigest()[:16]
 
 
-def arrow_file_bytes(table: pa.Table, schema: pa.Schema, batch_rows: int) -> bytes:
-    """An Arrow IPC file of ``table`` in record batches of ``batch_rows`` (deterministic bytes)."""
+def arrow_file_bytes(table: pa.Table, schema: pa.Schema) -> bytes:
+    """An Arrow IPC file of ``table`` in one record batch (deterministic bytes)."""
     sink = pa.BufferOutputStream()
     with pa.ipc.new_file(sink, schema) as w:
-        for batch in table.to_batches(max_chunksize=batch_rows):
-            w.write_batch(batch)
+        w.write_table(table.combine_chunks())
     return sink.getvalue().to_pybytes()

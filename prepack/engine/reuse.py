@@ -37,7 +37,7 @@ from schemas.location import PackLocation, resolve_location
 from schemas.errors import DamagedFile, PackFormatError
 from schemas.manifest import (PACK_INFO_NAME, StreamIndex, check_format, index_file, load_checked, shard_file,
                               shard_pixels_file)
-from schemas.pixel_catalog import CATALOG_NAME, Catalog, block_columns, block_digest, fences_file, part_file
+from schemas.pixel_catalog import CATALOG_NAME, ROW_DTYPE, Catalog, block_digest, fences_file, part_file
 from schemas.pixel_index import DecodeFacts, PictureSource, PixelEntry, pixel_digest, read_pixel_index
 
 log = logging.getLogger(__name__)
@@ -61,8 +61,8 @@ class _Where:
     digest: int
 
 
-class _ShardFile:
-    """One earlier shard file, opened at its first read (ranged reads only)."""
+class _RangedFile:
+    """One earlier file (a shard, a catalog part), opened at its first read; ranged reads only."""
 
     def __init__(self, loc: PackLocation, relpath: str, size: int):
         self.loc, self.relpath, self.size = loc, relpath, size
@@ -76,7 +76,7 @@ class _ShardFile:
             if self._fd is None:
                 self._fd = os.open(self.loc.path(self.relpath), os.O_RDONLY)
                 if os.fstat(self._fd).st_size != self.size:
-                    raise ValueError("shard file is not the size its index recorded")
+                    raise ValueError(f"{self.relpath} is not the size its index recorded")
             data = os.pread(self._fd, length, offset)
         else:
             if self._remote is None:
@@ -97,18 +97,18 @@ class _ShardFile:
 
 class CatalogView:
     """Lookups by content in one earlier pack's pixel catalog: its fences in memory, its blocks read
-    one at a time (checked against their digest) and the last ``cache_blocks`` kept."""
+    one ranged read at a time (checked against their digest) and the last ``cache_blocks`` kept."""
 
-    def __init__(self, loc: PackLocation, catalog: Catalog, fences: pa.Table, cache_blocks: int = 64):
+    def __init__(self, loc: PackLocation, catalog: Catalog, fences: pa.Table, cache_blocks: int = 256):
         self.loc, self.catalog = loc, catalog
         first = fences.column("first").combine_chunks()
         self._first = np.frombuffer(first.buffers()[1], dtype="S16", count=len(first), offset=first.offset * 16)
         self._part = fences.column("part").to_numpy()
-        self._batch = fences.column("batch").to_numpy()
+        self._row = fences.column("row").to_numpy()
         self._rows = fences.column("rows").to_numpy()
         self._digest = fences.column("digest").to_numpy()
-        self._readers: dict[int, pa.ipc.RecordBatchFileReader] = {}
-        self._blocks: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
+        self._files: dict[int, _RangedFile] = {}
+        self._blocks: OrderedDict[int, np.ndarray] = OrderedDict()
         self._cache = cache_blocks
         self._decode = {name: code for code, name in enumerate(catalog.decodes)}
         self._bad: set[int] = set()
@@ -133,7 +133,7 @@ class CatalogView:
             raise ValueError(f"{loc.path(fences_file(catalog.build))}: not readable ({e})") from None
         return cls(loc, catalog, fences)
 
-    def rows(self, content: bytes, decode: str) -> tuple[list[dict], bool]:
+    def rows(self, content: bytes, decode: str) -> "tuple[list[np.void], bool]":
         """``(rows, damaged)``: the catalog rows of ``(content, decode)`` (every resize target it holds)
         in the blocks that read and check, and whether a block the key may lie in did not."""
         code = self._decode.get(decode)
@@ -143,7 +143,7 @@ class CatalogView:
         block = max(int(np.searchsorted(self._first, content, side="left")) - 1, 0)
         while block < len(self._first) and self._first[block] <= content:
             try:
-                cols = self._block(block)
+                rows = self._block(block)
             except (OSError, ValueError, pa.ArrowException) as e:
                 if block not in self._bad:
                     log.debug("reuse: %s", e)
@@ -151,35 +151,36 @@ class CatalogView:
                 damaged = True
                 block += 1
                 continue
-            lo, hi = np.searchsorted(cols["content"], content, "left"), np.searchsorted(cols["content"], content, "right")
-            out.extend({k: v[i] for k, v in cols.items()} for i in range(lo, hi) if cols["decode"][i] == code)
+            keys = rows["content"]
+            lo, hi = np.searchsorted(keys, content, "left"), np.searchsorted(keys, content, "right")
+            out.extend(rows[i] for i in range(lo, hi) if rows["decode"][i] == code)
             block += 1
         return out, damaged
 
-    def _block(self, block: int) -> dict[str, np.ndarray]:
+    def _block(self, block: int) -> np.ndarray:
         if block in self._bad:
             raise ValueError(f"catalog block {block} is damaged")
-        cols = self._blocks.get(block)
-        if cols is not None:
+        rows = self._blocks.get(block)
+        if rows is not None:
             self._blocks.move_to_end(block)
-            return cols
+            return rows
         part = int(self._part[block])
-        reader = self._readers.get(part)
-        if reader is None:
-            f = self.loc.fs.open_input_file(self.loc.path(part_file(self.catalog.build, part)))
-            reader = self._readers[part] = pa.ipc.open_file(f)
-        try:
-            batch = reader.get_batch(int(self._batch[block]))
-        except (pa.ArrowException, IndexError) as e:
-            raise ValueError(f"catalog block {block}: not readable ({e})") from None
-        cols = block_columns(batch)
-        if batch.num_rows != self._rows[block] or block_digest(cols) != self._digest[block]:
+        f = self._files.get(part)
+        if f is None:
+            size = int(self._rows[self._part == part].sum()) * ROW_DTYPE.itemsize
+            f = self._files[part] = _RangedFile(self.loc, part_file(self.catalog.build, part), size)
+        data = f.read(int(self._row[block]) * ROW_DTYPE.itemsize, int(self._rows[block]) * ROW_DTYPE.itemsize)
+        if block_digest(data) != self._digest[block]:
             raise ValueError(f"catalog block {block}: digest differs from its fence")
-        cols = {k: np.array(v) for k, v in cols.items()}  # own the values: the batch's buffers go
-        self._blocks[block] = cols
+        rows = np.frombuffer(data, ROW_DTYPE)
+        self._blocks[block] = rows
         if len(self._blocks) > self._cache:
             self._blocks.popitem(last=False)
-        return cols
+        return rows
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
 
 
 def open_old_pack(old: str) -> tuple[PackLocation, int]:
@@ -207,11 +208,12 @@ class PixelReuse:
         self.counts = counts if counts is not None else ReuseCounts()
         self._facts: dict[tuple[bytes, str], DecodeFacts] = {}
         self._where: dict[tuple[bytes, str, int, int], _Where] = {}
-        self._files: list[_ShardFile] = []
+        self._files: list[_RangedFile] = []
         self._file_ids: dict[tuple[int, int, int], int] = {}  # (catalog, stream, shard) -> into _files
         self._open: OrderedDict[int, None] = OrderedDict()
         self._open_files = open_files
         self._catalogs: list[CatalogView | None] = []
+        self._last: "tuple[tuple[bytes, str], list] | None" = None
         self._loaded = not self.olds
         self.indexed = 0  # pictures the loaded indexes list (catalogs included)
 
@@ -246,15 +248,21 @@ class PixelReuse:
         return coded.reshape(height, width, 3)  # as stored: the new table takes them coded
 
     # -- catalogs -------------------------------------------------------------------------------
-    def _catalog_rows(self, content: bytes, decode: str):
+    def _catalog_rows(self, content: bytes, decode: str) -> "list[tuple[int, dict, CatalogView]]":
+        """Every catalog's rows of a picture (the last picture's are kept: a stream asks for its
+        facts, then for each of its targets)."""
+        if self._last is not None and self._last[0] == (content, decode):
+            return self._last[1]
+        found = []
         for i, view in enumerate(self._catalogs):
             if view is None:
                 continue
             rows, damaged = view.rows(content, decode)
             if damaged and not rows:
                 self.counts.fallback("pixel_catalog_damaged")
-            for row in rows:
-                yield i, row, view
+            found.extend((i, row, view) for row in rows)
+        self._last = ((content, decode), found)
+        return found
 
     def _catalog_where(self, source: PictureSource, width: int, height: int) -> _Where | None:
         for i, row, view in self._catalog_rows(source.content, source.decode):
@@ -263,7 +271,7 @@ class PixelReuse:
                 file = self._file_ids.get(key)
                 if file is None:
                     file = self._file_ids[key] = len(self._files)
-                    self._files.append(_ShardFile(view.loc, shard_file(key[1], key[2]), int(row["shard_bytes"])))
+                    self._files.append(_RangedFile(view.loc, shard_file(key[1], key[2]), int(row["shard_bytes"])))
                 return _Where(file, int(row["offset"]), int(row["length"]), int(row["nbytes"]),
                               view.catalog.codecs[row["codec"]], int(row["digest"]))
         return None
@@ -281,7 +289,7 @@ class PixelReuse:
     def add_shard(self, loc: PackLocation, stream: int, shard: int, size: int, entries: list[PixelEntry]) -> None:
         """A committed shard's pictures (from the writer: no index file to read back)."""
         file = len(self._files)
-        self._files.append(_ShardFile(loc, shard_file(stream, shard), size))
+        self._files.append(_RangedFile(loc, shard_file(stream, shard), size))
         for e in entries:
             self._add(e.source.content, e.source.decode, e.source.facts, e.width, e.height,
                       _Where(file, e.offset, e.length, e.nbytes, e.codec, e.digest))
@@ -315,7 +323,7 @@ class PixelReuse:
 
     def _add_table(self, loc: PackLocation, stream: int, shard: int, size: int, table: pa.Table) -> None:
         file = len(self._files)
-        self._files.append(_ShardFile(loc, shard_file(stream, shard), size))
+        self._files.append(_RangedFile(loc, shard_file(stream, shard), size))
         cols = {name: table.column(name).to_pylist() for name in table.schema.names}
         for i in range(table.num_rows):
             damage = tuple(k for k in cols["damage"][i].split(",") if k)
@@ -390,6 +398,9 @@ class PixelReuse:
     def close(self) -> None:
         for f in self._files:
             f.close()
+        for view in self._catalogs:
+            if view is not None:
+                view.close()
 
     def _fallback(self, reason: str, detail) -> None:
         self.counts.fallback(reason)

@@ -18,18 +18,20 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 import pyarrow as pa
 
+from prepack.engine.pictures import RESIZE_IMPL
 from prepack.engine.reuse import open_old_pack
 from prepack.run.writer import write_bytes_atomic
 from schemas.errors import DamagedFile, PackFormatError
 from schemas.location import PackLocation
 from schemas.manifest import StreamIndex, index_file, shard_pixels_file
 from schemas.pixel_catalog import (BLOCK_ROWS, CATALOG_NAME, CATALOG_SCHEMA, FENCES_SCHEMA, PARTS, Catalog,
-                                   arrow_file_bytes, block_columns, block_digest, build_name, fences_file, part_file)
+                                   arrow_file_bytes, block_digest, build_name, fences_file, packed_rows, part_file,
+                                   table_columns)
 from schemas.pixel_index import read_pixel_index
 
 log = logging.getLogger(__name__)
@@ -74,7 +76,7 @@ class _Parts:
         self.spilled: dict[int, pa.ipc.RecordBatchStreamWriter] = {}
 
     def add(self, batch: pa.RecordBatch) -> None:
-        first = block_columns(batch)["content"].view(np.uint8).reshape(-1, 16)[:, 0]
+        first = table_columns(batch)["content"].view(np.uint8).reshape(-1, 16)[:, 0]
         order = np.argsort(first, kind="stable")
         bounds = np.searchsorted(first[order], np.arange(PARTS + 1))
         for part in np.flatnonzero(np.diff(bounds)):
@@ -109,7 +111,7 @@ class _Parts:
 
 def _sorted_unique(table: pa.Table) -> pa.Table:
     """Rows by ``(content, decode, width, height)``, the first copy of each kept (pack order)."""
-    cols = block_columns(table)
+    cols = table_columns(table)
     order = np.lexsort(tuple(cols[k] for k in reversed(_SORT_KEYS)))  # stable: pack order within a key
     keys = [cols[k][order] for k in _SORT_KEYS]
     keep = np.ones(len(order), bool)
@@ -187,36 +189,47 @@ def build_catalog(out: str, *, spill_rows: int = 2_000_000, on_shard: Callable[[
                 if on_shard is not None:
                     on_shard(done, total)
             covered[stream] = (n, shards[n - 1].pixels_sha256 if n else "")
-        build = build_name(covered, resize)
-        fences: list[pa.RecordBatch] = []
-        rows = 0
-        for part in range(PARTS):
-            table = parts.table(part)
-            if not table.num_rows:
-                continue
-            table = _sorted_unique(table).combine_chunks()
-            rows += table.num_rows
-            blocks = table.to_batches(max_chunksize=BLOCK_ROWS)
-            cols = [block_columns(b) for b in blocks]
-            fences.append(pa.record_batch({
-                "first": pa.array([c["content"][0] for c in cols], pa.binary(16)),
-                "part": pa.array([part] * len(blocks), pa.int16()),
-                "batch": pa.array(range(len(blocks)), pa.int32()),
-                "rows": pa.array([b.num_rows for b in blocks], pa.int32()),
-                "digest": pa.array([block_digest(c) for c in cols], pa.uint64()),
-            }, schema=FENCES_SCHEMA))
-            write_bytes_atomic(loc, part_file(build, part), arrow_file_bytes(table, CATALOG_SCHEMA, BLOCK_ROWS))
-        fence_table = pa.Table.from_batches(fences, FENCES_SCHEMA).combine_chunks()
-        fence_bytes = arrow_file_bytes(fence_table, FENCES_SCHEMA, max(1, fence_table.num_rows))
-        write_bytes_atomic(loc, fences_file(build), fence_bytes)
-        catalog = Catalog(resize=resize, build=build, rows=rows, fences_sha256=hashlib.sha256(fence_bytes).hexdigest(),
-                          covered=covered, decodes=vocab["decode"].values, codecs=vocab["codec"].values,
-                          damages=vocab["damage"].values)
-        write_bytes_atomic(loc, CATALOG_NAME, catalog.to_bytes())
+        vocabs = {k: v.values for k, v in vocab.items()}
+        catalog = write_catalog(loc, ((p, _sorted_unique(parts.table(p))) for p in range(PARTS)), covered,
+                                resize or RESIZE_IMPL, vocabs)  # a pack without pictures: nothing to refuse
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return CatalogBuild(rows=rows, shards=sum(n for n, _ in covered.values()), committed=total, build=build,
-                        skipped=tuple(skipped))
+    return CatalogBuild(rows=catalog.rows, shards=sum(n for n, _ in covered.values()), committed=total,
+                        build=catalog.build, skipped=tuple(skipped))
+
+
+def write_catalog(loc: PackLocation, parts: "Iterable[tuple[int, pa.Table]]", covered: dict[int, tuple[int, str]],
+                  resize: str, vocabs: dict[str, list[str]]) -> Catalog:
+    """Write the part files (each table sorted and unique by key, ``CATALOG_SCHEMA``), the fences
+    and last ``catalog.json``; the catalog written."""
+    build = build_name(covered, resize)
+    fences: list[pa.RecordBatch] = []
+    rows = 0
+    for part, table in parts:
+        if not table.num_rows:
+            continue
+        records = packed_rows(table)
+        data = records.tobytes()
+        rows += len(records)
+        starts = list(range(0, len(records), BLOCK_ROWS))
+        counts = [min(BLOCK_ROWS, len(records) - b) for b in starts]
+        size = records.dtype.itemsize
+        fences.append(pa.record_batch({
+            "first": pa.array([records["content"][b:b + 1].tobytes() for b in starts], pa.binary(16)),
+            "part": pa.array([part] * len(starts), pa.int16()),
+            "row": pa.array(starts, pa.int64()),
+            "rows": pa.array(counts, pa.int32()),
+            "digest": pa.array([block_digest(data[b * size:(b + n) * size]) for b, n in zip(starts, counts)],
+                               pa.uint64()),
+        }, schema=FENCES_SCHEMA))
+        write_bytes_atomic(loc, part_file(build, part), data)
+    fence_table = pa.Table.from_batches(fences, FENCES_SCHEMA).combine_chunks()
+    fence_bytes = arrow_file_bytes(fence_table, FENCES_SCHEMA)
+    write_bytes_atomic(loc, fences_file(build), fence_bytes)
+    catalog = Catalog(resize=resize, build=build, rows=rows, fences_sha256=hashlib.sha256(fence_bytes).hexdigest(),
+                      covered=covered, decodes=vocabs["decode"], codecs=vocabs["codec"], damages=vocabs["damage"])
+    write_bytes_atomic(loc, CATALOG_NAME, catalog.to_bytes())
+    return catalog
 
 
 def _catalog_rows(table: pa.Table, stream: int, shard: int, shard_bytes: int, vocab: dict[str, _Vocab]) -> pa.RecordBatch:

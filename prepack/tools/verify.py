@@ -244,6 +244,55 @@ def check_summary(pack: Pack, dones: dict[int, StreamSummary | None], rep: Check
             "; ".join(problems) or f"{len(summary.streams)} streams = their done.json")
 
 
+def check_catalog(pack: Pack, rep: CheckReport) -> None:
+    """The pixel catalog, when the pack has one (``prepack index``): its checksum, its fences'
+    sha256, every block's digest, and a coverage that is a prefix of each stream's shards."""
+    import numpy as np
+
+    from schemas.pixel_catalog import CATALOG_NAME, ROW_DTYPE, Catalog, block_digest, fences_file, part_file
+
+    loc = pack.location
+    try:
+        raw = loc.read_bytes(CATALOG_NAME)
+    except FileNotFoundError:
+        return  # optional: a --reuse run builds it when it needs it
+    try:
+        catalog = Catalog.from_bytes(raw, CATALOG_NAME)
+    except PrepackError as e:
+        rep.add("pixel catalog", CATALOG_NAME, False, str(e))
+        return
+    fences_data = _check_file(loc, rep, "pixel catalog", fences_file(catalog.build), catalog.fences_sha256)
+    if fences_data is None:
+        return
+    fences = pa.ipc.open_file(pa.py_buffer(fences_data)).read_all()
+    parts, starts, counts, digests = (fences.column(n).to_numpy() for n in ("part", "row", "rows", "digest"))
+    size = ROW_DTYPE.itemsize
+    for part in np.unique(parts):
+        rel = part_file(catalog.build, int(part))
+        mine = parts == part
+        data, _ = _sha256(loc, rel)
+        if data is None or len(data) != int(counts[mine].sum()) * size:
+            rep.add("pixel catalog", rel, False, "missing or unreadable" if data is None else
+                    f"{len(data):,} bytes, its fences say {int(counts[mine].sum()) * size:,}")
+            continue
+        bad = [i for i, (b, n, d) in enumerate(zip(starts[mine], counts[mine], digests[mine]))
+               if block_digest(data[int(b) * size:(int(b) + int(n)) * size]) != d]
+        rep.add("pixel catalog", rel, not bad, f"blocks {bad} differ from their fences" if bad else
+                f"{int(mine.sum())} blocks ok")
+    committed = 0
+    for stream in range(pack.num_streams):
+        shards = pack.index(stream).shards
+        committed += len(shards)
+        pack.forget(stream)
+        n, last = catalog.covered.get(stream, (0, ""))
+        if n and (len(shards) < n or shards[n - 1].pixels_sha256 != last):
+            rep.add("pixel catalog", CATALOG_NAME, False, f"covers shards of stream {stream} its index does not have")
+            return
+    covered = sum(n for n, _ in catalog.covered.values())
+    rep.add("pixel catalog", CATALOG_NAME, True, f"{catalog.rows:,} pictures of {covered:,} shards"
+            + (f" ({committed - covered:,} committed since: the next --reuse run indexes them)" if covered < committed else ""))
+
+
 def verify_pack(out: "str | os.PathLike | PackLocation", *, threads: int | None = None,
                 progress: bool = False, metadata_only: bool = False) -> CheckReport:
     """Check every file of a pack, one stream at a time (see the module doc); ``metadata_only``
@@ -266,4 +315,6 @@ def verify_pack(out: "str | os.PathLike | PackLocation", *, threads: int | None 
             dones[s] = check_stream(pack, s, rep, pool, bar, metadata_only)
             pack.forget(s)  # memory bounded by one stream
     check_summary(pack, dones, rep)
+    if not metadata_only:
+        check_catalog(pack, rep)
     return rep

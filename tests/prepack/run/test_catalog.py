@@ -13,7 +13,7 @@ import hashlib
 import os
 import shutil
 
-import pyarrow as pa
+import numpy as np
 import pytest
 
 from prepack.cli import main
@@ -22,7 +22,7 @@ from prepack.engine.reuse import PixelReuse
 from prepack.run.catalog import build_catalog, catalog_is_current, ensure_catalog
 from prepack.engine.reuse import open_old_pack
 from schemas.manifest import StreamIndex, index_file, shard_pixels_file
-from schemas.pixel_catalog import BLOCK_ROWS, CATALOG_NAME, CATALOG_SCHEMA, Catalog, arrow_file_bytes, part_file
+from schemas.pixel_catalog import CATALOG_NAME, ROW_DTYPE, Catalog, part_file
 from schemas.pixel_index import PictureSource, read_pixel_index
 from tests.helpers.packs import KNOBS, make_dataset, pack_in_process
 
@@ -138,12 +138,9 @@ def test_a_damaged_block_loses_only_its_pictures(pack, tmp_path):
     rows = _shard_rows(out)
     part = rows[0]["content"][0]
     path = loc.path(part_file(catalog.build, part))
-    table = pa.ipc.open_file(path).read_all()
-    offsets = table.column("offset").to_pylist()
-    offsets[0] += 1  # a well-formed file whose first block no longer matches its fence
-    i = table.schema.get_field_index("offset")
-    table = table.set_column(i, CATALOG_SCHEMA.field(i), pa.array(offsets, pa.int64()))
-    open(path, "wb").write(arrow_file_bytes(table, CATALOG_SCHEMA, BLOCK_ROWS))
+    records = np.fromfile(path, ROW_DTYPE)
+    records["offset"][0] += 1  # a well-formed part whose first block no longer matches its fence
+    records.tofile(path)
     reuse = PixelReuse([out], ReuseCounts())
     unique = {(r["content"], r["decode"], r["width"], r["height"]): r for r in rows}
     in_part = [r for r in unique.values() if r["content"][0] == part]
@@ -162,3 +159,22 @@ def test_index_command(pack, tmp_path, capsys):
     assert main(["index", out]) == 0 and "up to date" in capsys.readouterr().out
     assert main(["index", str(tmp_path / "nothing")]) == 1
     assert "not a pack" in capsys.readouterr().err
+
+
+def test_verify_checks_the_catalog(pack, tmp_path):
+    from prepack.tools.verify import verify_pack
+
+    out = _copy(pack, tmp_path)
+    build_catalog(out)
+    rep = verify_pack(out)
+    rows = [r for r in rep.rows if r.check == "pixel catalog"]
+    assert rep.ok and len(rows) >= 3, rows
+    loc, _ = open_old_pack(out)
+    catalog = Catalog.from_bytes(loc.read_bytes(CATALOG_NAME), "catalog")
+    part = int(next(n for n in sorted(os.listdir(os.path.join(out, "pixels", catalog.build))) if n.startswith("part-"))[5:8])
+    path = loc.path(part_file(catalog.build, part))
+    records = np.fromfile(path, ROW_DTYPE)
+    records["digest"][-1] ^= 1
+    records.tofile(path)
+    rep = verify_pack(out)
+    assert not rep.ok and any(r.check == "pixel catalog" and not r.ok and "differ" in r.detail for r in rep.rows)
