@@ -81,7 +81,7 @@ def cmd_plan(args) -> int:
     if args.cores is not None and args.cores < 1:
         raise UsageError(f"--cores must be at least 1, got {args.cores}")
     plan = plan_pack(load_config(args.config), cores=args.cores, sample_batches=args.sample_batches,
-                     sample_streams_n=args.sample_streams, max_seconds=args.max_seconds)
+                     sample_streams_n=args.sample_streams, max_seconds=args.max_seconds, reuse=args.reuse or ())
     if args.json:
         print(json.dumps(plan.to_json(), sort_keys=True))
     else:
@@ -225,9 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
               prepack plan configs/demo.yaml
               prepack plan cfg.yaml --cores 512 --json | jq .output_bytes
               prepack plan cfg.yaml --sample-batches 16 --sample-streams 4   # a larger, slower sample
+              prepack plan new.yaml --reuse /data/packed   # how many pictures an old pack saves, and the CPU
 
             It samples each stream's first batches and measures CPU here: expect the projection within
-            tens of percent, not exactly (the README says how close it came on the demo).
+            tens of percent, not exactly (docs/performance.md says how close it came on the demo).
             """
         ),
     )
@@ -241,6 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--sample-streams", type=int, default=2, help="streams to sample, first and last included (default 2)")
     pl.add_argument("--max-seconds", type=float, default=60.0,
                     help="stop sampling after this long (default 60; each sampled stream begun packs its 1-2 batches)")
+    pl.add_argument("--reuse", action="append", metavar="OLD",
+                    help="an earlier pack the run will take pixels from (prepack run --reuse): the sample takes them "
+                    "too, so the CPU is projected with them, and the plan says what share it found; repeat for several "
+                    "(reads OLD's pixel catalog if it has one, else every shard's pixel index: 'prepack index OLD')")
     pl.set_defaults(func=cmd_plan, skip_teardown=True)
 
     d = sub.add_parser("demo-data", help="write the small demo dataset configs/demo.yaml points at")

@@ -73,6 +73,7 @@ class PackPlan:
     warnings: list[str]
     sample: dict = field(default_factory=dict)
     composition: Composition = field(default_factory=Composition, repr=False)  # of the sampled batches
+    reuse: dict = field(default_factory=dict)  # with --reuse: the packs, the sampled images and those found there
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(dataclasses.replace(self, composition=None))
@@ -103,6 +104,10 @@ class PackPlan:
             out.append(f"    {g.name:14s} {g.token_share:6.1%} / {g.drop_rate:6.2%} / {g.passes:8.2f}"
                        f"  ({g.rows_per_batch:.1f} rows per batch of {g.rows_per_pass:,} per pass)")
         out.append(f"  packer drops  {self.packer_drop_rate:.2%} of samples (over-long, no fit in the buffer)")
+        if self.reuse:
+            images, reused = self.reuse["images"], self.reuse["reused"]
+            out.append(f"  reuse         {reused / images if images else 0:.0%} of the sampled images found in "
+                       f"{' + '.join(self.reuse['from'])} ({reused:,} of {images:,}); CPU above is with them")
         out += [f"  {line}" if line else line for line in self.composition.lines()]
         out += [f"  warning: {w}" for w in self.warnings] or ["  no warnings"]
         return out
@@ -167,7 +172,7 @@ def _ipc_sizes(records: list[pa.RecordBatch], compression: Compression) -> tuple
 
 
 def _sample_stream(cfg: PrepackConfig, stream: int, tokenizer, special, least: int, most: int, deadline: float,
-                   acc: _Sample) -> None:
+                   acc: _Sample, pixels=None) -> None:
     """Pack ``least`` to ``most`` batches of ``stream`` into ``acc`` (fewer once settled or past the deadline)."""
     from prepack.engine.checkpoint import state_to_payload
     from prepack.engine.packer import StreamPacker
@@ -176,7 +181,7 @@ def _sample_stream(cfg: PrepackConfig, stream: int, tokenizer, special, least: i
     compression = Compression.parse(cfg.prepack.compression)
     cpu0 = time.process_time()
     records, lineage, stamps = [], [], []
-    with StreamPacker(cfg, stream, tokenizer, special, reuse_pixel_table=True) as packer:
+    with StreamPacker(cfg, stream, tokenizer, special, reuse_pixel_table=True, pixels=pixels) as packer:
         for batch in packer:
             record, _ = encode_record(batch, compression)
             records.append(record)
@@ -261,13 +266,16 @@ def estimate_settled(record_bytes: list[int], tolerance: float = SETTLED_TOLERAN
 
 
 def plan_pack(cfg: PrepackConfig, *, cores: int | None = None, sample_batches: int = 4, sample_streams_n: int = 2,
-              max_seconds: float = 60.0, tokenizer=None, max_fraction: float = MAX_SAMPLE_FRACTION) -> PackPlan:
+              max_seconds: float = 60.0, tokenizer=None, max_fraction: float = MAX_SAMPLE_FRACTION,
+              reuse: "tuple[str, ...] | list[str]" = ()) -> PackPlan:
     """Sample up to ``sample_batches`` batches of ``sample_streams_n`` streams and project the whole run.
 
     A stream stops early once it has packed its least batches and the estimate of bytes per batch
     (over everything sampled so far) has settled.  Past ``max_seconds`` the stream being sampled
     stops after its least batches and the streams not begun yet are skipped.  See
     :func:`batch_allotment` for the counts.  ``tokenizer`` (with its special ids) skips the load.
+    ``reuse``: earlier packs the run would take pixels from (``prepack run --reuse``): the sample
+    takes them too, so CPU is projected with them, and the plan says how many it found.
     """
     from prepack.tools.plan_tokenizer import load_plan_tokenizer
 
@@ -282,16 +290,44 @@ def plan_pack(cfg: PrepackConfig, *, cores: int | None = None, sample_batches: i
     deadline = start + max_seconds
     streams = sample_streams(cfg.num_streams, sample_streams_n)
     allot = batch_allotment(len(streams), sample_batches, p.batches_per_stream, cfg.num_streams, max_fraction)
-    for s, (least, most) in zip(streams, allot):
-        if acc.batches and time.monotonic() > deadline:
-            log.info("plan: %.0f s of sampling reached; streams from %d on not sampled", max_seconds, s)
-            break
-        _sample_stream(cfg, s, tokenizer, special, least, most, deadline, acc)
+    pixels = _reuse_provider(reuse)
+    try:
+        for s, (least, most) in zip(streams, allot):
+            if acc.batches and time.monotonic() > deadline:
+                log.info("plan: %.0f s of sampling reached; streams from %d on not sampled", max_seconds, s)
+                break
+            _sample_stream(cfg, s, tokenizer, special, least, most, deadline, acc, pixels)
+    finally:
+        if pixels is not None:
+            pixels.close()
     if not acc.batches:
         from schemas.errors import StreamFailed
 
         raise StreamFailed("plan: the sampled streams produced no batch (see the drop counts in the log)")
-    return _project(cfg, acc, cores or os.cpu_count() or 1, time.monotonic() - start, worker_start_s)
+    plan = _project(cfg, acc, cores or os.cpu_count() or 1, time.monotonic() - start, worker_start_s)
+    if pixels is not None:
+        from schemas.location import redact_uri
+
+        counts = pixels.counts.to_json()
+        plan.reuse = {"from": [redact_uri(r) for r in reuse], "images": counts["images"], "reused": counts["reused"],
+                      "fallbacks": counts["fallbacks"]}
+    return plan
+
+
+def _reuse_provider(reuse: "tuple[str, ...] | list[str]"):
+    """A stream's view of the ``reuse`` packs, each checked first (a wrong one is one line)."""
+    if not reuse:
+        return None
+    from prepack.engine.reuse import PixelReuse, open_old_pack
+    from schemas.errors import DamagedFile, PackFormatError, PackRefused
+    from schemas.location import redact_uri
+
+    for old in reuse:
+        try:
+            open_old_pack(old)
+        except (OSError, ValueError, DamagedFile, PackFormatError) as e:
+            raise PackRefused(f"--reuse {redact_uri(old)}: {str(e).strip().splitlines()[0]}") from None
+    return PixelReuse(reuse)
 
 
 def _project(cfg: PrepackConfig, acc: _Sample, cores: int, seconds: float, worker_start_s: float = 0.0) -> PackPlan:

@@ -262,3 +262,21 @@ def test_old_on_the_s3_server(old, s3, tmp_path, tokenizer_and_special, monkeypa
     images, hits, fallbacks = _reuse(reused)
     assert hits > images // 2 and not fallbacks, (images, hits, fallbacks)
     assert _reuse(fresh)[1] == 0
+
+
+def test_plan_projects_reuse(old, tmp_path, tokenizer_and_special, monkeypatch):
+    from prepack.tools.plan import plan_pack
+
+    monkeypatch.setenv(OWN_SETTING, "0")
+    config = load_config(_config(old["ds"], str(tmp_path / "new.yaml"), seed=9))
+    plain = plan_pack(config, tokenizer=tokenizer_and_special, sample_batches=2)
+    plan = plan_pack(config, tokenizer=tokenizer_and_special, sample_batches=2, reuse=[old["out"]])
+    assert not plain.reuse and not any(x.strip().startswith("reuse ") for x in plain.lines())
+    assert plan.reuse["images"] > 0 and 0 < plan.reuse["reused"] <= plan.reuse["images"]
+    share = plan.reuse["reused"] / plan.reuse["images"]
+    assert [x for x in plan.lines() if x.strip().startswith("reuse ")] == [
+        f"  reuse         {share:.0%} of the sampled images found in {old['out']} "
+        f"({plan.reuse['reused']:,} of {plan.reuse['images']:,}); CPU above is with them"]
+    assert plan.to_json()["reuse"]["reused"] == plan.reuse["reused"]
+    with pytest.raises(PackRefused, match="--reuse .*not a pack"):
+        plan_pack(config, tokenizer=tokenizer_and_special, sample_batches=1, reuse=[str(tmp_path / "nothing")])
