@@ -43,27 +43,18 @@ FENCES_NAME = "fences.arrow"
 BLOCK_ROWS = 256
 PARTS = 256  # by the first byte of the content key: at 10^8 pictures a part is ~400k rows to sort
 
-CATALOG_SCHEMA = pa.schema([
-    pa.field("content", pa.binary(16), nullable=False),
-    pa.field("decode", pa.int8(), nullable=False),  # code into Catalog.decodes
-    pa.field("width", pa.int32(), nullable=False),
-    pa.field("height", pa.int32(), nullable=False),
-    pa.field("src_width", pa.int32(), nullable=False),
-    pa.field("src_height", pa.int32(), nullable=False),
-    pa.field("damage", pa.int32(), nullable=False),  # code into Catalog.damages
-    pa.field("stream", pa.int32(), nullable=False),
-    pa.field("shard", pa.int32(), nullable=False),
-    pa.field("shard_bytes", pa.int64(), nullable=False),
-    pa.field("offset", pa.int64(), nullable=False),
-    pa.field("length", pa.int64(), nullable=False),
-    pa.field("nbytes", pa.int64(), nullable=False),
-    pa.field("codec", pa.int8(), nullable=False),  # code into Catalog.codecs
-    pa.field("digest", pa.uint64(), nullable=False),
+# A part file's row, packed little-endian (the file format: never reordered, only versioned).
+ROW_DTYPE = np.dtype([
+    ("content", "S16"),  # XXH3-128 of the picture's encoded bytes
+    ("decode", "<i1"),  # code into Catalog.decodes
+    ("width", "<i4"), ("height", "<i4"),  # the resize target
+    ("src_width", "<i4"), ("src_height", "<i4"),
+    ("damage", "<i4"),  # code into Catalog.damages
+    ("stream", "<i4"), ("shard", "<i4"), ("shard_bytes", "<i8"),
+    ("offset", "<i8"), ("length", "<i8"), ("nbytes", "<i8"),  # the frame in the shard file
+    ("codec", "<i1"),  # code into Catalog.codecs
+    ("digest", "<u8"),  # XXH3-64 of the frame's decompressed (coded) bytes
 ])
-
-# A part file's row: the same columns, packed little-endian (the file format; never reordered).
-ROW_DTYPE = np.dtype([(f.name, "S16" if f.name == "content" else f.type.to_pandas_dtype())
-                      for f in CATALOG_SCHEMA]).newbyteorder("<")
 
 FENCES_SCHEMA = pa.schema([
     pa.field("first", pa.binary(16), nullable=False),  # the block's first content key
@@ -84,28 +75,6 @@ def fences_file(build: str) -> str:
 
 def part_of(content: bytes) -> int:
     return content[0]
-
-
-def table_columns(table: "pa.RecordBatch | pa.Table") -> dict[str, np.ndarray]:
-    """Columns of a ``CATALOG_SCHEMA`` table as numpy arrays (``content`` as ``S16``: mind that
-    numpy drops trailing NUL bytes from a single ``S16`` value; slice, don't index)."""
-    out: dict[str, np.ndarray] = {}
-    for name in CATALOG_SCHEMA.names:
-        col = table.column(name)
-        if isinstance(col, pa.ChunkedArray):
-            col = col.combine_chunks()
-        dtype = ROW_DTYPE[name]
-        out[name] = np.frombuffer(col.buffers()[1], dtype=dtype, count=len(col), offset=col.offset * dtype.itemsize)
-    return out
-
-
-def packed_rows(table: "pa.RecordBatch | pa.Table") -> np.ndarray:
-    """A ``CATALOG_SCHEMA`` table as ``ROW_DTYPE`` records."""
-    cols = table_columns(table)
-    rows = np.empty(table.num_rows, ROW_DTYPE)
-    for name, values in cols.items():
-        rows[name] = values
-    return rows
 
 
 def block_digest(data: "bytes | memoryview") -> int:

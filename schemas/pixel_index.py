@@ -112,11 +112,31 @@ def _seal(table: pa.Table) -> str:
         if pa.types.is_integer(field_.type):
             h.update(np.ascontiguousarray(column.to_numpy(), dtype=field_.type.to_pandas_dtype()).data)
         else:
-            for value in column.to_pylist():
-                raw = value if isinstance(value, bytes) else value.encode()
-                h.update(len(raw).to_bytes(4, "little"))
-                h.update(raw)
+            h.update(_length_prefixed(column))
     return h.hexdigest()
+
+
+def _length_prefixed(column: "pa.ChunkedArray | pa.Array") -> bytes:
+    """Each value's UTF-8/binary bytes after its length (4 bytes, little-endian), concatenated:
+    what hashing the values one by one in that form feeds the hash, built in one pass."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    n = len(column)
+    if pa.types.is_fixed_size_binary(column.type):
+        width = column.type.byte_width
+        lengths = np.full(n, width, np.int64)
+        data = np.frombuffer(column.buffers()[1], np.uint8, count=n * width, offset=column.offset * width)
+    else:
+        offsets = np.frombuffer(column.buffers()[1], np.int32, count=n + 1, offset=column.offset * 4).astype(np.int64)
+        lengths = np.diff(offsets)
+        data = np.frombuffer(column.buffers()[2], np.uint8, count=int(offsets[-1] - offsets[0]), offset=int(offsets[0]))
+    out = np.empty(4 * n + len(data), np.uint8)
+    starts = 4 * np.arange(n) + np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+    prefix = lengths.astype("<u4").view(np.uint8).reshape(n, 4)
+    for j in range(4):
+        out[starts + j] = prefix[:, j]
+    out[np.arange(len(data)) + 4 * (np.repeat(np.arange(n), lengths) + 1)] = data
+    return out.tobytes()
 
 
 def pixel_index_table(entries: list[PixelEntry], resize: str) -> pa.Table:

@@ -74,7 +74,7 @@ def rss(key):
 from prepack.run.catalog import build_catalog
 base = rss("VmRSS")
 t0 = time.perf_counter()
-result = build_catalog({out!r}, spill_rows={spill})
+result = build_catalog({out!r})
 print(json.dumps({{"s": time.perf_counter() - t0, "rss_mb": rss("VmHWM") - base, "rows": result.rows,
                   "shards": result.shards}}))
 """
@@ -94,12 +94,11 @@ def write_pack_identity(out: str, streams: int) -> None:
 def synthetic_catalog(out: str, pictures: int, sample: int, seed: int = 0) -> list[str]:
     """A catalog of ``pictures`` random pictures; returns ``sample`` of their keys (hex)."""
     import numpy as np
-    import pyarrow as pa
 
     from prepack.engine.pictures import RESIZE_IMPL
     from prepack.run.catalog import write_catalog
     from schemas.location import resolve_location
-    from schemas.pixel_catalog import CATALOG_SCHEMA, PARTS
+    from schemas.pixel_catalog import PARTS, ROW_DTYPE
 
     rng = np.random.default_rng(seed)
     per_part = pictures // PARTS
@@ -114,17 +113,14 @@ def synthetic_catalog(out: str, pictures: int, sample: int, seed: int = 0) -> li
             content = np.sort(raw.view("S16").ravel())
             for i in rng.integers(0, n, max(1, sample // PARTS)):
                 keys.append(bytes(content[i].ljust(16, b"\0")).hex())
-            cols = {
-                "content": pa.FixedSizeBinaryArray.from_buffers(pa.binary(16), n, [None, pa.py_buffer(content.tobytes())]),
-                "decode": np.zeros(n, np.int8), "width": np.full(n, 512, np.int32), "height": np.full(n, 384, np.int32),
-                "src_width": np.full(n, 1024, np.int32), "src_height": np.full(n, 768, np.int32),
-                "damage": np.zeros(n, np.int32), "stream": rng.integers(0, 4096, n).astype(np.int32),
-                "shard": rng.integers(0, 64, n).astype(np.int32), "shard_bytes": np.full(n, 256 << 20, np.int64),
-                "offset": rng.integers(0, 256 << 20, n), "length": rng.integers(100_000, 400_000, n),
-                "nbytes": np.full(n, 512 * 384 * 3, np.int64), "codec": np.zeros(n, np.int8),
-                "digest": rng.integers(0, 2**63, n).astype(np.uint64),
-            }
-            yield part, pa.table(cols, schema=CATALOG_SCHEMA)
+            rows = np.zeros(n, ROW_DTYPE)
+            rows["content"] = content
+            rows["width"], rows["height"], rows["src_width"], rows["src_height"] = 512, 384, 1024, 768
+            rows["stream"], rows["shard"] = rng.integers(0, 4096, n), rng.integers(0, 64, n)
+            rows["shard_bytes"], rows["nbytes"] = 256 << 20, 512 * 384 * 3
+            rows["offset"], rows["length"] = rng.integers(0, 256 << 20, n), rng.integers(100_000, 400_000, n)
+            rows["digest"] = rng.integers(0, 2**63, n)
+            yield part, rows
             if (part + 1) % 32 == 0:
                 log.info("catalog: %d/%d parts (%.0f s)", part + 1, PARTS, time.perf_counter() - t0)
 
@@ -175,7 +171,6 @@ def main() -> None:
     p.add_argument("--pictures", type=float, default=1e7, help="pictures in OLD's catalog (default 1e7; the target is 1e8)")
     p.add_argument("--lookups", type=int, default=20_000)
     p.add_argument("--build-pictures", type=float, default=4e5, help="pictures merged by the build measurement")
-    p.add_argument("--spill-rows", type=int, default=2_000_000)
     p.add_argument("--dir", help="work folder (default: a temporary one, removed after)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -199,7 +194,7 @@ def main() -> None:
         built = os.path.join(work, "built")
         write_pack_identity(built, 8)
         synthetic_shards(built, int(args.build_pictures))
-        b = run(_BUILD.format(root=ROOT, out=built, spill=args.spill_rows))
+        b = run(_BUILD.format(root=ROOT, out=built))
         log.info("build: %s pictures of %d shards in %.1f s, peak RSS +%.0f MB", f"{b['rows']:,}", b["shards"], b["s"],
                  b["rss_mb"])
     finally:

@@ -3,16 +3,17 @@
 Run once per pack, by ``prepack index OUT`` or by the first ``prepack run --reuse OUT`` that finds
 no catalog covering what is committed.  An external sort: each committed shard's pixel index is
 read (its sha256 against the stream index, its seal), its rows are split by the first byte of
-their content key, parts that grow past ``spill_rows`` in memory go to temporary files, and each
-part is then sorted by ``(content, decode, width, height)`` (first copy kept), cut into blocks and
-written; ``catalog.json`` is written last and is the commit.  Memory: ``spill_rows`` rows (~100
-bytes each) plus one part (1/256 of the pack).  What cannot be read (a missing or damaged pixel
+their content key and appended to one temporary file per part, and each part is then sorted by
+``(content, decode, width, height)`` (first copy kept), cut into blocks and written;
+``catalog.json`` is written last and is the commit.  Memory: one part (1/256 of the pack's
+pictures, 86 bytes each: ~34 MB at 10^8) and one shard's index.  What cannot be read (a missing or damaged pixel
 index) ends that stream's coverage before it; a reader looks such shards up on its own.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 import os
 import shutil
@@ -29,9 +30,8 @@ from prepack.run.writer import write_bytes_atomic
 from schemas.errors import DamagedFile, PackFormatError
 from schemas.location import PackLocation
 from schemas.manifest import StreamIndex, index_file, shard_pixels_file
-from schemas.pixel_catalog import (BLOCK_ROWS, CATALOG_NAME, CATALOG_SCHEMA, FENCES_SCHEMA, PARTS, Catalog,
-                                   arrow_file_bytes, block_digest, build_name, fences_file, packed_rows, part_file,
-                                   table_columns)
+from schemas.pixel_catalog import (BLOCK_ROWS, CATALOG_NAME, FENCES_SCHEMA, PARTS, ROW_DTYPE, Catalog,
+                                   arrow_file_bytes, block_digest, build_name, fences_file, part_file)
 from schemas.pixel_index import read_pixel_index
 
 log = logging.getLogger(__name__)
@@ -55,72 +55,68 @@ class _Vocab:
         self.values: list[str] = []
         self._codes: dict[str, int] = {}
 
-    def codes(self, values: list[str]) -> np.ndarray:
-        out = np.empty(len(values), np.int32)
-        for i, v in enumerate(values):
-            code = self._codes.get(v)
-            if code is None:
-                code = self._codes[v] = len(self.values)
-                self.values.append(v)
-            out[i] = code
-        return out
+    def codes(self, column: "pa.Array | pa.ChunkedArray") -> np.ndarray:
+        """The codes of a string column's values (new values get the next codes, in first-seen order)."""
+        if isinstance(column, pa.ChunkedArray):
+            column = column.combine_chunks()
+        encoded = column.dictionary_encode()
+        local = np.array([self._code(v) for v in encoded.dictionary.to_pylist()] or [0], np.int32)
+        return local[encoded.indices.to_numpy(zero_copy_only=False)]
+
+    def _code(self, value: str) -> int:
+        code = self._codes.get(value)
+        if code is None:
+            code = self._codes[value] = len(self.values)
+            self.values.append(value)
+        return code
 
 
 class _Parts:
-    """Rows by part, in memory up to ``spill_rows``, then in one temporary Arrow stream per part."""
+    """Rows by part, appended to one temporary file of ``ROW_DTYPE`` records per part."""
 
-    def __init__(self, spill_rows: int, tmp: str):
-        self.spill_rows, self.tmp = spill_rows, tmp
-        self.held: list[list[pa.RecordBatch]] = [[] for _ in range(PARTS)]
-        self.held_rows = 0
-        self.spilled: dict[int, pa.ipc.RecordBatchStreamWriter] = {}
+    def __init__(self, tmp: str):
+        self.tmp = tmp
+        self._files: dict[int, "io.BufferedWriter"] = {}
 
-    def add(self, batch: pa.RecordBatch) -> None:
-        first = table_columns(batch)["content"].view(np.uint8).reshape(-1, 16)[:, 0]
+    def add(self, rows: np.ndarray) -> None:
+        first = rows.view(np.uint8).reshape(-1, ROW_DTYPE.itemsize)[:, ROW_DTYPE.fields["content"][1]]  # its first byte
         order = np.argsort(first, kind="stable")
-        bounds = np.searchsorted(first[order], np.arange(PARTS + 1))
+        rows, first = rows[order], first[order]
+        bounds = np.searchsorted(first, np.arange(PARTS + 1))
         for part in np.flatnonzero(np.diff(bounds)):
-            self.held[part].append(batch.take(pa.array(order[bounds[part]:bounds[part + 1]])))
-        self.held_rows += batch.num_rows
-        if self.held_rows > self.spill_rows:
-            self._spill()
+            f = self._files.get(int(part))
+            if f is None:
+                f = self._files[int(part)] = open(self._path(int(part)), "wb", buffering=1 << 16)
+            f.write(rows[bounds[part]:bounds[part + 1]].tobytes())
 
-    def _spill(self) -> None:
-        for part, batches in enumerate(self.held):
-            if not batches:
-                continue
-            if part not in self.spilled:
-                self.spilled[part] = pa.ipc.new_stream(os.path.join(self.tmp, f"{part:03d}.arrows"), CATALOG_SCHEMA)
-            for b in batches:
-                self.spilled[part].write_batch(b)
-            self.held[part] = []
-        self.held_rows = 0
+    def rows(self, part: int) -> np.ndarray:
+        f = self._files.pop(part, None)
+        if f is None:
+            return np.empty(0, ROW_DTYPE)
+        f.close()
+        rows = np.fromfile(self._path(part), ROW_DTYPE)
+        os.unlink(self._path(part))
+        return rows
 
-    def table(self, part: int) -> pa.Table:
-        batches = []
-        if part in self.spilled:
-            self.spilled.pop(part).close()
-            path = os.path.join(self.tmp, f"{part:03d}.arrows")
-            with pa.ipc.open_stream(pa.memory_map(path)) as r:
-                batches.extend(r.read_all().to_batches())
-            os.unlink(path)
-        batches.extend(self.held[part])
-        self.held[part] = []
-        return pa.Table.from_batches(batches, CATALOG_SCHEMA).combine_chunks()
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+
+    def _path(self, part: int) -> str:
+        return os.path.join(self.tmp, f"{part:03d}.rows")
 
 
-def _sorted_unique(table: pa.Table) -> pa.Table:
+def _sorted_unique(rows: np.ndarray) -> np.ndarray:
     """Rows by ``(content, decode, width, height)``, the first copy of each kept (pack order)."""
-    cols = table_columns(table)
-    order = np.lexsort(tuple(cols[k] for k in reversed(_SORT_KEYS)))  # stable: pack order within a key
-    keys = [cols[k][order] for k in _SORT_KEYS]
-    keep = np.ones(len(order), bool)
-    if len(order) > 1:
-        same = np.ones(len(order) - 1, bool)
-        for k in keys:
-            same &= k[1:] == k[:-1]
+    order = np.lexsort(tuple(rows[k] for k in reversed(_SORT_KEYS)))  # stable: pack order within a key
+    rows = rows[order]
+    keep = np.ones(len(rows), bool)
+    if len(rows) > 1:
+        same = np.ones(len(rows) - 1, bool)
+        for k in _SORT_KEYS:
+            same &= rows[k][1:] == rows[k][:-1]
         keep[1:] = ~same
-    return table.take(pa.array(order[keep]))
+    return rows[keep]
 
 
 def _covered(loc: PackLocation, streams: int) -> dict[int, list]:
@@ -149,7 +145,7 @@ def catalog_is_current(loc: PackLocation, streams: int) -> bool:
     return True
 
 
-def build_catalog(out: str, *, spill_rows: int = 2_000_000, on_shard: Callable[[int, int], None] | None = None,
+def build_catalog(out: str, *, on_shard: Callable[[int, int], None] | None = None,
                   tmp_dir: str | None = None) -> CatalogBuild:
     """Index every committed shard of the pack at ``out`` into its pixel catalog.
 
@@ -166,7 +162,7 @@ def build_catalog(out: str, *, spill_rows: int = 2_000_000, on_shard: Callable[[
     done = 0
     tmp = tempfile.mkdtemp(prefix="prepack-catalog-", dir=tmp_dir)
     try:
-        parts = _Parts(spill_rows, tmp)
+        parts = _Parts(tmp)
         for stream, shards in committed.items():
             n = 0
             for entry in shards:
@@ -190,25 +186,25 @@ def build_catalog(out: str, *, spill_rows: int = 2_000_000, on_shard: Callable[[
                     on_shard(done, total)
             covered[stream] = (n, shards[n - 1].pixels_sha256 if n else "")
         vocabs = {k: v.values for k, v in vocab.items()}
-        catalog = write_catalog(loc, ((p, _sorted_unique(parts.table(p))) for p in range(PARTS)), covered,
+        catalog = write_catalog(loc, ((p, _sorted_unique(parts.rows(p))) for p in range(PARTS)), covered,
                                 resize or RESIZE_IMPL, vocabs)  # a pack without pictures: nothing to refuse
     finally:
+        parts.close()
         shutil.rmtree(tmp, ignore_errors=True)
     return CatalogBuild(rows=catalog.rows, shards=sum(n for n, _ in covered.values()), committed=total,
                         build=catalog.build, skipped=tuple(skipped))
 
 
-def write_catalog(loc: PackLocation, parts: "Iterable[tuple[int, pa.Table]]", covered: dict[int, tuple[int, str]],
+def write_catalog(loc: PackLocation, parts: "Iterable[tuple[int, np.ndarray]]", covered: dict[int, tuple[int, str]],
                   resize: str, vocabs: dict[str, list[str]]) -> Catalog:
-    """Write the part files (each table sorted and unique by key, ``CATALOG_SCHEMA``), the fences
+    """Write the part files (each part's ``ROW_DTYPE`` rows, sorted and unique by key), the fences
     and last ``catalog.json``; the catalog written."""
     build = build_name(covered, resize)
     fences: list[pa.RecordBatch] = []
     rows = 0
-    for part, table in parts:
-        if not table.num_rows:
+    for part, records in parts:
+        if not len(records):
             continue
-        records = packed_rows(table)
         data = records.tobytes()
         rows += len(records)
         starts = list(range(0, len(records), BLOCK_ROWS))
@@ -232,30 +228,17 @@ def write_catalog(loc: PackLocation, parts: "Iterable[tuple[int, pa.Table]]", co
     return catalog
 
 
-def _catalog_rows(table: pa.Table, stream: int, shard: int, shard_bytes: int, vocab: dict[str, _Vocab]) -> pa.RecordBatch:
-    n = table.num_rows
-    col = {name: table.column(name) for name in table.schema.names}
-
-    def ints(name: str) -> np.ndarray:
-        return col[name].to_numpy()
-
-    return pa.record_batch({
-        "content": col["content"].combine_chunks(),
-        "decode": pa.array(vocab["decode"].codes(col["decode"].to_pylist()), pa.int8()),
-        "width": pa.array(ints("width"), pa.int32()),
-        "height": pa.array(ints("height"), pa.int32()),
-        "src_width": pa.array(ints("src_width"), pa.int32()),
-        "src_height": pa.array(ints("src_height"), pa.int32()),
-        "damage": pa.array(vocab["damage"].codes(col["damage"].to_pylist()), pa.int32()),
-        "stream": pa.array(np.full(n, stream, np.int32)),
-        "shard": pa.array(np.full(n, shard, np.int32)),
-        "shard_bytes": pa.array(np.full(n, shard_bytes, np.int64)),
-        "offset": pa.array(ints("offset"), pa.int64()),
-        "length": pa.array(ints("length"), pa.int64()),
-        "nbytes": pa.array(ints("nbytes"), pa.int64()),
-        "codec": pa.array(vocab["codec"].codes(col["codec"].to_pylist()), pa.int8()),
-        "digest": pa.array(ints("digest"), pa.uint64()),
-    }, schema=CATALOG_SCHEMA)
+def _catalog_rows(table: pa.Table, stream: int, shard: int, shard_bytes: int, vocab: dict[str, _Vocab]) -> np.ndarray:
+    """A shard pixel index's rows as catalog rows (``ROW_DTYPE``)."""
+    rows = np.zeros(table.num_rows, ROW_DTYPE)
+    content = table.column("content").combine_chunks()
+    rows["content"] = np.frombuffer(content.buffers()[1], "S16", count=len(content), offset=content.offset * 16)
+    for name in ("width", "height", "src_width", "src_height", "offset", "length", "nbytes", "digest"):
+        rows[name] = table.column(name).to_numpy()
+    for name in ("decode", "codec", "damage"):
+        rows[name] = vocab[name].codes(table.column(name))
+    rows["stream"], rows["shard"], rows["shard_bytes"] = stream, shard, shard_bytes
+    return rows
 
 
 def ensure_catalog(out: str) -> str | None:

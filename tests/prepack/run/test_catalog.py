@@ -71,7 +71,7 @@ def _found(reuse: PixelReuse, rows: list[dict]) -> int:
 def test_the_catalog_lists_the_first_copy_of_every_picture(pack, tmp_path):
     out = _copy(pack, tmp_path)
     rows = _shard_rows(out)
-    result = build_catalog(out, spill_rows=7)  # a tiny spill threshold: the spill path runs too
+    result = build_catalog(out)
     first: dict = {}
     for r in rows:
         first.setdefault((r["content"], r["decode"], r["width"], r["height"]), r)
