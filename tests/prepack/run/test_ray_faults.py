@@ -202,7 +202,7 @@ def test_lock_left_by_a_process(holder, config, reference, tmp_path):
             proc.wait()
         else:  # exited, not reaped: still in the process table as a zombie
             wait_until(lambda: process_state(proc.pid) == "Z", 30, "the child to exit")
-    from prepack.run.lock import LEASE_DIR
+    from prepack.run.lease import LEASE_DIR
 
     os.makedirs(os.path.join(out, LEASE_DIR))
     lock = os.path.join(out, LEASE_DIR, "left.json")
