@@ -13,6 +13,7 @@ Layout of a pack (every name deterministic, no uuids or timestamps)::
     OUT/stream-00003/done.json                    the stream finished its budget: totals, drops, digest root
     OUT/lineage/stream-00003.parquet              the stream's lineage once it is done (its shard files are then removed)
     OUT/manifest.json                             a summary of every stream once all are done (O(streams))
+    OUT/pixels/...                                the pack's pixel catalog (its names: schemas.pixel_catalog)
 
 How a shard is committed into this layout is ``prepack.run.writer``'s (its module doc); what the
 documents hold is ``schemas.manifest``'s.
