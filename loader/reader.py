@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,23 +31,28 @@ import xxhash
 from schemas.errors import DamagedFile, FollowTimeout, NotAPack, PackIntegrityError, UsageError
 from schemas.location import PackLocation, resolve_location
 from schemas.views import SeekableView
-from schemas.manifest import (
+from schemas.layout import (
+    CHECKPOINT_FILES,
     MANIFEST_NAME,
     PACK_INFO_NAME,
+    SHARD,
+    done_file,
+    index_file,
+    parse,
+    stream_dir,
+    stream_lineage_file,
+)
+from schemas.manifest import (
     PackSummary,
     ShardEntry,
     StreamIndex,
     StreamSummary,
     check_format,
-    done_file,
-    index_file,
+    expected_shard_metadata,
     load_checked,
-    stream_dir,
-    stream_lineage_file,
 )
 from schemas.record import RECORD_SCHEMA, RECORD_SCHEMA_VERSION, record_digest
 
-_LATER_FILE = re.compile(r"(shard|ckpt)-(\d+)\.(arrow|json)")  # see Pack._evidence_of_records
 _READ_OPTIONS = pa.ipc.IpcReadOptions(use_threads=False)  # one core per reader; parallelism comes from streams
 REMOTE_BLOCK = 16 << 20  # what one request of a shard on a store fetches ahead
 REMOTE_TAIL = 64 << 10  # what a read in a shard's last bytes (its footer) fetches
@@ -200,8 +204,8 @@ class Pack:
         loc = self.location
         infos = loc.list(stream_dir(stream))
         for info in sorted(infos, key=lambda i: i.base_name):
-            m = _LATER_FILE.fullmatch(info.base_name)
-            if m and int(m[2]) >= (1 if m[1] == "shard" else 2):
+            f = parse(f"{stream_dir(stream)}/{info.base_name}")
+            if f is not None and ((f.kind == SHARD and f.shard >= 1) or (f.kind in CHECKPOINT_FILES and f.shard >= 2)):
                 return f"{stream_dir(stream)}/{info.base_name} exists (written only after the stream's first commit)"
         if loc.fs.get_file_info(loc.path(stream_lineage_file(stream))).type == pafs.FileType.File:
             return f"{stream_lineage_file(stream)} exists (written when the stream finished)"
@@ -286,31 +290,9 @@ def iter_records(
     i = start
     while pack.wait_for(stream, i, follow):
         index = pack.index(stream)
-        shard = index.shards[_shard_of(index, i)]
+        shard = index.shard_of(i)
         yield from read_shard(pack, shard, i - shard.first_record, verify=verify)
         i = shard.first_record + len(shard.records)
-
-
-def _shard_of(index: StreamIndex, record: int) -> int:
-    lo, hi = 0, len(index.shards) - 1
-    while lo < hi:  # last shard whose first record <= record
-        mid = (lo + hi + 1) // 2
-        if index.shards[mid].first_record <= record:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def expected_metadata(identity: dict, shard: ShardEntry) -> dict[str, str]:
-    """The identity every shard's schema metadata must carry."""
-    return {
-        "prepack.record_schema_version": str(RECORD_SCHEMA_VERSION),
-        "prepack.config_hash": str(identity.get("config_hash")),
-        "prepack.tokenizer_fingerprint": str(identity.get("tokenizer_fingerprint")),
-        "prepack.stream": str(shard.stream),
-        "prepack.shard": str(shard.shard),
-    }
 
 
 def read_shard(
@@ -354,8 +336,8 @@ def read_shard(
             raise fail(first, f"not a readable Arrow IPC file ({exc})") from exc
         if verify:
             meta = {k.decode(): v.decode() for k, v in (reader.schema.metadata or {}).items()}
-            wrong = [f"{k}={meta.get(k)!r} (expected {v!r})" for k, v in expected_metadata(pack.identity, shard).items()
-                     if meta.get(k) != v]
+            wrong = [f"{k}={meta.get(k)!r} (expected {v!r})"
+                     for k, v in expected_shard_metadata(pack.identity, shard).items() if meta.get(k) != v]
             expected = RECORD_SCHEMA if columns is None else pa.schema([RECORD_SCHEMA.field(c) for c in columns])
             if reader.schema.remove_metadata() != expected:
                 wrong.append("its columns differ from this reader's record schema")

@@ -1,7 +1,9 @@
 """The ``prepack`` command: pack, check and explain offline BAGEL batches.
 
-Exit codes: 0 success, 1 the work failed (a stream error, a verification or audit mismatch),
-2 bad usage or config (one line on stderr says what to fix).
+Exit codes (``_dispatch``): 0 success; 1 the work failed or was refused (a stream error, a
+verification or audit mismatch, streams another run leases); 2 bad usage or config, or the
+packer's ``[pack]`` extra missing (one line on stderr says what to fix); 70 an internal error, a
+bug (its traceback is printed); 130 interrupted (Ctrl-C; committed shards are kept).
 """
 
 from __future__ import annotations

@@ -52,11 +52,11 @@ class DamagedFile(PrepackError, RuntimeError):
 
 
 class PackRefused(PrepackError, RuntimeError):
-    """A run must not start: the output is locked, or holds another config's pack."""
+    """A run must not start: another run leases its streams, or the output holds another config's pack."""
 
 
-class LockLost(PackRefused):
-    """A run's lease on an object-store lock was taken over by another run: this one must stop."""
+class LeaseLost(PackRefused):
+    """Another run took over this run's stream lease (``prepack.run.lease``): this one must stop."""
 
 
 class AuditRefused(PrepackError, RuntimeError):

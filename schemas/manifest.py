@@ -1,23 +1,10 @@
-"""The pack's layout and metadata documents, declared once and checked when read.
+"""The pack's documents, declared once and checked when read: pack.json's format, the stream
+index, done.json, the manifest, and the identity stamped into every shard file.
 
-Layout of a pack (every name deterministic, no uuids or timestamps)::
-
-    OUT/pack.json                                 identity: format, config, fingerprints, W, K, budget (first)
-    OUT/stream-00003/ckpt-00000.json (+ .arrow)   stream state at the start of shard 0
-    OUT/stream-00003/shard-00000.arrow            Arrow IPC file, one record batch per packed batch
-    OUT/stream-00003/shard-00000.lineage.parquet  one row per packed sample of the shard (until the stream is done)
-    OUT/stream-00003/shard-00000.pixels.arrow     where each picture of the shard lies, by content (schemas.pixel_index)
-    OUT/stream-00003/ckpt-00001.json (+ .arrow)   stream state after shard 0 = at the start of shard 1
-    OUT/stream-00003/index.arrow                  the stream's index, one row per committed shard: THE commit marker
-    OUT/stream-00003/done.json                    the stream finished its budget: totals, drops, digest root
-    OUT/lineage/stream-00003.parquet              the stream's lineage once it is done (its shard files are then removed)
-    OUT/manifest.json                             a summary of every stream once all are done (O(streams))
-
-Per shard k the commit order is: shard file -> its pixel index -> its lineage -> ``ckpt-(k+1)``
--> ``index.arrow`` rewritten with shard k's row.  A shard exists exactly when the index lists it, on a local disk
-(atomic rename) and on an object store (atomic PUT) alike; everything after it is a leftover.  A
-reader needs ``pack.json`` and its own streams' ``index.arrow`` only, so opening a rank's share
-costs the same for a pack of 10^3 or 10^8 records.
+Where each file lies is ``schemas.layout``; in what order a shard is committed, and why the stream
+index is the commit marker, is ``prepack.run.writer`` (its module doc).  A reader needs
+``pack.json`` and its own streams' ``index.arrow`` only, so opening a rank's share costs the same
+for a pack of 10^3 or 10^8 records.
 
 Every record digest is chained into a per-stream root (``chain_root``), stored per shard row: a
 loader state names the pack by its identity and each stream's position, and checks the digest of
@@ -26,6 +13,7 @@ the last record it read, so a resume never needs to hash the whole pack.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,46 +25,24 @@ import xxhash
 
 from schemas.documents import Document, dump_checked, load_checked  # noqa: F401  (re-exported)
 from schemas.errors import DamagedFile, PackFormatError
+from schemas.layout import (  # noqa: F401  (re-exported: the tools and tests take the names from here)
+    LINEAGE_DIR,
+    MANIFEST_NAME,
+    PACK_INFO_NAME,
+    checkpoint_file,
+    done_file,
+    index_file,
+    shard_file,
+    shard_lineage_file,
+    shard_pixels_file,
+    stream_dir,
+    stream_lineage_file,
+)
+from schemas.record import RECORD_SCHEMA_VERSION
 
-# of the whole layout above; pack.json names it (3: stream indexes are sealed; 4: one pixel frame
-# per image and a pixel index per shard, for reuse)
+# of the whole layout (schemas.layout); pack.json names it (3: stream indexes are sealed; 4: one
+# pixel frame per image and a pixel index per shard, for reuse)
 FORMAT_VERSION = 4
-MANIFEST_NAME = "manifest.json"
-PACK_INFO_NAME = "pack.json"
-LINEAGE_DIR = "lineage"
-INDEX_NAME = "index.arrow"
-
-
-def stream_dir(stream: int) -> str:
-    return f"stream-{stream:05d}"
-
-
-def shard_file(stream: int, shard: int) -> str:
-    return f"{stream_dir(stream)}/shard-{shard:05d}.arrow"
-
-
-def shard_pixels_file(stream: int, shard: int) -> str:
-    return f"{stream_dir(stream)}/shard-{shard:05d}.pixels.arrow"
-
-
-def shard_lineage_file(stream: int, shard: int) -> str:
-    return f"{stream_dir(stream)}/shard-{shard:05d}.lineage.parquet"
-
-
-def stream_lineage_file(stream: int) -> str:
-    return f"{LINEAGE_DIR}/stream-{stream:05d}.parquet"
-
-
-def checkpoint_file(stream: int, shard: int, ext: str = "json") -> str:
-    return f"{stream_dir(stream)}/ckpt-{shard:05d}.{ext}"
-
-
-def index_file(stream: int) -> str:
-    return f"{stream_dir(stream)}/{INDEX_NAME}"
-
-
-def done_file(stream: int) -> str:
-    return f"{stream_dir(stream)}/done.json"
 
 
 def chain_root(previous: str, digests: "Sequence[str] | bytes", facts: bytes = b"") -> str:
@@ -221,7 +187,37 @@ class ShardEntry:
         return len(self.records)
 
 
-# One row per packed sample; written per shard, then per finished stream (see the layout above).
+# -- the identity a shard file carries in its schema metadata --------------------------------------
+# (metadata key, pack.json field): the pack's part of it, the same in every shard of the pack
+_PACK_KEYS = (("prepack.config_hash", "config_hash"), ("prepack.tokenizer_fingerprint", "tokenizer_fingerprint"),
+              ("prepack.code_fingerprint", "code_fingerprint"), ("prepack.use_flex", "use_flex"))
+_CHECKED_PACK_KEYS = _PACK_KEYS[:2]  # config and tokenizer: what a reader holds a shard to
+
+
+def pack_metadata(identity: dict) -> dict[str, str]:
+    """The pack's part of every shard's metadata, from its identity (pack.json)."""
+    return {key: str(identity[name]) for key, name in _PACK_KEYS}
+
+
+def _place(stream: int, shard: int) -> dict[str, str]:
+    return {"prepack.record_schema_version": str(RECORD_SCHEMA_VERSION), "prepack.stream": str(stream),
+            "prepack.shard": str(shard)}
+
+
+def shard_metadata(pack_meta: dict[str, str], stream: int, shard: int) -> dict[str, str]:
+    """What the writer stamps into shard ``shard`` of ``stream``: the pack's part, then its place."""
+    return {**pack_meta, **_place(stream, shard)}
+
+
+def expected_shard_metadata(identity: dict, shard: "ShardEntry") -> dict[str, str]:
+    """What a reader holds a shard's metadata to (the record schema, config, tokenizer and its place),
+    so a shard of another stream or pack is named as such."""
+    place = _place(shard.stream, shard.shard)
+    version = {"prepack.record_schema_version": place.pop("prepack.record_schema_version")}
+    return {**version, **{key: str(identity.get(name)) for key, name in _CHECKED_PACK_KEYS}, **place}
+
+
+# One row per packed sample; written per shard, then per finished stream (see schemas.layout).
 LINEAGE_SCHEMA = pa.schema([
     ("stream", pa.int32()), ("record", pa.int64()), ("sample", pa.int32()),
     ("group", pa.string()), ("dataset", pa.string()), ("worker_id", pa.int32()),
@@ -288,13 +284,16 @@ class StreamIndex:
         entry.root = chain_root(self.root or self._chain_start(), [r.digest for r in entry.records], row_facts(entry))
         self.shards.append(entry)
 
+    def shard_of(self, record: int) -> ShardEntry:
+        """The shard holding record ``record`` of the stream (binary search over the shards' first records)."""
+        if not 0 <= record < self.num_records:
+            raise IndexError(f"stream {self.stream} has {self.num_records} records, not record {record}")
+        return self.shards[bisect.bisect_right(self.shards, record, key=lambda s: s.first_record) - 1]
+
     def record(self, index: int) -> RecordEntry:
-        """Entry of record ``index`` of the stream (binary search over shards)."""
-        starts = [s.first_record for s in self.shards]
-        k = int(np.searchsorted(starts, index, side="right")) - 1
-        if k < 0 or index >= self.num_records:
-            raise IndexError(f"stream {self.stream} has {self.num_records} records, not record {index}")
-        return self.shards[k].records[index - self.shards[k].first_record]
+        """Entry of record ``index`` of the stream."""
+        shard = self.shard_of(index)
+        return shard.records[index - shard.first_record]
 
     def _chain_start(self) -> str:
         return chain_root("", [], f"{self.ckpt0_json_sha256}|{self.ckpt0_arrow_sha256}".encode())

@@ -118,7 +118,8 @@ def build_pack(tmp: str, batches: int):
     import bench_pack
 
     from prepack.run.driver import finalize
-    from prepack.run.identity import pack_identity, record_metadata, write_identity
+    from prepack.run.identity import pack_identity, write_identity
+    from schemas.manifest import pack_metadata
     from prepack.run.stream_job import pack_one_stream
     from prepack.engine.tokenizer import load_tokenizer, special_token_ids, tokenizer_fingerprint
     from schemas.config import load_config
@@ -133,7 +134,7 @@ def build_pack(tmp: str, batches: int):
     loc.fs.create_dir(loc.base, recursive=True)
     write_identity(loc, identity)
     for s in range(cfg.num_streams):
-        pack_one_stream(cfg, out, s, tok, special, record_metadata(identity))
+        pack_one_stream(cfg, out, s, tok, special, pack_metadata(identity))
     finalize(loc, cfg, identity)
     return cfg, tok, out
 

@@ -46,14 +46,15 @@ def pack_timed(config: str, out: str, tok_special) -> tuple[float, float, float]
     batch; start-up (a few requests in a row per stream) is paid once.
     """
     from prepack.engine.tokenizer import tokenizer_fingerprint
-    from prepack.run.identity import pack_identity, record_metadata
+    from prepack.run.identity import pack_identity
+    from schemas.manifest import pack_metadata
     from prepack.run.stream_job import pack_one_stream
     from schemas.config import load_config
 
     tok, special = tok_special
     t0 = time.perf_counter()
     cfg = load_config(config)
-    metadata = record_metadata(pack_identity(cfg, tokenizer_fingerprint(tok), special))
+    metadata = pack_metadata(pack_identity(cfg, tokenizer_fingerprint(tok), special))
     steady_s, steady_cpu, steady_batches, batches = 0.0, 0.0, 0, 0
     for stream in range(cfg.num_streams):
         stamps: list[tuple[float, float]] = []

@@ -1,1 +1,1 @@
-"""Running a pack: the Ray driver, one stream's job, the shard writer, the output lock and identity."""
+"""Running a pack: the Ray driver, one stream's job, the shard writer, stream leases and identity."""

@@ -4,7 +4,7 @@ Local by default (``ray.init(address="local")`` on loopback, no dashboard, no us
 cluster when ``--address`` or ``RAY_ADDRESS`` names one (as under ``ray job submit``).  Streams
 are independent, so S streams use up to S workers with no coordination.  A rerun continues every
 stream after its last committed shard; a finished output is a no-op; another config over an
-existing output is refused.  A run leases the streams it packs (``lock.py``), so several jobs
+existing output is refused.  A run leases the streams it packs (``lease.py``), so several jobs
 pack disjoint streams of one output at once; whichever finishes the last stream writes the
 manifest.
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from dataclasses import asdict
 
 from prepack.run.identity import read_identity, settle_identity
-from prepack.run.lock import StreamLease, acquire_streams, live_leases, pid_alive, remove_stale_leases
+from prepack.run.lease import StreamLease, acquire_streams, live_leases, pid_alive, remove_stale_leases
 from prepack.run.progress import RunProgress
 from prepack.run.stream_job import drop_lineage_leftovers, read_done
 from prepack.run.writer import read_index, write_bytes_atomic

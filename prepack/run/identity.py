@@ -28,7 +28,8 @@ from schemas.config import (
 )
 from schemas.errors import PackRefused
 from schemas.location import PackLocation, redact_uri
-from schemas.manifest import FORMAT_VERSION, MANIFEST_NAME, PACK_INFO_NAME, check_format, dump_checked, load_checked
+from schemas.manifest import (FORMAT_VERSION, MANIFEST_NAME, PACK_INFO_NAME, check_format, dump_checked, load_checked,
+                              pack_metadata)
 from schemas.record import RECORD_SCHEMA_VERSION
 
 
@@ -131,7 +132,7 @@ class SettledIdentity:
 
     @property
     def metadata(self) -> dict[str, str]:
-        return record_metadata(self.identity)
+        return pack_metadata(self.identity)
 
     @property
     def budget(self) -> dict:
@@ -171,16 +172,6 @@ def settle_identity(loc: PackLocation, cfg: PrepackConfig, tokenizer_fp: str, sp
     write_identity(loc, extended)
     log.info("extending %s from %s to %s", where, _fmt(existing["budget"]), _fmt(mine["budget"]))
     return SettledIdentity(extended, True)
-
-
-def record_metadata(identity: dict) -> dict[str, str]:
-    """Self-describing metadata written into every shard's schema."""
-    return {
-        "prepack.config_hash": identity["config_hash"],
-        "prepack.tokenizer_fingerprint": identity["tokenizer_fingerprint"],
-        "prepack.code_fingerprint": identity["code_fingerprint"],
-        "prepack.use_flex": str(identity["use_flex"]),
-    }
 
 
 def _transform(d: dict | None) -> TransformArgs | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from prepack.engine.accounting import meaning
-from prepack.run.lock import format_streams
+from prepack.run.lease import format_streams
 
 
 @dataclass

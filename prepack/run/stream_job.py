@@ -1,21 +1,17 @@
 """Pack one stream into its directory, resumably and extendably: the body of one Ray task.
 
-Per shard k the commit order is: shard file (atomic) -> its pixel index (the writer) ->
-``shard-k.lineage.parquet`` ->
-``ckpt-(k+1)`` (state after the shard's last record) -> ``index.arrow`` listing shard k (the
-commit).  A crash anywhere leaves a committed prefix; ``recover_stream`` removes the rest, and the
-stream restarts from the checkpoint of its first uncommitted shard, producing the same bytes.
-Checkpoints are read back only after their sha256 matches the index.  When the budget is reached
-the shard lineage files are compacted into ``lineage/stream-S.parquet`` and ``done.json`` is
-written; a later run with a larger budget continues from the last checkpoint.
+The stream's shards are committed by ``prepack.run.writer.StreamWriter`` (the commit protocol is
+that module's doc); here: where a stream starts (fresh, after a crash from the checkpoint of its
+first uncommitted shard, or extended past an earlier budget), and how it ends.  When the budget
+is reached the shard lineage files are compacted into ``lineage/stream-S.parquet`` and
+``done.json`` is written; a later run with a larger budget continues from the last checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import pyarrow as pa
@@ -26,27 +22,24 @@ from prepack.engine.accounting import Counters
 from prepack.engine.checkpoint import state_from_payload, state_to_payload
 from prepack.engine.packer import StreamPacker, StreamState
 from prepack.engine.reuse import PixelReuse, own_reuse_on
-from prepack.run.writer import StreamWriter, recover_stream, sha256_hex, write_bytes_atomic, write_index
+from prepack.run.writer import StreamWriter, recover_stream, sha256_hex, write_bytes_atomic
 from schemas.checkpoint import CheckpointDoc
 from schemas.config import PrepackConfig
 from schemas.errors import DamagedFile
 from schemas.location import PackLocation, resolve_location
-from schemas.manifest import (
+from schemas.layout import (
     LINEAGE_DIR,
-    LINEAGE_SCHEMA,
-    ShardEntry,
-    StreamIndex,
-    StreamSummary,
+    SHARD_LINEAGE,
     checkpoint_file,
     done_file,
+    parse,
     shard_lineage_file,
     stream_dir,
     stream_lineage_file,
 )
+from schemas.manifest import LINEAGE_SCHEMA, ShardEntry, StreamIndex, StreamSummary
 
 log = logging.getLogger(__name__)
-_SHARD_LINEAGE = re.compile(r"shard-\d+\.lineage\.parquet")
-
 
 
 @dataclass
@@ -65,32 +58,10 @@ class ProgressEvent:
                 "examples": dict(c.examples) if c else {}}
 
 
-def _lineage_rows(stream: int, first_record: int, batches: list[tuple[list, list[int]]]) -> pa.Table:
-    """Lineage of a shard from each batch's (origins, sample lengths)."""
-    cols: dict[str, list] = {f.name: [] for f in LINEAGE_SCHEMA}
-    for i, (origins, lens) in enumerate(batches):
-        for j, (o, n) in enumerate(zip(origins, lens)):
-            cols["stream"].append(stream)
-            cols["record"].append(first_record + i)
-            cols["sample"].append(j)
-            cols["group"].append(o.group)
-            cols["dataset"].append(o.dataset)
-            cols["worker_id"].append(o.worker_id)
-            cols["data_indexes"].append(list(o.data_indexes))
-            cols["source_file"].append(o.source_file)
-            cols["source_row_group"].append(o.source_row_group)
-            cols["source_row"].append(o.source_row)
-            cols["num_tokens"].append(n)
-    return pa.Table.from_pydict(cols, schema=LINEAGE_SCHEMA)
-
-
-def write_checkpoint(loc: PackLocation, stream: int, shard: int, packer: StreamPacker) -> tuple[str, str]:
-    """Save the packer's state as ``ckpt-shard``; returns the sha256 of its (json, arrow) files."""
+def checkpoint_bytes(packer: StreamPacker) -> tuple[bytes, bytes]:
+    """The packer's state now, as the (json, arrow) bytes of a checkpoint."""
     doc, pixels = state_to_payload(packer.state())
-    text = doc.to_json().encode()
-    write_bytes_atomic(loc, checkpoint_file(stream, shard, "arrow"), pixels)
-    write_bytes_atomic(loc, checkpoint_file(stream, shard, "json"), text)
-    return sha256_hex(text), sha256_hex(pixels)
+    return doc.to_json().encode(), pixels
 
 
 def checkpoint_digests(index: StreamIndex, shard: int) -> tuple[str, str]:
@@ -125,12 +96,6 @@ def read_checkpoint(loc: PackLocation, stream: int, shard: int, index: StreamInd
         raise
     except (ValueError, KeyError, TypeError) as e:
         raise DamagedFile(f"{loc.path(checkpoint_file(stream, shard))}: checkpoint does not load ({e})") from None
-
-
-def _parquet_bytes(table: pa.Table) -> bytes:
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, compression="zstd")
-    return sink.getvalue().to_pybytes()
 
 
 def compact_lineage(loc: PackLocation, index: StreamIndex) -> tuple[str, int]:
@@ -196,48 +161,32 @@ def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, 
         log.info("stream %d: extending from %s to %s", stream, previous.budget, budget)
         loc.fs.delete_file(loc.path(done_file(stream)))
     index = recover_stream(loc, stream)
-    next_shard, next_record = len(index.shards), index.num_records
     pixels = pixel_provider(loc, index, reuse)
     own = pixels is not None and own_reuse_on()
-    if next_shard == 0:
+    if not index.shards:
         packer = StreamPacker(cfg, stream, tokenizer, special, reuse_pixel_table=True,  # each batch is written before the next
                               pixels=pixels)
-        index.ckpt0_json_sha256, index.ckpt0_arrow_sha256 = write_checkpoint(loc, stream, 0, packer)
     else:
-        packer = StreamPacker(cfg, stream, tokenizer, special, state=read_checkpoint(loc, stream, next_shard, index),
+        packer = StreamPacker(cfg, stream, tokenizer, special,
+                              state=read_checkpoint(loc, stream, len(index.shards), index),
                               reuse_pixel_table=True, pixels=pixels)
-        log.info("stream %d: continuing at shard %d (record %d)", stream, next_shard, next_record)
-    writer = StreamWriter(loc, stream, shard_bytes=cfg.prepack.shard_bytes, compression=cfg.prepack.compression,
-                          metadata=metadata, start_shard=next_shard, start_record=next_record)
-    pending: list[tuple[list, list[int]]] = []  # lineage of the open shard (not its pixels)
+        log.info("stream %d: continuing at shard %d (record %d)", stream, len(index.shards), index.num_records)
     start = time.perf_counter()
 
-    def commit(entry: ShardEntry) -> None:
-        lineage = _parquet_bytes(_lineage_rows(stream, entry.first_record, pending))
-        write_bytes_atomic(loc, shard_lineage_file(stream, entry.shard), lineage)
-        entry.lineage_sha256, entry.lineage_rows = sha256_hex(lineage), sum(len(o) for o, _ in pending)
-        entry.ckpt_json_sha256, entry.ckpt_arrow_sha256 = write_checkpoint(loc, stream, entry.shard + 1, packer)
-        index.append(entry)
-        write_index(loc, index)  # the commit
-        pending.clear()
-        if own:  # a later pass of this stream may take these pictures back
+    def committed(writer: StreamWriter, entry: ShardEntry | None) -> None:
+        if entry is not None and own:  # a later pass of this stream may take these pictures back
             pixels.add_shard(loc, stream, entry.shard, entry.nbytes, writer.committed_pixels)
 
     try:
-        for batch in packer:
-            pending.append((batch.origins, batch.sample_lens.tolist()))
-            entry = writer.append(batch)
-            if entry is not None:
-                commit(entry)
-            if report is not None:
-                report(ProgressEvent(stream, packer.batches, packer.tokens, counters=packer.counters))
-        entry = writer.finish()
-        if entry is not None:
-            commit(entry)
-        elif not index.shards:
-            write_index(loc, index)  # no record at all: still record ckpt-0's digests
+        # a new stream's writer writes ckpt-00000 here, before the packer's first batch
+        with StreamWriter(loc, stream, shard_bytes=cfg.prepack.shard_bytes, compression=cfg.prepack.compression,
+                          metadata=metadata, index=index, state=lambda: checkpoint_bytes(packer)) as writer:
+            for batch in packer:
+                committed(writer, writer.append(batch))
+                if report is not None:
+                    report(ProgressEvent(stream, packer.batches, packer.tokens, counters=packer.counters))
+            committed(writer, writer.finish())
     except BaseException:
-        writer.abort()
         packer.close()  # the sources' read-ahead threads end with the stream, on errors too
         raise
     finally:
@@ -275,8 +224,9 @@ def drop_lineage_leftovers(loc: PackLocation, stream: int) -> int:
     for every finished stream a run is asked for (one listing each).
     """
     sdir = loc.path(stream_dir(stream))
-    names = [i.base_name for i in loc.list(stream_dir(stream))
-             if i.type == pafs.FileType.File and _SHARD_LINEAGE.fullmatch(i.base_name)]
+    files = [(i.base_name, parse(f"{stream_dir(stream)}/{i.base_name}"))
+             for i in loc.list(stream_dir(stream)) if i.type == pafs.FileType.File]
+    names = [name for name, f in files if f is not None and f.kind == SHARD_LINEAGE]
     for name in names:
         try:
             loc.fs.delete_file(f"{sdir}/{name}")

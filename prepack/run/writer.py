@@ -1,14 +1,26 @@
-"""Shard writer for one stream: PackedBatch -> Arrow IPC files, and the stream index that commits them.
+"""Writing one stream: its shard files, and the commit that makes each one part of the pack.
 
-Why this shape: a stream is the unit of resume, so its output must always be a clean prefix of
-committed shards.  A shard file is written under a temporary name, made durable, then renamed
-(on an object store, where an upload appears whole or not at all, under its final name).  It is
-*committed* only when the stream's ``index.arrow`` lists it, and the index is written last (by
-``prepack.run.stream_job``, after the shard's lineage and checkpoint).  ``recover_stream`` turns
-whatever a crash left behind back into that clean prefix.
+**The shard commit** (described here once; the layout, the stream job and docs/architecture.md
+point here).  A stream is the unit of resume, so its output must always be a clean prefix of
+committed shards.  For shard k a committing ``StreamWriter`` writes, each file atomically
+(``write_bytes_atomic``: under a temporary name, made durable, renamed; on an object store, where
+an upload appears whole or not at all, under its final name; names from ``schemas.layout``):
 
-Output bytes depend only on the batches, the compression and the metadata: no timestamps, no
-uuids; the digest of a shard file is computed from the bytes as they are written, never read back.
+1. ``shard-k.arrow``: the records (its XXH3-128 taken from the bytes as they are written, never
+   read back); the shard ends after the record that makes it reach ``shard_bytes``;
+2. ``shard-k.pixels.arrow``: where each keyed picture's frame lies in it (``schemas.pixel_index``);
+3. ``shard-k.lineage.parquet``: one row per packed sample;
+4. ``ckpt-(k+1).arrow`` then ``.json``: the stream's state after the shard's last record;
+5. ``index.arrow`` rewritten with shard k's row (sizes and digests of 1-4, chained): **the
+   commit**, atomic on a local disk (rename) and on an object store (PUT).
+
+A shard exists exactly when the index lists it; anything after the last listed shard is a crash
+leftover, which ``recover_stream`` deletes (``ckpt-next`` stays: it is the state to resume from).
+The stream then resumes from that checkpoint, after checking it against the sha256 its index row
+recorded, and writes the same bytes.  Before shard 0 the writer writes ``ckpt-00000``, whose
+digests the index holds; a stream with no record at all still writes its (empty) index.
+
+Output bytes depend only on the batches, the compression and the metadata: no timestamps, no uuids.
 """
 
 from __future__ import annotations
@@ -17,27 +29,38 @@ import hashlib
 import json
 import logging
 import os
-import re
 from dataclasses import asdict, is_dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
 import xxhash
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 
 from prepack.engine.pictures import RESIZE_IMPL
 from prepack.run.direct_file import DirectFile
 from schemas.compression import Compression
 from schemas.location import PackLocation, resolve_location
 from schemas.errors import DamagedFile
-from schemas.manifest import RecordEntry, ShardEntry, StreamIndex, index_file, shard_file, shard_pixels_file, stream_dir
+from schemas.layout import (
+    CHECKPOINT_FILES,
+    SHARD_FILES,
+    checkpoint_file,
+    index_file,
+    is_temporary,
+    parse,
+    shard_file,
+    shard_lineage_file,
+    shard_pixels_file,
+    stream_dir,
+    temporary,
+)
+from schemas.manifest import LINEAGE_SCHEMA, RecordEntry, ShardEntry, StreamIndex, shard_metadata
 from schemas.pixel_index import PixelEntry, pixel_digest, pixel_index_bytes
-from schemas.record import RECORD_SCHEMA, RECORD_SCHEMA_VERSION, PackedBatch, encode_record, stored_pixel_frames
+from schemas.record import RECORD_SCHEMA, PackedBatch, encode_record, stored_pixel_frames
 
 log = logging.getLogger(__name__)
-
-TMP_SUFFIX = ".tmp"
 
 
 class _HashingSink:
@@ -96,10 +119,10 @@ def _fsync_dir(path: str) -> None:
 
 
 class _AtomicFile:
-    """A file written under ``final + .tmp`` and published by ``commit`` (durably on local disk).
+    """A file written under a temporary name and published by ``commit`` (durably on local disk).
 
     On object stores (atomic PUT, rename = copy) the final name is written directly: the object
-    only appears once complete, and the shard index remains the commit marker.  ``direct``: a
+    only appears once complete, and the stream index remains the commit marker.  ``direct``: a
     local file is written past the page cache (``DirectFile``; shard files, written once and
     large).
     """
@@ -107,7 +130,7 @@ class _AtomicFile:
     def __init__(self, loc: PackLocation, relpath: str, *, direct: bool = False):
         self.loc = loc
         self.final = loc.path(relpath)
-        self.tmp = self.final if loc.atomic_put else self.final + TMP_SUFFIX
+        self.tmp = self.final if loc.atomic_put else temporary(self.final)
         if loc.is_local:
             os.makedirs(os.path.dirname(self.final), exist_ok=True)
             self.raw = DirectFile(self.tmp) if direct else open(self.tmp, "wb")
@@ -171,15 +194,48 @@ def write_json_atomic(fs_or_out: "PackLocation | str | os.PathLike", relpath: st
     write_bytes_atomic(fs_or_out, relpath, _json_text(obj).encode())
 
 
-class StreamWriter:
-    """Appends packed batches of one stream to rolling shard files.
+def lineage_table(stream: int, first_record: int, batches: "list[tuple[list, list[int]]]") -> pa.Table:
+    """Lineage rows (``schemas.manifest.LINEAGE_SCHEMA``) of consecutive records from each one's
+    (origins, sample lengths)."""
+    cols: dict[str, list] = {f.name: [] for f in LINEAGE_SCHEMA}
+    for i, (origins, lens) in enumerate(batches):
+        for j, (o, n) in enumerate(zip(origins, lens)):
+            cols["stream"].append(stream)
+            cols["record"].append(first_record + i)
+            cols["sample"].append(j)
+            cols["group"].append(o.group)
+            cols["dataset"].append(o.dataset)
+            cols["worker_id"].append(o.worker_id)
+            cols["data_indexes"].append(list(o.data_indexes))
+            cols["source_file"].append(o.source_file)
+            cols["source_row_group"].append(o.source_row_group)
+            cols["source_row"].append(o.source_row)
+            cols["num_tokens"].append(n)
+    return pa.Table.from_pydict(cols, schema=LINEAGE_SCHEMA)
 
-    ``append`` returns the ``ShardEntry`` of a shard it just committed (the shard ends after the
-    record that made it reach ``shard_bytes``), else ``None``; ``finish`` commits the last,
-    partial shard.  The caller persists entries (``write_json_atomic``): the writer never writes
-    a shard index, so the caller can checkpoint first.  With the shard file the writer commits its
-    pixel index (``schemas.pixel_index``: where each keyed picture's frame lies in the file);
-    ``committed_pixels`` holds the entries of the shard just committed.
+
+def parquet_bytes(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="zstd")
+    return sink.getvalue().to_pybytes()
+
+
+class StreamWriter:
+    """Appends packed batches of one stream to rolling shard files, and commits each shard.
+
+    Given the stream's ``index`` (as ``recover_stream`` returned it) and ``state`` (the packer's
+    state at the moment of the call, as the (json, arrow) bytes of a checkpoint), the writer makes
+    the whole commit of the module doc, index included, and continues after the index's last
+    shard; when the index has no shard yet, constructing it writes ``ckpt-00000`` (so construct it
+    before the first batch is packed).  Without them (tests, tools that build packs by hand) it
+    stops after the shard file and its pixel index, from ``start_shard``/``start_record``, and the
+    caller commits (``StreamIndex.append`` + ``write_index``).
+
+    ``append`` returns the ``ShardEntry`` of a shard the record completed, else ``None``;
+    ``finish`` commits the last, partial shard (a committing writer whose stream has no record at
+    all writes the empty index, which records ``ckpt-00000``'s digests).  ``committed_pixels``
+    holds the pixel index entries of the shard just committed.  Leaving a ``with`` block drops a
+    shard still in progress (``abort``): only ``finish`` commits it.
     """
 
     def __init__(
@@ -190,17 +246,24 @@ class StreamWriter:
         shard_bytes: int,
         compression: str,
         metadata: dict[str, str],
+        index: StreamIndex | None = None,
+        state: Callable[[], tuple[bytes, bytes]] | None = None,
         start_shard: int = 0,
         start_record: int = 0,
         filesystem: pafs.FileSystem | None = None,
     ):
         if shard_bytes <= 0:
             raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
+        if (index is None) != (state is None):
+            raise ValueError("a committing StreamWriter needs both the stream's index and its state")
         self.loc = resolve_location(out, filesystem)
         self.stream = stream
         self.shard_bytes = shard_bytes
         self.compression = Compression.parse(compression)
         self.metadata = {str(k): str(v) for k, v in metadata.items()}
+        self.index, self._state = index, state
+        if index is not None:
+            start_shard, start_record = len(index.shards), index.num_records
         self.next_shard = start_shard
         self.next_record = start_record
         self._file: _AtomicFile | None = None
@@ -208,18 +271,19 @@ class StreamWriter:
         self._ipc: pa.ipc.RecordBatchFileWriter | None = None
         self._records: list[RecordEntry] = []
         self._pixels: list[PixelEntry] = []
+        self._lineage: list[tuple[list, list[int]]] = []  # of the open shard's records (committing writer)
         self.committed_pixels: list[PixelEntry] = []
+        if index is not None and not index.shards:
+            index.ckpt0_json_sha256, index.ckpt0_arrow_sha256 = self._checkpoint(0)
+
+    def __enter__(self) -> "StreamWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.abort()
 
     def _schema(self) -> pa.Schema:
-        meta = dict(self.metadata)
-        meta.update(
-            {
-                "prepack.record_schema_version": str(RECORD_SCHEMA_VERSION),
-                "prepack.stream": str(self.stream),
-                "prepack.shard": str(self.next_shard),
-            }
-        )
-        return RECORD_SCHEMA.with_metadata(meta)
+        return RECORD_SCHEMA.with_metadata(shard_metadata(self.metadata, self.stream, self.next_shard))
 
     def _open(self) -> None:
         self._file = _AtomicFile(self.loc, shard_file(self.stream, self.next_shard), direct=True)
@@ -230,6 +294,8 @@ class StreamWriter:
 
     def append(self, batch: PackedBatch) -> ShardEntry | None:
         """Write one packed batch; return the shard's entry if this record completed a shard."""
+        if self.index is not None:
+            self._lineage.append((batch.origins, batch.sample_lens.tolist()))
         record, digest = encode_record(batch, self.compression)  # the pixel table is compressed here
         if self._ipc is None:
             self._open()
@@ -258,7 +324,11 @@ class StreamWriter:
 
     def finish(self) -> ShardEntry | None:
         """Commit the current partial shard, if it holds any record."""
-        return self._commit() if self._ipc is not None else None
+        if self._ipc is not None:
+            return self._commit()
+        if self.index is not None and not self.index.shards:
+            write_index(self.loc, self.index)  # no record at all: still record ckpt-0's digests
+        return None
 
     def abort(self) -> None:
         """Drop the shard in progress (its temporary file is removed)."""
@@ -269,8 +339,10 @@ class StreamWriter:
                 pass
             self._file.abort()
             self._ipc = self._sink = self._file = None
+        self._lineage = []
 
     def _commit(self) -> ShardEntry:
+        """Steps 1-5 of the module doc for the open shard (1-2 alone without an index)."""
         self._ipc.close()
         self._file.commit()
         pixel_index = pixel_index_bytes(self._pixels, RESIZE_IMPL)
@@ -291,12 +363,24 @@ class StreamWriter:
         self.next_shard += 1
         self.next_record += len(self._records)
         self._ipc = self._sink = self._file = None
+        if self.index is not None:
+            lineage = parquet_bytes(lineage_table(self.stream, entry.first_record, self._lineage))
+            write_bytes_atomic(self.loc, shard_lineage_file(self.stream, entry.shard), lineage)
+            entry.lineage_sha256, entry.lineage_rows = sha256_hex(lineage), sum(len(o) for o, _ in self._lineage)
+            entry.ckpt_json_sha256, entry.ckpt_arrow_sha256 = self._checkpoint(entry.shard + 1)
+            self.index.append(entry)
+            write_index(self.loc, self.index)  # the commit
         self._records = []
         self._pixels = []
+        self._lineage = []
         return entry
 
-
-_STREAM_FILE = re.compile(r"(shard|ckpt)-(\d+)\.(arrow|json|lineage\.parquet|pixels\.arrow)")
+    def _checkpoint(self, shard: int) -> tuple[str, str]:
+        """Write the state now as ``ckpt-shard``; the sha256 of its (json, arrow) files."""
+        text, pixels = self._state()
+        write_bytes_atomic(self.loc, checkpoint_file(self.stream, shard, "arrow"), pixels)
+        write_bytes_atomic(self.loc, checkpoint_file(self.stream, shard, "json"), text)
+        return sha256_hex(text), sha256_hex(pixels)
 
 
 def sha256_hex(data: bytes) -> str:
@@ -323,8 +407,8 @@ def recover_stream(
 ) -> StreamIndex:
     """Bring a stream's directory back to its committed prefix after a crash; return its index.
 
-    Committed shards are the rows of ``index.arrow``.  Deleted: every ``.tmp`` file, shard files
-    and shard lineage files numbered at or beyond the next shard, and checkpoints beyond it
+    Committed shards are the rows of ``index.arrow``.  Deleted: every temporary file, shard files
+    (records, pixel index, lineage) numbered at or beyond the next shard, and checkpoints beyond it
     (``ckpt-next`` is the state to resume from, so it stays).  A committed shard file that is
     missing or has the wrong size is damage a restart must not paper over: ``DamagedFile``.
     """
@@ -339,10 +423,10 @@ def recover_stream(
             raise DamagedFile(f"{sdir}/{name}: committed shard file missing or not {entry.nbytes} bytes")
     next_shard = len(index.shards)
     for name in sorted(sizes):
-        m = _STREAM_FILE.fullmatch(name)
-        stale = name.endswith(TMP_SUFFIX)
-        stale |= bool(m) and m[1] == "shard" and int(m[2]) >= next_shard
-        stale |= bool(m) and m[1] == "ckpt" and int(m[2]) > next_shard
+        f = parse(f"{stream_dir(stream)}/{name}")
+        stale = is_temporary(name)
+        stale |= f is not None and f.kind in SHARD_FILES and f.shard >= next_shard
+        stale |= f is not None and f.kind in CHECKPOINT_FILES and f.shard > next_shard
         if stale:
             log.warning("stream %d: removing crash leftover %s", stream, name)
             loc.fs.delete_file(f"{sdir}/{name}")

@@ -176,7 +176,7 @@ def _sample_stream(cfg: PrepackConfig, stream: int, tokenizer, special, least: i
     """Pack ``least`` to ``most`` batches of ``stream`` into ``acc`` (fewer once settled or past the deadline)."""
     from prepack.engine.checkpoint import state_to_payload
     from prepack.engine.packer import StreamPacker
-    from prepack.run.stream_job import _lineage_rows, _parquet_bytes
+    from prepack.run.writer import lineage_table, parquet_bytes
 
     compression = Compression.parse(cfg.prepack.compression)
     cpu0 = time.process_time()
@@ -214,8 +214,8 @@ def _sample_stream(cfg: PrepackConfig, stream: int, tokenizer, special, least: i
     record_bytes, overhead = _ipc_sizes(records, compression)
     acc.record_bytes += record_bytes
     acc.shard_overhead = overhead
-    table = _lineage_rows(stream, 0, lineage)
-    acc.lineage_bytes += len(_parquet_bytes(table))
+    table = lineage_table(stream, 0, lineage)
+    acc.lineage_bytes += len(parquet_bytes(table))
     acc.lineage_rows += table.num_rows
     acc.batches += len(records)
     acc.startup_cpu_s += stamps[0] - cpu0

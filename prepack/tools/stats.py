@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import html as html_lib
 import io
-import re
 import logging
 import os
 from collections import Counter
@@ -34,7 +33,8 @@ import polars as pl
 from loader.reader import Pack, read_shard
 from prepack.tools.composition import COLUMNS, BatchCounts, Composition, record_counts, table_lines
 from schemas.location import resolve_location
-from schemas.manifest import LINEAGE_DIR, StreamSummary
+from schemas.layout import SHARD_LINEAGE, STREAM_LINEAGE, parse
+from schemas.manifest import StreamSummary
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,6 @@ _ROW_KEY = ["source_file", "source_row_group", "source_row"]
 
 
 # -- lineage queries ------------------------------------------------------------------------------
-_SHARD_LINEAGE = re.compile(r"stream-\d{5}/shard-\d{5}\.lineage\.parquet")
-
-
 def lineage_files(out) -> list[str]:
     """Filesystem paths of every lineage file of a pack (finished streams, then shards of the rest)."""
     import pyarrow.fs as pafs
@@ -54,9 +51,10 @@ def lineage_files(out) -> list[str]:
     infos = loc.list("", recursive=True)
     base = loc.base.rstrip("/") + "/"
     rel = sorted(i.path[len(base):] for i in infos if i.type == pafs.FileType.File and i.path.startswith(base))
-    done = [r for r in rel if r.startswith(LINEAGE_DIR + "/stream-") and r.endswith(".parquet")]
-    finished = {r[len(LINEAGE_DIR) + 1:len(LINEAGE_DIR) + 13] for r in done}  # "stream-SSSSS"
-    shards = [r for r in rel if _SHARD_LINEAGE.fullmatch(r) and r.split("/")[0] not in finished]
+    files = [(r, f) for r, f in ((r, parse(r)) for r in rel) if f is not None]
+    done = [r for r, f in files if f.kind == STREAM_LINEAGE]
+    finished = {f.stream for _, f in files if f.kind == STREAM_LINEAGE}
+    shards = [r for r, f in files if f.kind == SHARD_LINEAGE and f.stream not in finished]
     return [loc.path(r) for r in done + shards]
 
 

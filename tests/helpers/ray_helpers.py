@@ -272,7 +272,7 @@ def leftovers(out: str) -> list[str]:
 
 def lease_files(out: str) -> list[str]:
     """The stream leases present in a local output (one per live or killed run)."""
-    from prepack.run.lock import LEASE_DIR
+    from prepack.run.lease import LEASE_DIR
 
     d = os.path.join(out, LEASE_DIR)
     return sorted(os.path.join(d, f) for f in os.listdir(d) if f.endswith(".json")) if os.path.isdir(d) else []

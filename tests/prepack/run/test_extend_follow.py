@@ -110,15 +110,15 @@ def test_damaged_stream_index_is_refused_by_the_loader(fresh12, tmp_path):
 _WRITER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {repo!r})
-    from prepack.run import stream_job
+    from prepack.run import writer
     from prepack.run.driver import run_pack
     from schemas.config import load_config
 
-    slow = stream_job.write_index
+    slow = writer.write_index
     def paced(loc, index):  # commit one shard every 0.3 s, so the reader really waits
         time.sleep(0.3)
         slow(loc, index)
-    stream_job.write_index = paced
+    writer.write_index = paced
     run_pack(load_config({config!r}), {out!r}, inline=True, progress=False)
 """)
 

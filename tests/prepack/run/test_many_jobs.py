@@ -20,7 +20,7 @@ import time
 import pytest
 
 from loader import open_stream
-from prepack.run.lock import LEASE_DIR
+from prepack.run.lease import LEASE_DIR
 from prepack.tools.verify import verify_pack
 from schemas.manifest import MANIFEST_NAME
 from tests.helpers import datagen as dg
@@ -113,7 +113,7 @@ def test_two_jobs_fill_one_local_output_and_an_overlapping_one_is_refused(datase
     # c overlaps a (and b's streams): refused by a's live lease.  a is held (SIGSTOP: alive, its
     # lease unexpired) until c has answered, so a small pack cannot finish before c claims.  b
     # starts once c has withdrawn: two overlapping claims made at the same instant may both
-    # withdraw (the protocol promises at most one proceeds; test_lock_lease covers that race).
+    # withdraw (the protocol promises at most one proceeds; test_lease covers that race).
     os.kill(a.pid, signal.SIGSTOP)
     try:
         c = job(config, out, "1,2")
@@ -179,7 +179,7 @@ def test_extending_is_refused_while_another_job_packs(dataset, tmp_path, tokeniz
     import shutil
 
     from prepack.run.driver import run_pack
-    from prepack.run.lock import acquire_streams
+    from prepack.run.lease import acquire_streams
     from schemas.config import load_config
     from schemas.errors import PackRefused
     from schemas.location import resolve_location

@@ -58,19 +58,20 @@ def config(tmp_path_factory):
 def reference(config, tokenizer_and_special, tmp_path_factory):
     """The uninterrupted pack, in process (no Ray): each stream packed start to end."""
     from prepack.run.driver import finalize
-    from prepack.run.identity import pack_identity, record_metadata
+    from prepack.run.identity import pack_identity
     from prepack.run.stream_job import pack_one_stream
     from prepack.engine.tokenizer import tokenizer_fingerprint
     from prepack.run.identity import write_identity
     from schemas.config import load_config
     from schemas.location import resolve_location
+    from schemas.manifest import pack_metadata
 
     cfg = load_config(config)
     tok, special = tokenizer_and_special
     identity = pack_identity(cfg, tokenizer_fingerprint(tok), special)
     out = str(tmp_path_factory.mktemp("reference") / "out")
     for s in range(cfg.num_streams):
-        pack_one_stream(cfg, out, s, tok, special, record_metadata(identity))
+        pack_one_stream(cfg, out, s, tok, special, pack_metadata(identity))
     loc = resolve_location(out)
     write_identity(loc, identity)
     assert finalize(loc, cfg, identity)[0]
@@ -201,7 +202,7 @@ def test_lock_left_by_a_process(holder, config, reference, tmp_path):
             proc.wait()
         else:  # exited, not reaped: still in the process table as a zombie
             wait_until(lambda: process_state(proc.pid) == "Z", 30, "the child to exit")
-    from prepack.run.lock import LEASE_DIR
+    from prepack.run.lease import LEASE_DIR
 
     os.makedirs(os.path.join(out, LEASE_DIR))
     lock = os.path.join(out, LEASE_DIR, "left.json")

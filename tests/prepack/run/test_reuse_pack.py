@@ -215,10 +215,11 @@ def test_a_killed_reused_run_resumes_to_the_fresh_bytes(old, tmp_path, tokenizer
 
 def _metadata(out: str) -> dict:
     """The shard metadata the driver gives stream tasks for the pack at ``out``."""
-    from prepack.run.identity import read_identity, record_metadata
+    from prepack.run.identity import read_identity
     from schemas.location import resolve_location
+    from schemas.manifest import pack_metadata
 
-    return record_metadata(read_identity(resolve_location(out)))
+    return pack_metadata(read_identity(resolve_location(out)))
 
 
 def test_later_passes_take_their_pictures_from_the_stream_s_own_shards(tmp_path, tokenizer_and_special, monkeypatch):

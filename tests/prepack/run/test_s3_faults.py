@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from prepack.run.lock import HOST_ENV, LEASE_DIR, LEASE_ENV
+from prepack.run.lease import HOST_ENV, LEASE_DIR, LEASE_ENV
 from schemas.manifest import done_file, index_file
 from tests.helpers.packs import pack_in_process
 from tests.helpers.ray_helpers import RayRun, cmdline, make_demo, prepack, read_log, summary, variant, wait_until

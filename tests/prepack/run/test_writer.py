@@ -260,3 +260,44 @@ def test_write_bytes_atomic_replaces_whole_file(tmp_path):
     write_bytes_atomic(str(tmp_path), "stream-00001/ckpt-00001.arrow", b"second")
     assert (tmp_path / "stream-00001/ckpt-00001.arrow").read_bytes() == b"second"
     assert os.listdir(tmp_path / "stream-00001") == ["ckpt-00001.arrow"]
+
+
+def test_a_committing_writer_makes_the_whole_commit(tmp_path):
+    """Given the index and the state, the writer writes ckpt-00000, then per shard its lineage, its
+    end checkpoint and the index row; leaving the block drops a shard in progress."""
+    import hashlib
+
+    import pyarrow.parquet as pq
+
+    out, batches = str(tmp_path), stream_batches(5, 6)
+    loc = resolve_location(out)
+    states = iter(range(100))
+
+    def state():
+        n = next(states)
+        return f'{{"state": {n}}}'.encode(), bytes([n])
+
+    index = StreamIndex(5, [])
+    with StreamWriter(out, 5, shard_bytes=20_000, compression="zstd:3", metadata=META, index=index,
+                      state=state) as w:
+        entries = [e for e in (w.append(b) for b in batches[:-1]) if e is not None]
+        w.append(batches[-1])
+    assert len(entries) >= 2 and read_index(loc, 5) == index and index.shards == entries
+    sdir = tmp_path / "stream-00005"
+    assert not [f for f in os.listdir(sdir) if f.endswith(".tmp")]  # the last shard was dropped, not committed
+    assert (sdir / "ckpt-00000.arrow").read_bytes() == bytes([0])
+    for k, e in enumerate(entries):
+        ckpt = (sdir / f"ckpt-{k + 1:05d}.json").read_bytes()
+        assert (e.ckpt_json_sha256, e.ckpt_arrow_sha256) == (hashlib.sha256(ckpt).hexdigest(),
+                                                              hashlib.sha256(bytes([k + 1])).hexdigest())
+        lineage = (sdir / f"shard-{k:05d}.lineage.parquet").read_bytes()
+        assert e.lineage_sha256 == hashlib.sha256(lineage).hexdigest()
+        rows = pq.read_table(pa.BufferReader(lineage))
+        assert rows.num_rows == e.lineage_rows == sum(r.num_samples for r in e.records)
+        assert set(rows.column("record").to_pylist()) == set(range(e.first_record, e.first_record + len(e.records)))
+
+    empty = StreamIndex(6, [])
+    with StreamWriter(out, 6, shard_bytes=20_000, compression="zstd:3", metadata=META, index=empty,
+                      state=state) as w:
+        assert w.finish() is None
+    assert read_index(loc, 6) == empty and empty.ckpt0_json_sha256  # no record: the index still records ckpt-0

@@ -15,17 +15,17 @@ import time
 import pyarrow.fs as pafs
 import pytest
 
-from prepack.run import lock as lockmod
-from prepack.run.lock import (
+from prepack.run import lease as leasemod
+from prepack.run.lease import (
     HOST_ENV,
     LEASE_DIR,
     LeaseTiming,
     StreamLease,
     acquire_streams,
     format_streams,
-    lock_host,
+    lease_host,
 )
-from schemas.errors import LockLost, PackRefused
+from schemas.errors import LeaseLost, PackRefused
 from schemas.location import resolve_location
 
 FAST = LeaseTiming(lease_s=2.0)
@@ -50,7 +50,7 @@ def _write_lease(loc, holder: str, doc) -> None:
 
 
 def _holders(loc) -> list[str]:
-    return lockmod._list(loc)
+    return leasemod._list(loc)
 
 
 def _timed(loc, streams) -> tuple[StreamLease, float]:
@@ -111,7 +111,7 @@ def test_dead_holder_on_another_host_is_taken_over_after_a_lease(loc, monkeypatc
         assert first.holder not in _holders(loc)
         # host a comes back (it was only paused): its next renewal finds its lease taken over
         first.renew()
-        with pytest.raises(LockLost):
+        with pytest.raises(LeaseLost):
             first.check()
         first.release()  # must not delete host b's lease
         assert second.holder in _holders(loc)
@@ -128,9 +128,9 @@ def test_a_holder_revived_after_the_takeover_stops_at_its_next_renewal(loc, monk
     monkeypatch.setenv(HOST_ENV, "host-b")
     second = acquire_streams(loc, [1], FAST)
     try:
-        lockmod._write(loc, first.doc)  # the late renewal lands after the takeover
+        leasemod._write(loc, first.doc)  # the late renewal lands after the takeover
         first.renew()
-        with pytest.raises(LockLost, match="took this run's streams over"):
+        with pytest.raises(LeaseLost, match="took this run's streams over"):
             first.check()
         second.renew()
         second.check()  # the one that took over keeps going
@@ -140,7 +140,7 @@ def test_a_holder_revived_after_the_takeover_stops_at_its_next_renewal(loc, monk
 
 def test_dead_process_on_this_host_is_taken_over_at_once(loc):
     now = time.time()
-    _write_lease(loc, "x", {"holder": "x", "host": lock_host(), "pid": _dead_pid(), "streams": [[0, 3]],
+    _write_lease(loc, "x", {"holder": "x", "host": lease_host(), "pid": _dead_pid(), "streams": [[0, 3]],
                             "since": now, "renewed": now, "expires": now + 3600, "lease_s": 3600})
     lease, waited = _timed(loc, [1])
     lease.release()
@@ -212,13 +212,13 @@ def test_renewal_is_one_list_and_one_write_for_4096_streams(loc, monkeypatch):
     lease.stop_renewing()
     calls = {"list": 0, "read": 0, "write": 0}
     for name, key in (("_list", "list"), ("_read", "read"), ("_write", "write")):
-        real = getattr(lockmod, name)
+        real = getattr(leasemod, name)
 
         def counted(*a, _real=real, _key=key):
             calls[_key] += 1
             return _real(*a)
 
-        monkeypatch.setattr(lockmod, name, counted)
+        monkeypatch.setattr(leasemod, name, counted)
     try:
         seq = lease.doc["seq"]
         lease.renew()
@@ -231,11 +231,11 @@ def test_renewal_is_one_list_and_one_write_for_4096_streams(loc, monkeypatch):
 
 def test_a_run_with_nothing_to_pack_removes_provably_stale_leases(loc):
     now = time.time()
-    _write_lease(loc, "dead", {"holder": "dead", "host": lock_host(), "pid": _dead_pid(), "streams": [[0, 1]],
+    _write_lease(loc, "dead", {"holder": "dead", "host": lease_host(), "pid": _dead_pid(), "streams": [[0, 1]],
                                "expires": now + 3600, "lease_s": 30})
     live = acquire_streams(loc, [5], FAST)
     try:
-        assert lockmod.remove_stale_leases(loc, FAST) == 1
+        assert leasemod.remove_stale_leases(loc, FAST) == 1
         assert _holders(loc) == [live.holder]
     finally:
         live.release()
@@ -263,12 +263,12 @@ class _VanishingStore:
 
 
 def test_a_lease_deleted_while_it_is_read_is_gone_and_a_failing_store_is_an_error():
-    from prepack.run import lock
+    from prepack.run import lease
 
     gone = _VanishingStore(exists=False)
-    assert lock._read(gone, "h") is None and gone.reads == 1
+    assert lease._read(gone, "h") is None and gone.reads == 1
     failing = _VanishingStore(exists=True)
     with pytest.raises(OSError, match="INTERNAL_FAILURE"):
-        lock._read(failing, "h")
+        lease._read(failing, "h")
     assert failing.reads == 3  # retried, then raised
 

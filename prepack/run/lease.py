@@ -3,7 +3,7 @@
 Ownership is per stream, so any number of jobs, from any hosts, pack disjoint streams of one
 output side by side.  Each job writes ONE lease object, ``OUT/.prepack/leases/<holder>.json``,
 naming the streams it packs, its host and pid, and an expiry; it renews that one object every
-``lease_s/3`` whatever the number of streams, so lock traffic is O(jobs): per job and renewal one
+``lease_s/3`` whatever the number of streams, so lease traffic is O(jobs): per job and renewal one
 LIST of the lease folder and one PUT (plus one GET of each lease that appeared since the last
 renewal).  The same protocol runs on a local or shared folder and on an object store (pyarrow
 offers no atomic create on stores; a local write is tmp + rename).
@@ -21,7 +21,7 @@ Acquiring ``streams``:
    the other; each that sees one withdraws and is refused (both may be: run again).
 
 A renewal that finds our lease gone, or a new lease that took ours over, means another job
-decided we were dead (we were not heard from for a whole lease): ``check`` raises ``LockLost``
+decided we were dead (we were not heard from for a whole lease): ``check`` raises ``LeaseLost``
 and the run stops.  What this does not guarantee is in docs/architecture.md ("Leases").
 """
 
@@ -38,23 +38,22 @@ from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 
-from schemas.errors import LockLost, PackRefused, UsageError
+from schemas.errors import LeaseLost, PackRefused, UsageError
+from schemas.layout import LEASE, LEASE_DIR, lease_file, parse
 from schemas.location import PackLocation
 
 log = logging.getLogger(__name__)
 
-LEASE_DIR = ".prepack/leases"
 HOST_ENV = "PREPACK_LOCK_HOST"  # the host name a lease records (tests simulate other machines with it)
 LEASE_ENV = "PREPACK_LOCK_LEASE_S"
 DEFAULT_LEASE_S = 30.0
 MAX_CLOCK_SKEW_S = 60.0  # an expiry further in the past than this is stale without watching
-_SUFFIX = ".json"
 
 LEASE_HINT = ("wait for it, or pack other streams; if that run is dead, run again: its lease is taken over "
               "once it has gone a lease period unrenewed (at once on its own host)")
 
 
-def lock_host() -> str:
+def lease_host() -> str:
     return os.environ.get(HOST_ENV) or socket.gethostname()
 
 
@@ -125,14 +124,13 @@ class LeaseTiming:
 
 # -- the lease folder ---------------------------------------------------------------------------
 def _lease_path(loc: PackLocation, holder: str) -> str:
-    return loc.path(f"{LEASE_DIR}/{holder}{_SUFFIX}")
+    return loc.path(lease_file(holder))
 
 
 def _list(loc: PackLocation) -> list[str]:
     """Holder ids of the leases present (one LIST)."""
-    infos = loc.list(LEASE_DIR)
-    return sorted(i.base_name[:-len(_SUFFIX)] for i in infos
-                  if i.type == pafs.FileType.File and i.base_name.endswith(_SUFFIX))
+    files = [parse(f"{LEASE_DIR}/{i.base_name}") for i in loc.list(LEASE_DIR) if i.type == pafs.FileType.File]
+    return sorted(f.holder for f in files if f is not None and f.kind == LEASE)
 
 
 def _read(loc: PackLocation, holder: str, attempts: int = 3) -> bytes | None:
@@ -170,7 +168,7 @@ def _write(loc: PackLocation, doc: dict) -> None:
     """A reader never sees half a lease: tmp + rename locally, one PUT (an object appears whole) on a store."""
     from prepack.run.writer import write_bytes_atomic
 
-    write_bytes_atomic(loc, f"{LEASE_DIR}/{doc['holder']}{_SUFFIX}", json.dumps(doc, sort_keys=True).encode())
+    write_bytes_atomic(loc, lease_file(doc["holder"]), json.dumps(doc, sort_keys=True).encode())
 
 
 def _delete(loc: PackLocation, holder: str) -> None:
@@ -211,7 +209,7 @@ def _stale_reason(held: dict, raw: bytes, me: dict, watched: "tuple[bytes, float
 class StreamLease:
     """This job's lease on its streams, renewed by a daemon thread until ``release``.
 
-    ``check`` raises ``LockLost`` once another job has taken the streams over."""
+    ``check`` raises ``LeaseLost`` once another job has taken the streams over."""
 
     def __init__(self, loc: PackLocation, doc: dict, timing: LeaseTiming, seen: set[str]):
         self.loc, self.doc, self.timing = loc, doc, timing
@@ -261,7 +259,7 @@ class StreamLease:
 
     def check(self) -> None:
         if self._lost:
-            raise LockLost(self._lost)
+            raise LeaseLost(self._lost)
 
     def stop_renewing(self) -> None:
         """Stop the renewal thread without touching the lease (what a killed driver leaves)."""
@@ -281,7 +279,7 @@ class StreamLease:
 def live_leases(loc: PackLocation, timing: LeaseTiming | None = None, exclude: str = "") -> list[dict]:
     """Leases of other jobs that are not provably stale right now (no watching)."""
     timing = timing or LeaseTiming.from_env()
-    me = {"host": lock_host()}
+    me = {"host": lease_host()}
     out = []
     for holder in _list(loc):
         if holder == exclude:
@@ -297,7 +295,7 @@ def remove_stale_leases(loc: PackLocation, timing: LeaseTiming | None = None) ->
     """Delete the leases that are provably stale now (a dead process on this host, or long
     expired); a run with nothing left to pack calls it so a killed job's lease does not linger."""
     timing = timing or LeaseTiming.from_env()
-    me = {"host": lock_host()}
+    me = {"host": lease_host()}
     removed = 0
     for holder in _list(loc):
         raw = _read(loc, holder)
@@ -315,7 +313,7 @@ def acquire_streams(loc: PackLocation, streams: "list[int] | set[int]", timing: 
     stream another live job holds (see the module docstring for the rules)."""
     timing = timing or LeaseTiming.from_env()
     wanted = set(streams)
-    me = {"holder": uuid.uuid4().hex, "host": lock_host(), "pid": os.getpid(), "since": time.time(),
+    me = {"holder": uuid.uuid4().hex, "host": lease_host(), "pid": os.getpid(), "since": time.time(),
           "lease_s": timing.lease_s, "seq": 0, "streams": _ranges(wanted)}
     watched: dict[str, tuple[bytes, float]] = {}
     announced: set[str] = set()
