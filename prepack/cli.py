@@ -28,6 +28,7 @@ EPILOG = textwrap.dedent(
       prepack audit out/demo --stream 1 --shard 0       # re-pack a shard, compare record by record
       prepack inspect out/demo --stream 0 --record 3 --png rec.png
       prepack stats out/demo --html stats.html
+      prepack index out/demo                            # sort its pixel indexes for later --reuse runs
       prepack run new.yaml --out out/new --reuse out/demo   # another mix, the old pack's pixels
 
     A config is a NeMo AutoModel BAGEL recipe YAML (seed, tokenizer, dataset, dataloader.num_workers)
@@ -35,8 +36,9 @@ EPILOG = textwrap.dedent(
     shard_bytes, compression). Stream s = r*K + w holds exactly the batches the online packer yields
     in DataLoader worker w of rank r.
 
-    exit codes: 0 success; 1 the work failed or was refused (a stream error, a lock, another
-    config over the output, a verify/audit mismatch); 2 bad usage or config.
+    exit codes: 0 success; 1 the work failed or was refused (a stream error, streams another job
+    leases, another config over the output, a verify/audit mismatch); 2 bad usage or config;
+    70 a bug in prepack (traceback shown); 130 interrupted (committed shards are kept).
     """
 )
 
