@@ -66,14 +66,16 @@ class Picture:
     """A decoded-on-demand source picture: its identity and size are known, its pixels are made
     (or taken from earlier ones) per resize target."""
 
-    __slots__ = ("source", "size", "_image", "_data", "_store")
+    __slots__ = ("source", "size", "_image", "_data", "_store", "_load")
 
-    def __init__(self, source: PictureSource, image: Image.Image | None, data: bytes | None, store: "PictureStore"):
+    def __init__(self, source: PictureSource, image: Image.Image | None, data: bytes | None, store: "PictureStore",
+                 load: "Callable[[], Image.Image] | None" = None):
         self.source = source
         self.size = (source.facts.width, source.facts.height)
         self._image = image
         self._data = data  # the encoded bytes while no image is decoded
         self._store = store
+        self._load = load  # how a video frame is decoded when a target misses (no bytes of its own)
 
     @property
     def width(self) -> int:
@@ -86,8 +88,11 @@ class Picture:
     def image(self) -> Image.Image:
         """The decoded RGB picture (decoded now if it was not: its facts were counted already)."""
         if self._image is None:
-            self._image = self._store.decode_again(self.source, self._data)
-            self._data = None
+            if self._load is not None:
+                self._image, self._load = self._load(), None
+            else:
+                self._image = self._store.decode_again(self.source, self._data)
+                self._data = None
             self._store.counts.decodes_saved -= 1
         return self._image
 
@@ -134,6 +139,33 @@ class PictureStore:
         img, facts = decode_observed(data, self.policy)
         apply_facts(facts, self.policy, self.warn)
         return Picture(PictureSource(key, decode, facts), _convert(img, decode), None, self)
+
+    def video_frames(self, video: bytes, indices: "list[int]", images: "list[Image.Image] | None" = None,
+                     decode: "Callable[[], np.ndarray] | None" = None) -> "list[Picture] | None":
+        """Keyed frames of a video file (decord): each frame's key is the video's content key and its
+        frame index.  With ``images`` (decoded) they are wrapped as they are; without, the frames are
+        served from earlier pixels when every frame's facts are known, ``decode()`` (the (n, h, w, 3)
+        frames, decoded once for all) running only if a target misses — else None (decode them)."""
+        video_key = content_key(video)
+        keys = [content_key(video_key + int(i).to_bytes(8, "little")) for i in indices]
+        if images is not None:
+            return [Picture(PictureSource(k, "video", DecodeFacts(*im.size)), im, None, self)
+                    for k, im in zip(keys, images)]
+        if self.provider is None or decode is None:
+            return None
+        facts = [self.provider.facts((k, "video")) for k in keys]
+        if not keys or any(f is None for f in facts):
+            return None
+        decoded: list[np.ndarray] = []
+
+        def frame(j: int) -> Image.Image:
+            if not decoded:
+                decoded.append(decode())
+            return Image.fromarray(decoded[0][j])
+
+        self.counts.decodes_saved += len(keys)  # until a target misses (``Picture.image``)
+        return [Picture(PictureSource(k, "video", f), None, None, self, load=lambda j=j: frame(j))
+                for j, (k, f) in enumerate(zip(keys, facts))]
 
     def decode_again(self, source: PictureSource, data: bytes) -> Image.Image:
         """Decode bytes whose facts were replayed (a reused picture that one target missed)."""

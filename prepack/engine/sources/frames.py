@@ -73,20 +73,42 @@ def frame_names_in_order(names: list[str]) -> list[str]:
 
 
 def read_video_file(path: str, args: FrameSamplerArgs, py: random.Random, rs: np.random.RandomState,
-                    policy: ImagePolicy, objects: Prefetched = DIRECT) -> list[Image.Image]:
-    """Frames of an mp4 (or anything decord reads)."""
+                    policy: ImagePolicy, objects: Prefetched = DIRECT,
+                    pictures: PictureStore | None = None) -> "list[Picture | Image.Image]":
+    """Frames of an mp4 (or anything decord reads).  With ``pictures`` the frames are keyed by the
+    video's content and frame index; when earlier pixels hold every sampled frame, none is decoded
+    (the container is still opened: its length and rate decide which frames are drawn)."""
     import decord  # heavy and only needed for video rows
 
-    reader = decord.VideoReader(objects.video_source(path), num_threads=1)
+    source = objects.video_source(path)
+    reader = decord.VideoReader(source, num_threads=1)
     vlen = len(reader)
     fps = reader.get_avg_fps()
     count = rs.randint(args.min_num_frames, args.max_num_frames + 1)
     idx = frame_indices(count, vlen, args.sample, py, rs, input_fps=fps)
+    video = _video_bytes(source) if pictures is not None else b""
+    if pictures is not None and len(idx):
+        known = pictures.video_frames(video, [int(i) for i in idx], decode=lambda: reader.get_batch(idx).asnumpy())
+        if known is not None:
+            if known[0].width * known[0].height > policy.max_pixels:
+                raise Rejected("image_over_pixel_limit", f"video frame {known[0].width}x{known[0].height}")
+            return known
     height, width = reader[int(idx[0])].shape[:2] if len(idx) else (0, 0)
     if height * width > policy.max_pixels:
         raise Rejected("image_over_pixel_limit", f"video frame {width}x{height}")
     frames = reader.get_batch(idx).asnumpy()
-    return [Image.fromarray(frames[i]) for i in range(frames.shape[0])]
+    images = [Image.fromarray(frames[i]) for i in range(frames.shape[0])]
+    if pictures is not None:
+        return pictures.video_frames(video, [int(i) for i in idx], images)
+    return images
+
+
+def _video_bytes(source) -> bytes:
+    """The bytes decord reads (a path, or the in-memory file of an object): the frames' key."""
+    if isinstance(source, str):
+        with open(source, "rb") as f:
+            return f.read()
+    return source.getvalue()
 
 
 def read_frame_folder(path: str, args: FrameSamplerArgs, py: random.Random, rs: np.random.RandomState,
@@ -113,4 +135,4 @@ def sample_frames(path: str, args: FrameSamplerArgs, py: random.Random, rs: np.r
     """
     if path.endswith("/"):
         return read_frame_folder(path, args, py, rs, policy, warn, objects, pictures)
-    return read_video_file(path, args, py, rs, policy, objects)
+    return read_video_file(path, args, py, rs, policy, objects, pictures)

@@ -281,3 +281,67 @@ def test_plan_projects_reuse(old, tmp_path, tokenizer_and_special, monkeypatch):
     assert plan.to_json()["reuse"]["reused"] == plan.reuse["reused"]
     with pytest.raises(PackRefused, match="--reuse .*not a pack"):
         plan_pack(config, tokenizer=tokenizer_and_special, sample_batches=1, reuse=[str(tmp_path / "nothing")])
+
+
+def _video_dataset(root: str):
+    """t2i + an SFT group with mp4 videos and a frame folder among its image rows."""
+    import json
+
+    import numpy as np
+
+    from tests.helpers import datagen as dg
+
+    rs = np.random.RandomState(4)
+    ds = dg.Dataset(os.path.join(root, "data"))
+    os.makedirs(ds.root)
+    dg.add_t2i(ds, [dg.good_t2i_rows(rs, 6, i * 6) for i in range(2)], row_group_size=3)
+    lines, files = dg.good_sft(rs, 6)
+    for v in range(2):
+        frames = [np.asarray(dg.photo(10 * v + i, rs, 96, 97).resize((96, 80))) for i in range(12)]
+        files[f"clip{v}.mp4"] = dg.mp4(frames)
+        lines.append(json.dumps({"video": f"clip{v}.mp4", "conversations": [
+            {"from": "human", "value": "<video>\nWhat happens?"}, {"from": "gpt", "value": dg.sentence(rs, 8, 20)}]}))
+    for i, f in enumerate(frames):
+        files[f"frames/clip/frame_{i:05d}.jpg"] = dg.jpeg(dg.Image.fromarray(f))
+    lines.append(json.dumps({"video": "frames/clip/", "conversations": [
+        {"from": "human", "value": "<video>\nAnd here?"}, {"from": "gpt", "value": dg.sentence(rs, 8, 20)}]}))
+    dg.add_sft(ds, lines, files, frames={"max_num_frames": 5, "min_num_frames": 3, "sample": "middle"})
+    return ds
+
+
+def _pixel_rows(out: str) -> list[dict]:
+    from schemas.manifest import StreamIndex, index_file
+    from schemas.pixel_index import read_pixel_index
+
+    rows = []
+    for name in sorted(os.listdir(out)):
+        if not name.startswith("stream-"):
+            continue
+        s = int(name.split("-")[1])
+        index = StreamIndex.from_bytes(open(os.path.join(out, index_file(s)), "rb").read(), s, "index")
+        for e in index.shards:
+            table, _ = read_pixel_index(open(os.path.join(out, shard_pixels_file(s, e.shard)), "rb").read(), "px")
+            rows += table.to_pylist()
+    return rows
+
+
+def test_video_frames_are_reused(tmp_path, tokenizer_and_special, monkeypatch):
+    """Frames of mp4 videos are keyed by the video's bytes and frame index: a new config takes them
+    from OLD (decord does not decode a video whose sampled frames OLD holds), byte for byte."""
+    monkeypatch.setenv(OWN_SETTING, "0")
+    ds = _video_dataset(str(tmp_path / "v"))
+    old = pack_in_process(_config(ds, str(tmp_path / "old.yaml"), prepack={"batches_per_stream": 10}),
+                          str(tmp_path / "old"), tokenizer_and_special)
+    old_rows = _pixel_rows(old)
+    assert any(r["decode"] == "video" for r in old_rows)
+    config = _config(ds, str(tmp_path / "new.yaml"), seed=13)
+    fresh = _pack(config, str(tmp_path / "fresh"), tokenizer_and_special)
+    reused = _pack(config, str(tmp_path / "reused"), tokenizer_and_special, reuse=[old])
+    assert _files(str(tmp_path / "reused")) == _files(str(tmp_path / "fresh"))
+    known = {(r["content"], r["decode"], r["width"], r["height"]) for r in old_rows}
+    new_rows = _pixel_rows(str(tmp_path / "reused"))
+    videos = [r for r in new_rows if r["decode"] == "video"]
+    assert videos and any((r["content"], r["decode"], r["width"], r["height"]) in known for r in videos)
+    images, hits, fallbacks = _reuse(reused)
+    assert not fallbacks and _reuse(fresh)[1] == 0
+    assert images - hits == sum((r["content"], r["decode"], r["width"], r["height"]) not in known for r in new_rows)
