@@ -16,7 +16,8 @@ world size the DataLoader's round-robin over workers reproduces the rank order a
 
 ``state_dict()`` is the position after the last batch handed out (one integer in the
 deterministic order, plus what is needed to refuse a state from another pack or split);
-``load_state_dict()`` makes the next ``iter()`` continue right after it.  It works under
+``load_state_dict()`` makes the next ``iter()`` continue right after it.  Both are plain dicts on
+the outside (torch's weights-only loader restores them), typed inside (``loader.state``).  It works under
 torchdata's ``StatefulDataLoader`` (each worker's copy keeps its own state).
 
 Changing the world size mid-training: merge the dataset states of every old rank (and DataLoader
@@ -38,9 +39,8 @@ import torch
 from loader.batch import SimpleCustomBatch
 from loader.prefetch import Prefetcher
 from loader.reader import Follow, Pack
+from loader.state import LoaderState, MergedState, WorkerState, merge_states, state_from_dict
 from loader.stream import interleaved_batches
-
-STATE_VERSION = 2
 
 
 def streams_for_rank(
@@ -98,7 +98,7 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         self._cursor = 0
         self._positions = [0] * len(self.streams)
         self._firsts = [0] * len(self.streams)
-        self._pending: dict[str, Any] | None = None
+        self._pending: LoaderState | None = None
         self._pid = os.getpid()
 
     def num_batches(self) -> int:
@@ -123,20 +123,20 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         self._cursor = 0
         if self._pending is not None:
             state, self._pending = self._pending, None
-            if state.get("kind") == "merged":
-                self._firsts = [int(state["positions"][str(s)]) for s in streams]
+            if isinstance(state, MergedState):
+                self._firsts = [state.positions[s] for s in streams]
                 self._positions = list(self._firsts)
-                state = {**state, "last": [state["last"][str(s)] for s in streams]}
+                last = [state.last[s] for s in streams]
             else:
-                if (state["worker"], state["num_workers"]) != self._split or state["streams"] != streams:
+                if (state.worker, state.num_workers) != self._split or state.streams != streams:
                     raise ValueError(
-                        f"state is for DataLoader worker {state['worker']} of {state['num_workers']} "
-                        f"(streams {state['streams']}); this is worker {self._split[0]} of {self._split[1]} "
+                        f"state is for DataLoader worker {state.worker} of {state.num_workers} "
+                        f"(streams {state.streams}); this is worker {self._split[0]} of {self._split[1]} "
                         f"(streams {streams})"
                     )
-                self._cursor, self._positions = int(state["cursor"]), [int(p) for p in state["positions"]]
-                self._firsts = [int(p) for p in state.get("firsts", self._firsts)]
-            self._check_positions(streams, self._positions, state.get("last"))
+                self._cursor, self._positions, self._firsts = state.cursor, list(state.positions), list(state.firsts)
+                last = state.last
+            self._check_positions(streams, self._positions, last)
         source = interleaved_batches(self.pack, streams, self._cursor, verify=self.verify, firsts=self._firsts,
                                      follow=self.follow)
         prefetcher = Prefetcher(source, self.prefetch, f"prefetch-rank{self.rank}-worker{self._split[0]}")
@@ -168,68 +168,44 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
                 raise ValueError(f"loader state belongs to a different pack (stream {s}, record {p - 1} differs)")
 
     def state_dict(self) -> dict[str, Any]:
-        """Position after the last batch handed out by this (worker's) iterator."""
+        """Position after the last batch handed out by this (worker's) iterator, as plain values
+        (``loader.state.WorkerState.to_dict``)."""
         worker, workers = self._split
-        return {
-            "version": STATE_VERSION,
-            "pack": self.fingerprint,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "worker": worker,
-            "num_workers": workers,
-            "streams": self._worker_streams(),
-            "cursor": self._cursor,
-            "firsts": list(self._firsts),  # where this iteration started per stream (after a merge)
-            "positions": list(self._positions),  # next record per stream
-            "last": self._last_digests(self._worker_streams(), self._positions),
-        }
+        streams = self._worker_streams()
+        return WorkerState(
+            pack=self.fingerprint, rank=self.rank, world_size=self.world_size, worker=worker, num_workers=workers,
+            streams=streams, cursor=self._cursor, firsts=list(self._firsts), positions=list(self._positions),
+            last=self._last_digests(streams, self._positions),
+        ).to_dict()
 
     @staticmethod
     def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:
         """One state from the states of every rank (and DataLoader worker) of a run, loadable on
-        any rank of any world size: each stream's next unread record."""
-        if not states:
-            raise ValueError("merge_states needs at least one state")
-        packs = {st["pack"] for st in states}
-        if len(packs) != 1:
-            raise ValueError("loader states belong to different packs")
-        positions: dict[str, int] = {}
-        last: dict[str, str] = {}
-        for st in states:
-            if st.get("kind") == "merged":
-                items = [(int(k), v, st["last"][k]) for k, v in st["positions"].items()]
-            else:
-                items = list(zip(st["streams"], st["positions"], st["last"]))
-            for stream, pos, digest in items:
-                if str(stream) in positions:
-                    raise ValueError(f"stream {stream} appears in two loader states")
-                positions[str(stream)] = int(pos)
-                last[str(stream)] = str(digest)
-        return {"version": STATE_VERSION, "kind": "merged", "pack": packs.pop(), "positions": positions, "last": last}
+        any rank of any world size: each stream's next unread record (``loader.state.merge_states``)."""
+        return merge_states([state_from_dict(st) for st in states]).to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next ``iter()`` continue right after the batch ``state`` was taken at."""
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"unsupported loader state version {state.get('version')!r}")
-        if state["pack"] != self.fingerprint:
+        st = state_from_dict(state)
+        if st.pack != self.fingerprint:
             raise ValueError("loader state belongs to a different pack (content fingerprint differs)")
-        if state.get("kind") == "merged":
-            missing = [s for s in self.streams if str(s) not in state["positions"]]
+        if isinstance(st, MergedState):
+            missing = [s for s in self.streams if s not in st.positions]
             if missing:
                 raise ValueError(f"merged loader state lacks streams {missing}: merge the states of every rank")
-            self._check_positions(self.streams, [int(state["positions"][str(s)]) for s in self.streams],
-                                  [state["last"][str(s)] for s in self.streams])
-            self._pending = dict(state)
+            self._check_positions(self.streams, [st.positions[s] for s in self.streams],
+                                  [st.last[s] for s in self.streams])
+            self._pending = st
             return
-        if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
+        if (st.rank, st.world_size) != (self.rank, self.world_size):
             raise ValueError(
-                f"loader state is for rank {state['rank']} of {state['world_size']}, "
+                f"loader state is for rank {st.rank} of {st.world_size}, "
                 f"this is rank {self.rank} of {self.world_size}; to change the world size, load "
                 "PackedShardDataset.merge_states(<every rank's state>)"
             )
-        self._check_positions(list(state["streams"]), [int(p) for p in state["positions"]], state.get("last"))
-        self._pending = dict(state)
-        self._split = (int(state["worker"]), int(state["num_workers"]))
-        self._cursor = int(state["cursor"])
-        self._positions = [int(p) for p in state["positions"]]
-        self._firsts = [int(p) for p in state.get("firsts", [0] * len(self._positions))]
+        self._check_positions(st.streams, st.positions, st.last)
+        self._pending = st
+        self._split = (st.worker, st.num_workers)
+        self._cursor = st.cursor
+        self._positions = list(st.positions)
+        self._firsts = list(st.firsts)

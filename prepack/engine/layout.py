@@ -4,13 +4,15 @@
 split (BOS + ids, then an EOS that closes the split), a ViT image (start marker, patches, end
 marker, one rope id for the whole image) or a VAE image (markers around latent slots, a timestep
 per slot), with classifier-free-guidance dropout per item and the split/rope bookkeeping of video
-frames (``split_start``/``split_end``/``frame_delta``).  The random draws happen exactly where the
-reference makes them, on the stream's explicit generators.  ``build()`` returns the compact
+frames (``split_start``/``split_end``/``frame_delta``).  Each kind is placed by its own method
+(``_text``, ``_vit_image``, ``_vae_image``) on a per-sample ``_Cursor``; the random draws happen
+exactly where the reference makes them, on the stream's explicit generators.  ``build()`` returns the compact
 ``PackedBatch``; nothing heavy (patches, padded floats, dense masks) is made here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from functools import lru_cache
 from typing import Callable
@@ -43,6 +45,24 @@ def _interpolated_ids(n_h: int, n_w: int, max_side: int) -> np.ndarray:
 def position_ids(height: int, width: int, patch: int, max_side: int, interpolate: bool) -> np.ndarray:
     fn = _interpolated_ids if interpolate else _extrapolated_ids
     return fn(height // patch, width // patch, max_side)
+
+
+@dataclasses.dataclass
+class _Cursor:
+    """Where one sample's layout stands: the running token position, the rope id, the open split's
+    length so far and its timestep (a video's later frames reuse their split's draw)."""
+
+    curr: int
+    rope: int = 0
+    split_len: int = 0
+    timestep: float | None = None
+
+    def take(self, n: int) -> int:
+        """Claim ``n`` positions of the open split; returns the first."""
+        start = self.curr
+        self.curr += n
+        self.split_len += n
+        return start
 
 
 class SequenceBuilder:
@@ -97,120 +117,132 @@ class SequenceBuilder:
             self.label_ids.append(item.special_token_label)
 
     def add(self, sample: Sample) -> None:
-        """Append one sample (reference ``pack_sequence`` semantics, random draws included)."""
-        k, sp = self.knobs, self.special
-        texts = iter(sample.texts)
-        images = iter(sample.images)
-        curr = self.curr
-        rope = 0
+        """Append one sample (reference ``pack_sequence`` semantics, random draws included).
+
+        Each plan item is placed by its kind's method; one that CFG dropout removes (the method
+        returns False) does not close its split."""
+        texts, images = iter(sample.texts), iter(sample.images)  # ViT and VAE items share one image list
+        placers = {"text": (texts, self._text), "vit_image": (images, self._vit_image),
+                   "vae_image": (images, self._vae_image)}
+        c = _Cursor(self.curr)
         sample_len = 0
-        split_len = 0
         n_splits = 0
         n_modes_before = len(self.attn_modes)
-        timestep = None
         for item in sample.plan:
             if item.split_start:
-                split_len = 0
-            if item.kind == "text":
-                ids = next(texts)
-                if item.enable_cfg == 1 and self.py_rng.random() < k.text_cond_dropout_prob:
-                    continue
-                n = len(ids) + 1
-                self.text_ids.append(sp.bos_token_id)
-                self.text_ids.extend(ids)
-                self.text_indexes.extend(range(curr, curr + n))
-                if item.loss == 1:
-                    self.ce_indexes.extend(range(curr, curr + n))
-                    self.ce_weights.extend([1 / (n**0.5)] * n)
-                    self.label_ids.extend(ids)
-                    self.label_ids.append(sp.eos_token_id)
-                curr += n
-                split_len += n
-                self._marker(sp.eos_token_id, curr)
-                self._special_loss(item, curr)
-                curr += 1
-                split_len += 1
-                self.attn_modes.append(ATTN_MODE_CODES["causal"])
-                self.position_ids.extend(range(rope, rope + split_len))
-                rope += split_len
-            elif item.kind == "vit_image":
-                image = next(images)
-                if item.enable_cfg == 1 and self.py_rng.random() < k.vit_cond_dropout_prob:
-                    rope += 1
-                    continue
-                self._marker(sp.start_of_image, curr)
-                curr += 1
-                split_len += 1
-                p = k.vit_patch_size
-                if image.height % p or image.width % p:
-                    raise PackingError(
-                        f"ViT image {image.width}x{image.height} is not divisible by vit_patch_size={p}: "
-                        "set the group's image_stride to the patch size"
-                    )
-                n_tok = (image.height // p) * (image.width // p)
-                self.vit_indexes.extend(range(curr, curr + n_tok))
-                curr += n_tok
-                split_len += n_tok
-                self.vit_ids.append(self._slot(image))
-                self.vit_seqlens.append(n_tok)
-                self.vit_pos.append(position_ids(image.height, image.width, p, k.max_num_patch_per_side, k.interpolate_pos))
-                self._marker(sp.end_of_image, curr)
-                self._special_loss(item, curr)
-                curr += 1
-                split_len += 1
-                self.attn_modes.append(ATTN_MODE_CODES["full"])
-                self.position_ids.extend([rope] * split_len)
-                rope += 1
-            elif item.kind == "vae_image":
-                image = next(images)
-                if item.enable_cfg == 1 and self.py_rng.random() < k.vae_cond_dropout_prob:
-                    rope += 1
-                    continue
-                self._marker(sp.start_of_image, curr)
-                curr += 1
-                split_len += 1
-                d = k.vae_image_downsample
-                self.vae_ids.append(self._slot(image))
-                self.latent_pos.append(position_ids(image.height, image.width, d, k.max_latent_size, k.interpolate_pos))
-                h, w = image.height // d, image.width // d
-                self.vae_shapes.append((h, w))
-                n_tok = h * w
-                self.vae_indexes.extend(range(curr, curr + n_tok))
-                if item.loss == 1:
-                    self.mse_indexes.extend(range(curr, curr + n_tok))
-                    if item.split_start:
-                        timestep = self.np_rng.randn()
-                    elif timestep is None:
-                        raise PackingError("a continued VAE split with loss has no timestep (malformed video plan)")
-                else:
-                    timestep = float("-inf")
-                self.timesteps.extend([timestep] * n_tok)
-                curr += n_tok
-                split_len += n_tok
-                self._marker(sp.end_of_image, curr)
-                self._special_loss(item, curr)
-                curr += 1
-                split_len += 1
-                if item.split_start:
-                    noisy = item.loss == 1 and item.frame_delta is None
-                    self.attn_modes.append(ATTN_MODE_CODES["noise" if noisy else "full"])
-                self.position_ids.extend([rope] * (n_tok + 2))
-                if item.frame_delta is not None:
-                    rope += item.frame_delta
-                elif item.loss == 0:
-                    rope += 1
-            else:
+                c.split_len = 0
+            if item.kind not in placers:
                 raise PackingError(f"unknown plan item kind {item.kind!r}")
+            content, place = placers[item.kind]
+            if not place(item, next(content), c):
+                continue
             if item.split_end:
-                self.split_lens.append(split_len)
+                self.split_lens.append(c.split_len)
                 n_splits += 1
-                sample_len += split_len
+                sample_len += c.split_len
         if len(self.attn_modes) - n_modes_before != n_splits:
             raise PackingError("a sample's splits and attention modes disagree (malformed multi-frame plan)")
-        self.curr = curr
+        self.curr = c.curr
         self.sample_lens.append(sample_len)
         self.sample_num_splits.append(n_splits)
         self.origins.append(sample.origin)
+
+    def _dropped(self, item, prob: float) -> bool:
+        """CFG dropout of one plan item: the one ``py_rng`` draw, made only for CFG-enabled items."""
+        return item.enable_cfg == 1 and self.py_rng.random() < prob
+
+    def _close(self, item, token: int, c: _Cursor) -> None:
+        """The marker that ends an item (EOS or end of image), with its optional special-token loss."""
+        self._marker(token, c.curr)
+        self._special_loss(item, c.curr)
+        c.take(1)
+
+    def _open_image(self, item, prob: float, c: _Cursor) -> bool:
+        """An image's start marker, or False when CFG dropout removes it (its rope id still counts)."""
+        if self._dropped(item, prob):
+            c.rope += 1
+            return False
+        self._marker(self.special.start_of_image, c.curr)
+        c.take(1)
+        return True
+
+    def _text(self, item, ids: list[int], c: _Cursor) -> bool:
+        """BOS + ids + EOS, causal, one rope id per token."""
+        if self._dropped(item, self.knobs.text_cond_dropout_prob):
+            return False
+        sp = self.special
+        n = len(ids) + 1
+        start = c.take(n)
+        self.text_ids.append(sp.bos_token_id)
+        self.text_ids.extend(ids)
+        self.text_indexes.extend(range(start, start + n))
+        if item.loss == 1:
+            self.ce_indexes.extend(range(start, start + n))
+            self.ce_weights.extend([1 / (n**0.5)] * n)
+            self.label_ids.extend(ids)
+            self.label_ids.append(sp.eos_token_id)
+        self._close(item, sp.eos_token_id, c)
+        self.attn_modes.append(ATTN_MODE_CODES["causal"])
+        self.position_ids.extend(range(c.rope, c.rope + c.split_len))
+        c.rope += c.split_len
+        return True
+
+    def _vit_image(self, item, image: SampleImage, c: _Cursor) -> bool:
+        """Start marker, ViT patches, end marker; full attention, one rope id for the whole image."""
+        k = self.knobs
+        if not self._open_image(item, k.vit_cond_dropout_prob, c):
+            return False
+        p = k.vit_patch_size
+        if image.height % p or image.width % p:
+            raise PackingError(
+                f"ViT image {image.width}x{image.height} is not divisible by vit_patch_size={p}: "
+                "set the group's image_stride to the patch size"
+            )
+        n_tok = (image.height // p) * (image.width // p)
+        start = c.take(n_tok)
+        self.vit_indexes.extend(range(start, start + n_tok))
+        self.vit_ids.append(self._slot(image))
+        self.vit_seqlens.append(n_tok)
+        self.vit_pos.append(position_ids(image.height, image.width, p, k.max_num_patch_per_side, k.interpolate_pos))
+        self._close(item, self.special.end_of_image, c)
+        self.attn_modes.append(ATTN_MODE_CODES["full"])
+        self.position_ids.extend([c.rope] * c.split_len)
+        c.rope += 1
+        return True
+
+    def _vae_image(self, item, image: SampleImage, c: _Cursor) -> bool:
+        """Start marker, latent slots (a timestep each), end marker; a video frame may continue its
+        split (``split_start`` false) and moves the rope id by ``frame_delta``."""
+        k = self.knobs
+        if not self._open_image(item, k.vae_cond_dropout_prob, c):
+            return False
+        d = k.vae_image_downsample
+        self.vae_ids.append(self._slot(image))
+        self.latent_pos.append(position_ids(image.height, image.width, d, k.max_latent_size, k.interpolate_pos))
+        h, w = image.height // d, image.width // d
+        self.vae_shapes.append((h, w))
+        n_tok = h * w
+        start = c.take(n_tok)
+        self.vae_indexes.extend(range(start, start + n_tok))
+        if item.loss == 1:
+            self.mse_indexes.extend(range(start, start + n_tok))
+            if item.split_start:
+                c.timestep = self.np_rng.randn()
+            elif c.timestep is None:
+                raise PackingError("a continued VAE split with loss has no timestep (malformed video plan)")
+        else:
+            c.timestep = float("-inf")
+        self.timesteps.extend([c.timestep] * n_tok)
+        self._close(item, self.special.end_of_image, c)
+        if item.split_start:
+            noisy = item.loss == 1 and item.frame_delta is None
+            self.attn_modes.append(ATTN_MODE_CODES["noise" if noisy else "full"])
+        self.position_ids.extend([c.rope] * (n_tok + 2))
+        if item.frame_delta is not None:
+            c.rope += item.frame_delta
+        elif item.loss == 0:
+            c.rope += 1
+        return True
 
     def build(self, alloc: Callable[[int], np.ndarray] | None = None) -> PackedBatch:
         """The compact batch; pixels are resized here (once per distinct picture).  ``alloc``: where

@@ -126,6 +126,27 @@ def test_world_size_change_reads_every_batch_exactly_once(pack, stream_ids, old_
     assert sorted(seen) == sorted(b for s in stream_ids.values() for b in s) and len(seen) == len(set(seen))
 
 
+def test_state_shapes_on_disk_and_older_states(pack):
+    """state_dict/merge_states write today's plain shapes; a state saved before ``firsts`` existed resumes."""
+    ds = PackedShardDataset(pack, rank=1, world_size=3)
+    full = ids(PackedShardDataset(pack, rank=1, world_size=3))
+    it = iter(ds)
+    head = [batch_id(next(it)) for _ in range(3)]
+    state = ds.state_dict()
+    assert list(state) == ["version", "pack", "rank", "world_size", "worker", "num_workers", "streams", "cursor",
+                           "firsts", "positions", "last"]
+    assert state["version"] == 2 and state["streams"] == [2, 3] and state["cursor"] == 3
+    assert all(type(v) is int for k in ("firsts", "positions") for v in state[k])
+    assert all(type(v) is str for v in state["last"]) and type(state["pack"]) is str
+    merged = PackedShardDataset.merge_states([state])
+    assert list(merged) == ["version", "kind", "pack", "positions", "last"] and merged["kind"] == "merged"
+    assert merged["positions"] == {"2": state["positions"][0], "3": state["positions"][1]}
+    assert merged["last"] == {"2": state["last"][0], "3": state["last"][1]}
+    older = PackedShardDataset(pack, rank=1, world_size=3)
+    older.load_state_dict({k: v for k, v in state.items() if k != "firsts"})
+    assert head + ids(older) == full
+
+
 def test_merge_refuses_overlap_and_gaps(pack):
     a = PackedShardDataset(pack, rank=0, world_size=3).state_dict()
     with pytest.raises(ValueError, match="appears in two"):
