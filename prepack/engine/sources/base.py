@@ -17,7 +17,7 @@ from typing import Any, Callable, Generator
 
 import numpy as np
 
-from prepack.engine.accounting import Counters, Rejected
+from prepack.engine.accounting import Counters, Drop, Rejected, Warn
 from prepack.engine.images import ImagePolicy
 from prepack.engine.pictures import PictureStore
 from prepack.engine.sources import files
@@ -91,7 +91,7 @@ def list_parquet_files(data_dir: str, num_files: int, counters: Counters, group:
     if not names:
         raise ConfigError(f"group {group}: no .parquet files in {data_dir}")
     if num_files % len(names):
-        counters.warn("parquet_file_choice_depends_on_listing_order", data_dir)
+        counters.warn(Warn.PARQUET_FILE_CHOICE_DEPENDS_ON_LISTING_ORDER, data_dir)
     paths = [files.join(data_dir, n) for n in names]
     return (paths * (num_files // len(paths) + 1))[:num_files]
 
@@ -168,11 +168,11 @@ class Source:
         self.ctx.counters.samples_read[self.group.name] = self.ctx.counters.samples_read.get(self.group.name, 0) + 1
         return sample
 
-    def _failed(self, err: Rejected | str, detail: str = "") -> None:
-        """Count a dropped row; stop the stream when the source keeps failing."""
+    def _failed(self, err: Rejected | Drop, detail: str = "") -> None:
+        """Count a dropped row (under this group); stop the stream when the source keeps failing."""
         reason = err.reason if isinstance(err, Rejected) else err
         detail = detail or (err.detail if isinstance(err, Rejected) else "")
-        self.ctx.counters.drop(f"{self.group.name}:{reason}", detail)
+        self.ctx.counters.drop(reason, detail, group=self.group.name)
         self._fails_in_row += 1
         if self._fails_in_row >= self.ctx.max_consecutive_failures:
             raise SourceStalled(

@@ -14,7 +14,7 @@ import json
 import os
 from typing import Iterator
 
-from prepack.engine.accounting import Rejected
+from prepack.engine.accounting import Drop, Rejected, Warn
 from prepack.engine.images import navit_size
 from prepack.engine.sample import PlanItem, Sample, SampleImage
 from prepack.engine.sources import files
@@ -57,7 +57,7 @@ class EditSource(Source):
             for path in list_parquet_files(ds.data_dir, num, ctx.counters, group.name):
                 listed.add(path)
                 if path not in info:
-                    ctx.counters.warn("edit_file_missing_from_parquet_info", path)
+                    ctx.counters.warn(Warn.EDIT_FILE_MISSING_FROM_PARQUET_INFO, path)
                     continue
                 try:
                     n = int(info[path]["num_row_groups"])
@@ -66,7 +66,7 @@ class EditSource(Source):
                 row_groups += [(path, rg, ds.name) for rg in range(n)]
         for path in info:
             if path not in listed and not files.exists(path):
-                ctx.counters.warn("parquet_info_entry_without_file", path)
+                ctx.counters.warn(Warn.PARQUET_INFO_ENTRY_WITHOUT_FILE, path)
         self.row_groups = slice_for_stream(row_groups, ctx, group.name, key=lambda t: (t[0], t[1]))
         self.pos = [0, 0]  # next (row-group position, row)
 
@@ -121,7 +121,7 @@ class EditSource(Source):
                 try:
                     table = fetched.result() if fetched is not None else _read_row_group(path, rg)
                 except Exception as e:  # the reference drops the row group (or crashes on a missing file)
-                    self._failed("parquet_row_group_parse", f"{path} rg {rg}: {e}")
+                    self._failed(Drop.PARQUET_ROW_GROUP_PARSE, f"{path} rg {rg}: {e}")
                     self.pos = [gpos + 1, 0]
                     continue
                 while self.pos[1] < table.num_rows:
@@ -134,7 +134,7 @@ class EditSource(Source):
                         self._failed(r, f"{path} rg {rg} row {row}")
                         continue
                     except Exception as e:  # the reference's parse_row guard
-                        self._failed("parquet_row_parse", f"{path} rg {rg} row {row}: {type(e).__name__}: {e}")
+                        self._failed(Drop.PARQUET_ROW_PARSE, f"{path} rg {rg} row {row}: {type(e).__name__}: {e}")
                         continue
                     yield sample
                 self.pos = [gpos + 1, 0]
@@ -157,7 +157,7 @@ class EditSource(Source):
         def picture(i: int):
             data = images[i]
             if not isinstance(data, bytes):
-                raise Rejected("edit_image_not_bytes")
+                raise Rejected(Drop.EDIT_IMAGE_NOT_BYTES)
             return ctx.pictures.rgb(data)
 
         def add_text(text: str) -> None:

@@ -18,7 +18,7 @@ import random
 from dataclasses import dataclass
 from typing import Iterator
 
-from prepack.engine.accounting import Rejected
+from prepack.engine.accounting import Drop, Rejected, Warn
 from prepack.engine.images import navit_size
 from prepack.engine.sample import PlanItem, Sample, SampleImage
 from prepack.engine.sources import files
@@ -56,10 +56,10 @@ def read_lines(path: str) -> list[tuple[str, bool]]:
 def _inside(data_dir: str, rel) -> str:
     """Join a JSONL path onto the data dir, refusing anything that could leave it."""
     if not isinstance(rel, str):
-        raise Rejected("jsonl_bad_path", f"path is {type(rel).__name__}")
+        raise Rejected(Drop.JSONL_BAD_PATH, f"path is {type(rel).__name__}")
     parts = rel.replace("\\", "/").split("/")
     if os.path.isabs(rel) or rel.startswith(("~", "/")) or ".." in parts or "://" in rel:
-        raise Rejected("unsafe_path_outside_data_dir", rel)
+        raise Rejected(Drop.UNSAFE_PATH_OUTSIDE_DATA_DIR, rel)
     return files.join(data_dir, rel)
 
 
@@ -185,36 +185,36 @@ class SftSource(Source):
             convs = item["conversations"]
             first = convs[0]
             if "<video>" not in first["value"]:
-                raise Rejected("jsonl_parse", "no <video> placeholder in the first turn")
+                raise Rejected(Drop.JSONL_PARSE, "no <video> placeholder in the first turn")
             first["value"] = first["value"].replace("<video>", "<image>" * len(frames))
             if not frames:
                 if ctx.image_policy.strict:
-                    raise Rejected("strict_video_without_frames")
-                ctx.counters.warn("video_without_frames_packed_as_text")
+                    raise Rejected(Warn.VIDEO_WITHOUT_FRAMES_PACKED_AS_TEXT.strict)
+                ctx.counters.warn(Warn.VIDEO_WITHOUT_FRAMES_PACKED_AS_TEXT)
             return frames
         return []
 
     def _row(self, line: _Line, origin: SampleOrigin, objects: Prefetched = DIRECT) -> Sample:
         ctx, args = self.ctx, self.group.image_transform
         if not line.valid_utf8:
-            raise Rejected("jsonl_not_utf8")
+            raise Rejected(Drop.JSONL_NOT_UTF8)
         try:
             item = json.loads(line.text)
         except ValueError as e:
-            raise Rejected("jsonl_parse", f"bad JSON: {e}") from None
+            raise Rejected(Drop.JSONL_PARSE, f"bad JSON: {e}") from None
         try:
             pictures = self._media(item, line.data_dir, objects) if isinstance(item, dict) else None
         except Rejected:
             raise
         except Exception as e:  # the reference's guard around media loading
-            raise Rejected("jsonl_parse", f"{type(e).__name__}: {e}") from None
+            raise Rejected(Drop.JSONL_PARSE, f"{type(e).__name__}: {e}") from None
         if not isinstance(item, dict):
-            raise Rejected("jsonl_not_object", type(item).__name__)
+            raise Rejected(Drop.JSONL_NOT_OBJECT, type(item).__name__)
         convs = item.get("conversations")
         if not isinstance(convs, list) or not all(
             isinstance(c, dict) and isinstance(c.get("from"), str) and isinstance(c.get("value"), str) for c in convs
         ):
-            raise Rejected("jsonl_bad_conversations", "needs a list of {from, value} strings")
+            raise Rejected(Drop.JSONL_BAD_CONVERSATIONS, "needs a list of {from, value} strings")
         images: list[SampleImage] = []
         tokens = 0
         for pic in pictures:
@@ -249,11 +249,11 @@ class SftSource(Source):
             elif conv["from"] == "gpt":
                 add_text(conv["value"], 1)
         if not any(p.loss for p in plan):
-            raise Rejected("no_loss_labels")
+            raise Rejected(Drop.NO_LOSS_LABELS)
         if placeholders > len(images):  # the reference would crash packing this row
-            raise Rejected("more_image_placeholders_than_images")
+            raise Rejected(Drop.MORE_IMAGE_PLACEHOLDERS_THAN_IMAGES)
         if placeholders < len(images):
             if ctx.image_policy.strict:
-                raise Rejected("strict_image_without_placeholder")
-            ctx.counters.warn("image_without_placeholder_counted_not_packed")
+                raise Rejected(Warn.IMAGE_WITHOUT_PLACEHOLDER_COUNTED_NOT_PACKED.strict)
+            ctx.counters.warn(Warn.IMAGE_WITHOUT_PLACEHOLDER_COUNTED_NOT_PACKED)
         return Sample(plan, texts, images, tokens, origin)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Iterator
 
-from prepack.engine.accounting import Rejected
+from prepack.engine.accounting import Drop, Rejected, Warn
 from prepack.engine.images import navit_size
 from prepack.engine.sample import PlanItem, Sample, SampleImage
 from prepack.engine.sources import files
@@ -67,7 +67,7 @@ class T2ISource(Source):
                     handle = opened.result() if opened is not None else open_parquet(path)
                     names, num_groups = handle.names, handle.num_row_groups
                 except Exception as e:  # the reference crashes here; we drop the file
-                    self._failed("parquet_file_unreadable", f"{path}: {e}")
+                    self._failed(Drop.PARQUET_FILE_UNREADABLE, f"{path}: {e}")
                     self.pos = [fpos + 1, 0, 0]
                     continue
                 while self.pos[1] < num_groups:
@@ -76,7 +76,7 @@ class T2ISource(Source):
                     try:
                         table = fetched.result() if fetched is not None else _read_row_group(handle, rg)
                     except Exception as e:  # the reference crashes here; we drop the row group
-                        self._failed("parquet_row_group_unreadable", f"{path} rg {rg}: {e}")
+                        self._failed(Drop.PARQUET_ROW_GROUP_UNREADABLE, f"{path} rg {rg}: {e}")
                         self.pos = [fpos, rg + 1, 0]
                         continue
                     images = table.column("image") if "image" in names else None
@@ -123,41 +123,41 @@ class T2ISource(Source):
     def _row(self, images, captions, row: int, origin: SampleOrigin) -> Sample:
         ctx, args = self.ctx, self.group.image_transform
         if images is None:
-            raise Rejected("t2i_image_parse", "no 'image' column")
+            raise Rejected(Drop.T2I_IMAGE_PARSE, "no 'image' column")
         data = images[row].as_py()
         if not isinstance(data, bytes):
-            raise Rejected("t2i_image_parse", f"image value is {type(data).__name__}, not bytes")
+            raise Rejected(Drop.T2I_IMAGE_PARSE, f"image value is {type(data).__name__}, not bytes")
         try:
             picture = ctx.pictures.rgb(data)
         except Rejected:
             raise
         except Exception as e:
-            raise Rejected("t2i_image_parse", str(e)) from None
+            raise Rejected(Drop.T2I_IMAGE_PARSE, str(e)) from None
         target = navit_size(*picture.size, max_size=args.max_image_size, min_size=args.min_image_size,
                             stride=args.image_stride, max_pixels=args.max_pixels)
         num_tokens = target[0] * target[1] // args.image_stride**2
         if captions is None:
-            raise Rejected("t2i_caption_parse", "no 'captions' column")
+            raise Rejected(Drop.T2I_CAPTION_PARSE, "no 'captions' column")
         try:
             caption_dict = json.loads(captions[row].as_py())
         except Exception as e:
-            raise Rejected("t2i_caption_parse", str(e)) from None
+            raise Rejected(Drop.T2I_CAPTION_PARSE, str(e)) from None
         if not isinstance(caption_dict, dict):
-            raise Rejected("t2i_caption_not_object", type(caption_dict).__name__)
+            raise Rejected(Drop.T2I_CAPTION_NOT_OBJECT, type(caption_dict).__name__)
         values = list(caption_dict.values())
         if any(not isinstance(v, str) for v in values):
-            raise Rejected("t2i_caption_not_string")
+            raise Rejected(Drop.T2I_CAPTION_NOT_STRING)
         if not values:
             if ctx.image_policy.strict:
-                raise Rejected("strict_t2i_no_caption")
-            ctx.counters.warn("t2i_no_caption_packed_as_space")
+                raise Rejected(Warn.T2I_NO_CAPTION_PACKED_AS_SPACE.strict)
+            ctx.counters.warn(Warn.T2I_NO_CAPTION_PACKED_AS_SPACE)
             text = " "
         else:
             text = values[ctx.py_rng.choice(range(len(values)))]
             if text == "":
                 if ctx.image_policy.strict:
-                    raise Rejected("strict_t2i_empty_caption")
-                ctx.counters.warn("t2i_empty_caption")
+                    raise Rejected(Warn.T2I_EMPTY_CAPTION.strict)
+                ctx.counters.warn(Warn.T2I_EMPTY_CAPTION)
         ids = ctx.tokenizer.encode(text)
         plan = [PlanItem("text", enable_cfg=1, loss=0), PlanItem("vae_image", enable_cfg=0, loss=1)]
         return Sample(plan, [ids], [SampleImage.from_transform(picture, target, args)], num_tokens + len(ids), origin)
