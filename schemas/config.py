@@ -20,9 +20,9 @@ import yaml
 
 from schemas.compression import Compression
 from schemas.errors import ConfigError
+from schemas.kinds import KINDS, SourceKind
 from schemas.location import redact_uri, refuse_credentials
 
-GROUP_KINDS = ("t2i_pretrain", "vlm_sft", "unified_edit")
 DEFAULT_MAX_IMAGE_PIXELS = 400_000_000  # the reference's effective limit: 2 x PIL.MAX_IMAGE_PIXELS(2e8)
 
 
@@ -118,7 +118,7 @@ class DatasetInfo:
 
 @dataclass(frozen=True)
 class GroupConfig:
-    name: str  # also the dataset kind: t2i_pretrain | vlm_sft | unified_edit
+    name: str  # also the group's kind (``schemas.kinds``): t2i_pretrain | vlm_sft | unified_edit
     datasets: tuple[DatasetInfo, ...]
     num_used_data: tuple[int, ...]
     weight: float = 0.0
@@ -128,6 +128,10 @@ class GroupConfig:
     frame_sampler: FrameSamplerArgs | None = None
     shuffle_lines: bool = False
     shuffle_seed: int = 0
+
+    @property
+    def kind(self) -> SourceKind:
+        return KINDS[self.name]
 
 
 @dataclass(frozen=True)
@@ -222,19 +226,6 @@ class PrepackConfig:
 
 _KNOB_NAMES = list(PackingKnobs.__dataclass_fields__)
 _DATASET_KEYS = ["grouped_datasets", "grouped_datasets_path", "dataset_info", "dataset_info_path"] + _KNOB_NAMES
-_GROUP_KEYS = [
-    "dataset_names",
-    "weight",
-    "is_mandatory",
-    "num_used_data",
-    "image_transform_args",
-    "vit_image_transform_args",
-    "frame_sampler_args",
-    "shuffle_lines",
-    "shuffle_seed",
-    "resume_data_status",
-]
-_INFO_KEYS = ["data_dir", "jsonl_path", "parquet_info_path", "json_dir", "num_files", "num_total_samples"]
 _PREPACK_KEYS = list(PrepackSection.__dataclass_fields__)
 _OUR_TOP_KEYS = ["seed", "tokenizer", "dataset", "dataloader", "prepack"]
 
@@ -286,11 +277,12 @@ def _load_mapping(base: str, d: Mapping, key: str) -> dict:
 
 def _parse_group(name: str, g: Any, infos: Mapping, base: str, check_files: bool) -> GroupConfig:
     where = f"dataset.grouped_datasets.{name}"
-    if name not in GROUP_KINDS:
-        raise ConfigError(f"unknown group name '{name}' in dataset.grouped_datasets{_closest(name, list(GROUP_KINDS))}")
+    kind = KINDS.get(name)
+    if kind is None:
+        raise ConfigError(f"unknown group name '{name}' in dataset.grouped_datasets{_closest(name, list(KINDS))}")
     if not isinstance(g, Mapping):
         raise ConfigError(f"{where} must be a mapping")
-    _check_keys(where, g, _GROUP_KEYS)
+    _check_keys(where, g, list(kind.group_keys))
     names = g.get("dataset_names")
     if not isinstance(names, list) or not names:
         raise ConfigError(f"{where}.dataset_names must be a non-empty list")
@@ -313,7 +305,7 @@ def _parse_group(name: str, g: Any, infos: Mapping, base: str, check_files: bool
         iw = f"dataset.dataset_info.{name}.{ds}"
         if not isinstance(info, Mapping) or "data_dir" not in info:
             raise ConfigError(f"{iw} must be a mapping with 'data_dir'")
-        _check_keys(iw, info, _INFO_KEYS)
+        _check_keys(iw, info, list(kind.dataset_keys))
         di = DatasetInfo(
             name=str(ds),
             data_dir=_resolve(base, info["data_dir"], f"{iw}.data_dir"),
@@ -324,10 +316,9 @@ def _parse_group(name: str, g: Any, infos: Mapping, base: str, check_files: bool
                 else None
             ),
         )
-        if name == "vlm_sft" and di.jsonl_path is None:
-            raise ConfigError(f"{iw} needs 'jsonl_path' (vlm_sft reads conversations from JSONL)")
-        if name == "unified_edit" and di.parquet_info_path is None:
-            raise ConfigError(f"{iw} needs 'parquet_info_path' (unified_edit reads row groups from it)")
+        for need in kind.dataset_needs:
+            if need.key not in info:
+                raise ConfigError(need.missing(iw))
         if check_files:
             if not _is_kind(di.data_dir, directory=True):
                 raise ConfigError(f"{iw}.data_dir: directory not found: {di.data_dir}")
@@ -349,12 +340,9 @@ def _parse_group(name: str, g: Any, infos: Mapping, base: str, check_files: bool
         if "frame_sampler_args" in g
         else None
     )
-    if img is None:
-        raise ConfigError(f"{where} needs 'image_transform_args'")
-    if name == "unified_edit" and vit is None:
-        raise ConfigError(f"{where} needs 'vit_image_transform_args' (edit rows feed the ViT too)")
-    if name == "vlm_sft" and frames is None:
-        raise ConfigError(f"{where} needs 'frame_sampler_args' (the reference requires a frame sampler)")
+    for need in kind.group_needs:
+        if need.key not in g:
+            raise ConfigError(need.missing(where))
     return GroupConfig(
         name=name,
         datasets=tuple(datasets),

@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 import numpy as np
 from PIL import Image, ImageFile, PngImagePlugin
 
-from prepack.engine.accounting import Rejected
+from prepack.engine.accounting import Drop, Rejected, Warn
 from schemas.pixel_index import DecodeFacts
 
 _HIGH_BIT_DEPTH_MODES = {"I", "F", "I;16", "I;16B", "I;16L", "I;16N"}
@@ -50,7 +50,7 @@ def _open(source: bytes | str, policy: ImagePolicy, load_truncated: bool) -> Ima
         try:
             w, h = img.size
             if w * h > policy.max_pixels:
-                raise Rejected("image_over_pixel_limit", f"{w}x{h} > {policy.max_pixels} pixels")
+                raise Rejected(Drop.IMAGE_OVER_PIXEL_LIMIT, f"{w}x{h} > {policy.max_pixels} pixels")
             img.load()
         except BaseException:
             img.close()
@@ -61,7 +61,7 @@ def _open(source: bytes | str, policy: ImagePolicy, load_truncated: bool) -> Ima
 def _load(source: bytes | str, policy: ImagePolicy) -> tuple[Image.Image, bool]:
     """Decode fully (as the reference's PIL settings would): (image, whether it was truncated)."""
     if not isinstance(source, (bytes, bytearray, memoryview, str)):
-        raise Rejected("image_not_bytes", type(source).__name__)
+        raise Rejected(Drop.IMAGE_NOT_BYTES, type(source).__name__)
     try:
         return _open(source, policy, load_truncated=False), False
     except Rejected:
@@ -72,14 +72,15 @@ def _load(source: bytes | str, policy: ImagePolicy) -> tuple[Image.Image, bool]:
 
 
 def observed_damage(img: Image.Image) -> tuple[str, ...]:
-    """What the reference's RGB conversion silently damages in ``img`` (policy-free)."""
+    """What the reference's RGB conversion silently damages in ``img`` (policy-free), as the keys
+    of the ``Warn`` kinds (what a pixel index stores)."""
     kinds = []
     if img.mode in _HIGH_BIT_DEPTH_MODES:
-        kinds.append("high_bit_depth_image_saturated")
+        kinds.append(Warn.HIGH_BIT_DEPTH_IMAGE_SATURATED.key)
     if img.mode in _ALPHA_MODES_WITHOUT_COMPOSITE and img.info.get("transparency") is None:
-        kinds.append("alpha_dropped_without_composite")
+        kinds.append(Warn.ALPHA_DROPPED_WITHOUT_COMPOSITE.key)
     if getattr(img, "n_frames", 1) > 1:
-        kinds.append("animated_image_first_frame_only")
+        kinds.append(Warn.ANIMATED_IMAGE_FIRST_FRAME_ONLY.key)
     return tuple(kinds)
 
 
@@ -87,28 +88,29 @@ def decode_observed(source: bytes | str, policy: ImagePolicy) -> tuple[Image.Ima
     """Decode fully and say what the decode saw (size, damage), before any policy but the pixel
     limit (checked from the header, before decoding).  ``apply_facts`` then counts or refuses."""
     img, truncated = _load(source, policy)
-    damage = (("truncated_image",) if truncated else ()) + observed_damage(img)
+    damage = ((Warn.TRUNCATED_IMAGE.key,) if truncated else ()) + observed_damage(img)
     return img, DecodeFacts(img.size[0], img.size[1], damage)
 
 
-def apply_facts(facts: DecodeFacts, policy: ImagePolicy, warn: Callable[[str], None]) -> None:
+def apply_facts(facts: DecodeFacts, policy: ImagePolicy, warn: Callable[[Warn], None]) -> None:
     """Count (or refuse, in strict mode) a decode's damage, in the order a decode meets it; the
     same call for a picture decoded now and for one whose facts an earlier pack recorded."""
     if facts.width * facts.height > policy.max_pixels:
-        raise Rejected("image_over_pixel_limit", f"{facts.width}x{facts.height} > {policy.max_pixels} pixels")
-    for kind in facts.damage:
-        if policy.strict and kind != "animated_image_first_frame_only":
-            raise Rejected(f"strict_{kind}")
+        raise Rejected(Drop.IMAGE_OVER_PIXEL_LIMIT, f"{facts.width}x{facts.height} > {policy.max_pixels} pixels")
+    for key in facts.damage:
+        kind = Warn(key)
+        if policy.strict and kind.strict is not None:
+            raise Rejected(kind.strict)
         warn(kind)
 
 
-def load_image(source: bytes | str, policy: ImagePolicy, warn: Callable[[str], None]) -> Image.Image:
+def load_image(source: bytes | str, policy: ImagePolicy, warn: Callable[[Warn], None]) -> Image.Image:
     """Decode fully (as the reference's PIL settings would), counting truncation via ``warn``."""
     img, truncated = _load(source, policy)
     if truncated:
         if policy.strict:
-            raise Rejected("strict_truncated_image")
-        warn("truncated_image")
+            raise Rejected(Warn.TRUNCATED_IMAGE.strict)
+        warn(Warn.TRUNCATED_IMAGE)
     return img
 
 
@@ -131,14 +133,14 @@ def to_plain_rgb(img: Image.Image) -> Image.Image:
     return img if img.mode == "RGB" else img.convert("RGB")
 
 
-def decode_rgb(source: bytes | str, policy: ImagePolicy, warn: Callable[[str], None]) -> Image.Image:
+def decode_rgb(source: bytes | str, policy: ImagePolicy, warn: Callable[[Warn], None]) -> Image.Image:
     """Bytes or a path -> a loaded RGB image (reference ``pil_img2rgb(Image.open(...))``)."""
     img, facts = decode_observed(source, policy)
     apply_facts(facts, policy, warn)
     return to_rgb(img)
 
 
-def decode_plain_rgb(path: bytes | str, policy: ImagePolicy, warn: Callable[[str], None]) -> Image.Image:
+def decode_plain_rgb(path: bytes | str, policy: ImagePolicy, warn: Callable[[Warn], None]) -> Image.Image:
     """Frame-folder decoding: the reference uses ``.convert("RGB")`` there, with no compositing."""
     img, facts = decode_observed(path, policy)
     apply_facts(facts, policy, warn)

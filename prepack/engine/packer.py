@@ -19,7 +19,7 @@ from typing import Iterator
 
 import numpy as np
 
-from prepack.engine.accounting import Counters
+from prepack.engine.accounting import Counters, Drop, Warn
 from prepack.engine.images import ImagePolicy
 from prepack.engine.layout import PackingError, SequenceBuilder
 from prepack.engine.pictures import PictureStore, PixelProvider
@@ -184,7 +184,7 @@ class StreamPacker:
         """Counters at the end of the stream, with what is still buffered accounted for."""
         c = Counters.from_json(self.counters.to_json())
         if self.buffer:
-            c.drops["left_in_buffer_at_end_of_budget"] = c.drops.get("left_in_buffer_at_end_of_budget", 0) + len(self.buffer)
+            c.drop_total(Drop.LEFT_IN_BUFFER_AT_END_OF_BUDGET, len(self.buffer))
         return c
 
     # -- packing --------------------------------------------------------------------------------
@@ -203,8 +203,8 @@ class StreamPacker:
         length = builder.curr
         if length > k.max_num_tokens:
             if k.use_flex:
-                self.counters.drop("batch_refused_over_max_num_tokens", f"{length} > {k.max_num_tokens}")
-                self.counters.drop("samples_in_refused_batches", n=len(builder.origins))
+                self.counters.drop(Drop.BATCH_REFUSED_OVER_MAX_NUM_TOKENS, f"{length} > {k.max_num_tokens}")
+                self.counters.drop(Drop.SAMPLES_IN_REFUSED_BATCHES, n=len(builder.origins))
                 self.refused_in_row += 1
                 if self.refused_in_row >= MAX_CONSECUTIVE_REFUSED_BATCHES:
                     raise PackingError(
@@ -212,7 +212,7 @@ class StreamPacker:
                         "(mandatory samples alone overflow it): raise max_num_tokens or lower max_num_tokens_per_sample"
                     )
                 return None
-            self.counters.warn("batch_over_max_num_tokens")
+            self.counters.warn(Warn.BATCH_OVER_MAX_NUM_TOKENS)
         self.refused_in_row = 0
         batch = builder.build(None if self._table_buffer is None else self._reused_table)
         batch.image_sources = [img.source for img in builder.images]
@@ -252,21 +252,21 @@ class StreamPacker:
                         if sample.packed_len_estimate < cap:
                             builder.add(sample)
                             break
-                        self.counters.drop("overlength_mandatory_sample", str(sample.packed_len_estimate))
+                        self.counters.drop(Drop.OVERLENGTH_MANDATORY_SAMPLE, str(sample.packed_len_estimate))
             if builder.curr < k.prefer_buffer_before and self.buffer:
                 sample, from_buffer = self.buffer.pop(0), True
             else:
                 sample, from_buffer = self.sources[self._pick_group()].next_sample(), False
             n = sample.packed_len_estimate
             if n > cap:
-                self.counters.drop("overlength_sample", str(n))
+                self.counters.drop(Drop.OVERLENGTH_SAMPLE, str(n))
                 continue
             if builder.curr + n > k.max_num_tokens:
                 if len(self.buffer) < k.max_buffer_size and not from_buffer:
                     self.buffer.append(sample)
                     continue
                 # The reference emits the batch and discards this sample without a trace.
-                self.counters.drop("discarded_no_fit_buffer_full" if not from_buffer else "discarded_no_fit_from_buffer")
+                self.counters.drop(Drop.DISCARDED_NO_FIT_FROM_BUFFER if from_buffer else Drop.DISCARDED_NO_FIT_BUFFER_FULL)
             else:
                 builder.add(sample)
                 if builder.curr < k.expected_num_tokens:

@@ -174,6 +174,7 @@ def _ipc_sizes(records: list[pa.RecordBatch], compression: Compression) -> tuple
 def _sample_stream(cfg: PrepackConfig, stream: int, tokenizer, special, least: int, most: int, deadline: float,
                    acc: _Sample, pixels=None) -> None:
     """Pack ``least`` to ``most`` batches of ``stream`` into ``acc`` (fewer once settled or past the deadline)."""
+    from prepack.engine.accounting import Drop, parse_key
     from prepack.engine.checkpoint import state_to_payload
     from prepack.engine.packer import StreamPacker
     from prepack.run.writer import lineage_table, parquet_bytes
@@ -203,11 +204,11 @@ def _sample_stream(cfg: PrepackConfig, stream: int, tokenizer, special, least: i
         counters = packer.counters
         for g, n in counters.samples_read.items():
             acc.samples_read[g] = acc.samples_read.get(g, 0) + n
-        for reason, n in counters.drops.items():
-            group, sep, _ = reason.partition(":")
-            if sep:
+        for key, n in counters.drops.items():
+            group, reason = parse_key(key)
+            if group is not None:
                 acc.source_drops[group] = acc.source_drops.get(group, 0) + n
-            elif reason not in ("left_in_buffer_at_end_of_budget",):
+            elif reason is not Drop.LEFT_IN_BUFFER_AT_END_OF_BUDGET:
                 acc.packer_drops += n
         for group, source in zip(cfg.groups, packer.sources):
             acc.rows_per_pass.setdefault(group.name, source.pass_rows())

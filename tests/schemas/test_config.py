@@ -117,3 +117,44 @@ def test_config_hash_changes_with_content_only(base):
     assert load_config(write(tmp, cfg)).content_hash() == a
     cfg["dataset"]["max_num_tokens"] = 40000
     assert load_config(write(tmp, cfg)).content_hash() != a
+
+
+def _with_edit(tmp, cfg, **info):
+    (tmp / "data" / "edit").mkdir(exist_ok=True)
+    (tmp / "data" / "edit" / "info.json").write_text("{}")
+    cfg["dataset"]["dataset_info"]["unified_edit"] = {"e": {"data_dir": "data/edit", **info}}
+    cfg["dataset"]["grouped_datasets"]["unified_edit"] = {
+        "dataset_names": ["e"], "num_used_data": [4], "weight": 1,
+        "image_transform_args": {"image_stride": 16, "max_image_size": 1024, "min_image_size": 512}}
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda t, c: c["dataset"]["grouped_datasets"]["t2i_pretrain"].pop("image_transform_args"),
+     "dataset.grouped_datasets.t2i_pretrain needs 'image_transform_args'"),
+    (lambda t, c: c["dataset"]["grouped_datasets"]["vlm_sft"].pop("frame_sampler_args"),
+     "dataset.grouped_datasets.vlm_sft needs 'frame_sampler_args' (the reference requires a frame sampler)"),
+    (lambda t, c: c["dataset"]["dataset_info"]["vlm_sft"]["vlm"].pop("jsonl_path"),
+     "dataset.dataset_info.vlm_sft.vlm needs 'jsonl_path' (vlm_sft reads conversations from JSONL)"),
+    (lambda t, c: _with_edit(t, c),
+     "dataset.dataset_info.unified_edit.e needs 'parquet_info_path' (unified_edit reads row groups from it)"),
+    (lambda t, c: _with_edit(t, c, parquet_info_path="data/edit/info.json"),
+     "dataset.grouped_datasets.unified_edit needs 'vit_image_transform_args' (edit rows feed the ViT too)"),
+])
+def test_each_kind_says_what_it_needs(base, mutate, message):
+    """What a kind needs is declared with the kind (``schemas.kinds``); the errors read as ever."""
+    tmp, cfg = base
+    mutate(tmp, cfg)
+    with pytest.raises(ConfigError) as e:
+        load_config(write(tmp, cfg))
+    assert str(e.value) == message
+
+
+def test_every_kind_is_declared_once_with_the_keys_it_accepts():
+    from schemas.config import GroupConfig
+    from schemas.kinds import KINDS
+
+    assert list(KINDS) == ["t2i_pretrain", "vlm_sft", "unified_edit"]
+    for name, kind in KINDS.items():
+        assert kind.name == name and GroupConfig(name, (), ()).kind is kind
+        assert {n.key for n in kind.group_needs} <= set(kind.group_keys)
+        assert {n.key for n in kind.dataset_needs} <= set(kind.dataset_keys)

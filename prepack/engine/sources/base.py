@@ -13,18 +13,20 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass
-from typing import Any, Callable, Generator
+from concurrent.futures import Future
+from typing import Any, Callable, ClassVar, Generator, Iterator
 
 import numpy as np
 
-from prepack.engine.accounting import Counters, Rejected
+from prepack.engine.accounting import Counters, Drop, Rejected, Warn
 from prepack.engine.images import ImagePolicy
 from prepack.engine.pictures import PictureStore
 from prepack.engine.sources import files
-from prepack.engine.sources.readahead import IOPool, ReadAhead, Submit
+from prepack.engine.sources.readahead import IOPool, Read, ReadAhead, Reads, plan_of, read_along
 from prepack.engine.sample import Sample
 from schemas.config import GroupConfig
 from schemas.errors import ConfigError, SourceStalled  # noqa: F401  (SourceStalled: raised by sources)
+from schemas.kinds import SourceKind
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +93,20 @@ def list_parquet_files(data_dir: str, num_files: int, counters: Counters, group:
     if not names:
         raise ConfigError(f"group {group}: no .parquet files in {data_dir}")
     if num_files % len(names):
-        counters.warn("parquet_file_choice_depends_on_listing_order", data_dir)
+        counters.warn(Warn.PARQUET_FILE_CHOICE_DEPENDS_ON_LISTING_ORDER, data_dir)
     paths = [files.join(data_dir, n) for n in names]
     return (paths * (num_files // len(paths) + 1))[:num_files]
 
 
 class Source:
-    """Base of the three sources: an endless sample iterator with a JSON cursor."""
+    """Base of the sources, one per kind: an endless sample iterator with a JSON cursor.
+
+    A source describes its reads once (``_reads``); ``_walk`` turns them into samples, taking each
+    object from the read-ahead when the data is on a store (the same description is its plan),
+    else reading it as it gets there.
+    """
+
+    kind: ClassVar[SourceKind]  # the kind it implements (``prepack.engine.sources`` checks one per kind)
 
     def __init__(self, group: GroupConfig, ctx: StreamContext):
         self.group = group
@@ -109,12 +118,12 @@ class Source:
         self._ra: ReadAhead | None = None
 
     # -- subclass API -------------------------------------------------------------------------
-    def _walk(self, ra: ReadAhead | None) -> Generator[Sample, None, None]:
-        """Samples from the cursor on, forever; objects come from ``ra`` when it is given."""
+    def _reads(self, cursor: dict) -> Reads:
+        """The objects this source reads from ``cursor`` on, forever, in its order (``readahead.Read``)."""
         raise NotImplementedError
 
-    def _plan(self) -> Callable[[Submit], None]:
-        """The reads ``_walk`` makes from the current cursor on, in its order (see ``ReadAhead``)."""
+    def _walk(self, reads: Iterator[tuple[Read, Future]]) -> Generator[Sample, None, None]:
+        """Samples from the cursor on, forever, from each read of ``_reads`` and its future."""
         raise NotImplementedError
 
     def _remote(self) -> bool:
@@ -147,8 +156,8 @@ class Source:
             return
         io = self.ctx.io
         if io is not None and io.enabled and self._remote():
-            self._ra = io.read_ahead(self._plan(), self.group.name)
-        self._iter = self._walk(self._ra)
+            self._ra = io.read_ahead(plan_of(self._reads(self.cursor())), self.group.name)
+        self._iter = self._walk(read_along(self._reads(self.cursor()), self._ra))
 
     def close(self) -> None:
         """End the sample iterator and its read-ahead; the next sample starts again at the cursor."""
@@ -168,11 +177,11 @@ class Source:
         self.ctx.counters.samples_read[self.group.name] = self.ctx.counters.samples_read.get(self.group.name, 0) + 1
         return sample
 
-    def _failed(self, err: Rejected | str, detail: str = "") -> None:
-        """Count a dropped row; stop the stream when the source keeps failing."""
+    def _failed(self, err: Rejected | Drop, detail: str = "") -> None:
+        """Count a dropped row (under this group); stop the stream when the source keeps failing."""
         reason = err.reason if isinstance(err, Rejected) else err
         detail = detail or (err.detail if isinstance(err, Rejected) else "")
-        self.ctx.counters.drop(f"{self.group.name}:{reason}", detail)
+        self.ctx.counters.drop(reason, detail, group=self.group.name)
         self._fails_in_row += 1
         if self._fails_in_row >= self.ctx.max_consecutive_failures:
             raise SourceStalled(

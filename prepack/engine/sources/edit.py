@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from typing import Iterator
 
-from prepack.engine.accounting import Rejected
+from prepack.engine.accounting import Drop, Rejected, Warn
 from prepack.engine.images import navit_size
 from prepack.engine.sample import PlanItem, Sample, SampleImage
 from prepack.engine.sources import files
 from prepack.engine.sources.base import Source, StreamContext, list_parquet_files, slice_for_stream
 from prepack.engine.sources.parquet import RecentHandles, open_parquet
+from prepack.engine.sources.readahead import Read, Reads
 from schemas.config import ConfigError, GroupConfig, TransformArgs
+from schemas.kinds import EDIT
 from schemas.record import SampleOrigin
 
 
@@ -42,12 +45,16 @@ def _load_parquet_info(paths: list[str], base: str) -> dict:
 COLUMNS = ("image_list", "instruction_list")
 
 
-def _read_row_group(path: str, rg: int):
-    """Open the file (its footer) and read one row group's edit columns, as the reference does per row group."""
-    return open_parquet(path).read_row_group(rg, COLUMNS)
+def _read_row_group(path: str, rg: int, handles: RecentHandles):
+    """One row group's edit columns.  A local file is opened (its footer read) per row group, as the
+    reference does; a file on a store once while it is among the last ones read (``handles``)."""
+    handle = handles.open(path) if files.is_uri(path) else open_parquet(path)
+    return handle.read_row_group(rg, COLUMNS)
 
 
 class EditSource(Source):
+    kind = EDIT
+
     def __init__(self, group: GroupConfig, ctx: StreamContext):
         super().__init__(group, ctx)
         info = _load_parquet_info([d.parquet_info_path for d in group.datasets if d.parquet_info_path], ctx.config_dir)
@@ -57,7 +64,7 @@ class EditSource(Source):
             for path in list_parquet_files(ds.data_dir, num, ctx.counters, group.name):
                 listed.add(path)
                 if path not in info:
-                    ctx.counters.warn("edit_file_missing_from_parquet_info", path)
+                    ctx.counters.warn(Warn.EDIT_FILE_MISSING_FROM_PARQUET_INFO, path)
                     continue
                 try:
                     n = int(info[path]["num_row_groups"])
@@ -66,7 +73,7 @@ class EditSource(Source):
                 row_groups += [(path, rg, ds.name) for rg in range(n)]
         for path in info:
             if path not in listed and not files.exists(path):
-                ctx.counters.warn("parquet_info_entry_without_file", path)
+                ctx.counters.warn(Warn.PARQUET_INFO_ENTRY_WITHOUT_FILE, path)
         self.row_groups = slice_for_stream(row_groups, ctx, group.name, key=lambda t: (t[0], t[1]))
         self.pos = [0, 0]  # next (row-group position, row)
 
@@ -94,52 +101,47 @@ class EditSource(Source):
                 counts += [0] * len(by_file[path])
         return round(sum(counts) / len(counts) * len(self.row_groups)) if counts else 0
 
-    def _plan(self):
-        """One fetch per row group from the cursor on (as ``_walk`` reads them); a file's footer is read
-        once for its row groups while it is among the last 16 files read."""
-        row_groups = [(p, rg) for p, rg, _ in self.row_groups]
-        first = self.pos[0]
-
-        def plan(submit) -> None:
-            gpos = first
-            handles = RecentHandles()  # row groups of one file read its footer once
-            while True:
-                while gpos < len(row_groups):
-                    path, rg = row_groups[gpos]
-                    submit(gpos, lambda path=path, rg=rg: handles.open(path).read_row_group(rg, COLUMNS))
-                    gpos += 1
-                gpos = 0
-
-        return plan
-
-    def _walk(self, ra) -> Iterator[Sample]:
+    def _reads(self, cursor: dict) -> Reads:
+        """One fetch per row group from the cursor on; a mark ends each pass."""
+        gpos = cursor["row_group_pos"]
+        handles = RecentHandles()  # on a store, row groups of one file read its footer once
         while True:
-            while self.pos[0] < len(self.row_groups):
-                gpos = self.pos[0]
-                path, rg, dataset = self.row_groups[gpos]
-                fetched = ra.take(gpos) if ra is not None else None
-                try:
-                    table = fetched.result() if fetched is not None else _read_row_group(path, rg)
-                except Exception as e:  # the reference drops the row group (or crashes on a missing file)
-                    self._failed("parquet_row_group_parse", f"{path} rg {rg}: {e}")
-                    self.pos = [gpos + 1, 0]
-                    continue
-                while self.pos[1] < table.num_rows:
-                    row = self.pos[1]
-                    self.pos = [gpos, row + 1]
-                    origin = SampleOrigin(self.group.name, dataset, self.ctx.worker_id, [gpos, row], False, path, rg, row)
-                    try:
-                        sample = self._row(table, row, origin)
-                    except Rejected as r:
-                        self._failed(r, f"{path} rg {rg} row {row}")
-                        continue
-                    except Exception as e:  # the reference's parse_row guard
-                        self._failed("parquet_row_parse", f"{path} rg {rg} row {row}: {type(e).__name__}: {e}")
-                        continue
-                    yield sample
+            while gpos < len(self.row_groups):
+                path, rg, _ = self.row_groups[gpos]
+                yield Read(("row_group", gpos), partial(_read_row_group, path, rg, handles))
+                gpos += 1
+            yield Read(("pass",))
+            gpos = 0
+
+    def _walk(self, reads) -> Iterator[Sample]:
+        for read, fetched in reads:
+            if read.key[0] == "pass":
+                self.pos = [0, 0]
+                self._wrapped()
+                continue
+            gpos = read.key[1]
+            path, rg, dataset = self.row_groups[gpos]
+            try:
+                table = fetched.result()
+            except Exception as e:  # the reference drops the row group (or crashes on a missing file)
+                self._failed(Drop.PARQUET_ROW_GROUP_PARSE, f"{path} rg {rg}: {e}")
                 self.pos = [gpos + 1, 0]
-            self.pos = [0, 0]
-            self._wrapped()
+                continue
+            self.pos = [gpos, self.pos[1] if self.pos[0] == gpos else 0]
+            while self.pos[1] < table.num_rows:
+                row = self.pos[1]
+                self.pos = [gpos, row + 1]
+                origin = SampleOrigin(self.group.name, dataset, self.ctx.worker_id, [gpos, row], False, path, rg, row)
+                try:
+                    sample = self._row(table, row, origin)
+                except Rejected as r:
+                    self._failed(r, f"{path} rg {rg} row {row}")
+                    continue
+                except Exception as e:  # the reference's parse_row guard
+                    self._failed(Drop.PARQUET_ROW_PARSE, f"{path} rg {rg} row {row}: {type(e).__name__}: {e}")
+                    continue
+                yield sample
+            self.pos = [gpos + 1, 0]
 
     def _row(self, table, row: int, origin: SampleOrigin) -> Sample:
         ctx, py = self.ctx, self.ctx.py_rng
@@ -157,7 +159,7 @@ class EditSource(Source):
         def picture(i: int):
             data = images[i]
             if not isinstance(data, bytes):
-                raise Rejected("edit_image_not_bytes")
+                raise Rejected(Drop.EDIT_IMAGE_NOT_BYTES)
             return ctx.pictures.rgb(data)
 
         def add_text(text: str) -> None:

@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 from PIL import Image
 
-from prepack.engine.accounting import Rejected
+from prepack.engine.accounting import Drop, Rejected, Warn
 from prepack.engine.images import ImagePolicy, decode_plain_rgb
 from prepack.engine.pictures import Picture, PictureStore
 from prepack.engine.sources import files
@@ -91,11 +91,11 @@ def read_video_file(path: str, args: FrameSamplerArgs, py: random.Random, rs: np
         known = pictures.video_frames(video, [int(i) for i in idx], decode=lambda: reader.get_batch(idx).asnumpy())
         if known is not None:
             if known[0].width * known[0].height > policy.max_pixels:
-                raise Rejected("image_over_pixel_limit", f"video frame {known[0].width}x{known[0].height}")
+                raise Rejected(Drop.IMAGE_OVER_PIXEL_LIMIT, f"video frame {known[0].width}x{known[0].height}")
             return known
     height, width = reader[int(idx[0])].shape[:2] if len(idx) else (0, 0)
     if height * width > policy.max_pixels:
-        raise Rejected("image_over_pixel_limit", f"video frame {width}x{height}")
+        raise Rejected(Drop.IMAGE_OVER_PIXEL_LIMIT, f"video frame {width}x{height}")
     frames = reader.get_batch(idx).asnumpy()
     images = [Image.fromarray(frames[i]) for i in range(frames.shape[0])]
     if pictures is not None:
@@ -112,7 +112,7 @@ def _video_bytes(source) -> bytes:
 
 
 def read_frame_folder(path: str, args: FrameSamplerArgs, py: random.Random, rs: np.random.RandomState,
-                      policy: ImagePolicy, warn: Callable[[str], None], objects: Prefetched = DIRECT,
+                      policy: ImagePolicy, warn: Callable[[Warn], None], objects: Prefetched = DIRECT,
                       pictures: PictureStore | None = None) -> "list[Picture | Image.Image]":
     """Frames of a folder of images, ordered by the ``_NNN.jpg`` suffix (others first)."""
     names = frame_names_in_order(objects.list_names(path))
@@ -127,7 +127,7 @@ def read_frame_folder(path: str, args: FrameSamplerArgs, py: random.Random, rs: 
 
 
 def sample_frames(path: str, args: FrameSamplerArgs, py: random.Random, rs: np.random.RandomState,
-                  policy: ImagePolicy, warn: Callable[[str], None], objects: Prefetched = DIRECT,
+                  policy: ImagePolicy, warn: Callable[[Warn], None], objects: Prefetched = DIRECT,
                   pictures: PictureStore | None = None) -> "list[Picture | Image.Image]":
     """A trailing slash names a frame folder, anything else a video file (reference rule).
 

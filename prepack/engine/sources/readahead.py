@@ -24,6 +24,13 @@ from the environment of the packing process (``PREPACK_READ_AHEAD``, ``PREPACK_R
 
 Local paths do not use it: the page cache and the kernel's own read-ahead already hide a local
 disk's latency, and the threads would only cost the packer CPU.
+
+A source describes its reads once (``Read``, ``Reads``): a generator of the objects it reads from
+its cursor on, in order, that is sent the value of each read it goes on from (a footer, a
+listing).  ``plan_of`` turns the description into the read-ahead's plan; ``read_along`` walks the
+same description on the source's side, taking each object from the read-ahead or, without one,
+reading it there and then.  So the read-ahead cannot fetch another object than the one the source
+reads next (``ReadAhead.take`` still checks each key).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import os
 import threading
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Generator, Hashable, Iterator
 
 import pyarrow as pa
 
@@ -340,6 +347,62 @@ class ReadAhead:
         self._thread.join(timeout=60)
         if self._thread.is_alive():  # waiting on a fetch that hangs; it is a daemon and ends with the fetch
             log.warning("%s: planner still waiting on a fetch after 60 s", self._thread.name)
+
+
+@dataclass(frozen=True)
+class Read:
+    """One step of a source's reads: an object to fetch, or a mark (``fetch`` None) where the
+    source's walk needs to know it stands (the end of a row, of a pass)."""
+
+    key: Hashable  # names the step; the source's walk reads where it stands from it
+    fetch: "Callable[[], Any] | None" = None
+    size: "int | None" = None  # what the fetch will hold, when the description knows it (a row group's size)
+    needed: bool = False  # the description goes on from its value: it is sent back (a failure thrown in)
+    info: Any = None  # what the description learnt on the way, handed to the walk (an SFT row's parse)
+
+
+Reads = Generator[Read, Any, None]  # a source's reads from its cursor on, forever
+
+
+def _advance(reads: Reads, read: Read, fut: Future) -> Read:
+    """The step after ``read``: a needed read's value is sent in, or its failure thrown in."""
+    if not read.needed:
+        return next(reads)
+    try:
+        value = fut.result()
+    except Exception as e:  # the description goes on without it (a file that does not open, say)
+        return reads.throw(e)
+    return reads.send(value)
+
+
+def plan_of(reads: Reads) -> Callable[[Submit], None]:
+    """The read-ahead plan of a description: each of its reads submitted in its order."""
+
+    def plan(submit: Submit) -> None:
+        read = next(reads)
+        while True:
+            read = _advance(reads, read, submit(read.key, read.fetch, read.size))
+
+    return plan
+
+
+def _now(fetch: "Callable[[], Any] | None") -> Future:
+    fut: Future = Future()
+    try:
+        fut.set_result(None if fetch is None else fetch())
+    except Exception as e:  # raised where the source takes the value, as a read-ahead's would be
+        fut.set_exception(e)
+    return fut
+
+
+def read_along(reads: Reads, ra: "ReadAhead | None") -> Iterator[tuple[Read, Future]]:
+    """The source's side of a description: each read, in order, with its future — the one ``ra``
+    fetched ahead, or, without a read-ahead, a done one, fetched when the walk gets there."""
+    read = next(reads)
+    while True:
+        fut = ra.take(read.key) if ra is not None else _now(read.fetch)
+        yield read, fut
+        read = _advance(reads, read, fut)
 
 
 class Prefetched:

@@ -16,16 +16,18 @@ import json
 import os
 import random
 from dataclasses import dataclass
-from typing import Iterator
+from functools import partial
+from typing import Any, Iterator
 
-from prepack.engine.accounting import Rejected
+from prepack.engine.accounting import Drop, Rejected, Warn
 from prepack.engine.images import navit_size
 from prepack.engine.sample import PlanItem, Sample, SampleImage
 from prepack.engine.sources import files
 from prepack.engine.sources.base import Source, StreamContext, slice_for_stream
 from prepack.engine.sources.frames import frame_names_in_order, sample_frames
-from prepack.engine.sources.readahead import DIRECT, Prefetched, ReadAhead, ReadAheadOutOfStep
+from prepack.engine.sources.readahead import DIRECT, Prefetched, Read, Reads
 from schemas.config import GroupConfig
+from schemas.kinds import SFT
 from schemas.record import SampleOrigin
 
 
@@ -56,54 +58,54 @@ def read_lines(path: str) -> list[tuple[str, bool]]:
 def _inside(data_dir: str, rel) -> str:
     """Join a JSONL path onto the data dir, refusing anything that could leave it."""
     if not isinstance(rel, str):
-        raise Rejected("jsonl_bad_path", f"path is {type(rel).__name__}")
+        raise Rejected(Drop.JSONL_BAD_PATH, f"path is {type(rel).__name__}")
     parts = rel.replace("\\", "/").split("/")
     if os.path.isabs(rel) or rel.startswith(("~", "/")) or ".." in parts or "://" in rel:
-        raise Rejected("unsafe_path_outside_data_dir", rel)
+        raise Rejected(Drop.UNSAFE_PATH_OUTSIDE_DATA_DIR, rel)
     return files.join(data_dir, rel)
 
 
-def _media_reads(line: _Line) -> list[tuple[str, str]]:
-    """The object-store reads ``SftSource._media`` makes for ``line``, in order: ("read" | "folder", uri).
+@dataclass(frozen=True)
+class _Parsed:
+    """One JSONL row as far as its reads go: its JSON value and the paths of its media, in the order
+    the row reads them.  The row's reads are described from it (``SftSource._reads``) and the row
+    reads its media from it (``SftSource._media``), so nothing a row may not read is fetched."""
 
-    The same parsing and path refusals as the row itself, so nothing a row may not read is
-    fetched; a row that fails before its media, or whose media are local, fetches nothing.
-    """
+    item: Any = None
+    error: "Exception | None" = None  # the line's own failure (not UTF-8, not JSON): the row raises it
+    media: tuple[str, ...] = ()  # its pictures' paths, or its video's (a trailing slash: a frame folder)
+    video: bool = False
+    refused: "Exception | None" = None  # a path refusal after ``media``: the row fails there
+
+
+def _parse(line: _Line) -> _Parsed:
     if not line.valid_utf8:
-        return []
+        return _Parsed(error=Rejected(Drop.JSONL_NOT_UTF8))
     try:
         item = json.loads(line.text)
-    except Exception:  # ValueError, or RecursionError on absurd nesting: the row fails by itself
-        return []
+    except ValueError as e:
+        return _Parsed(error=Rejected(Drop.JSONL_PARSE, f"bad JSON: {e}"))
+    except Exception as e:  # RecursionError on absurd nesting: raised by the row, not a drop
+        return _Parsed(error=e)
     if not isinstance(item, dict):
-        return []
-    out = []
+        return _Parsed(item)
+    media: list[str] = []
+    video = "image" not in item  # an image takes precedence, as in the reference
     try:
-        if "image" in item:
+        if not video:
             names = item["image"] if type(item["image"]) is list else [item["image"]]
             for n in names:
-                out.append(("read", _inside(line.data_dir, n)))  # a refusal ends the row's reads
+                media.append(_inside(line.data_dir, n))  # a refusal ends the row's reads
         elif "video" in item:
-            path = _inside(line.data_dir, item["video"])
-            out.append(("folder" if path.endswith("/") else "read", path))
-    except Rejected:
-        pass
-    return [(op, p) for op, p in out if files.is_uri(p)]
-
-
-def _take_row(ra: ReadAhead, row: int) -> Prefetched:
-    """The futures of ``row``'s objects, up to its end-of-row mark."""
-    futures: dict[tuple[str, str], list] = {}
-    while True:
-        key, fut = ra.take_next((row, "end", ""))
-        if key[0] != row:
-            raise ReadAheadOutOfStep(f"read-ahead fetched {key!r} where the source reads row {row}")
-        if key[1] == "end":
-            return Prefetched(futures)
-        futures.setdefault((key[1], key[2]), []).append(fut)
+            media.append(_inside(line.data_dir, item["video"]))
+    except Exception as e:
+        return _Parsed(item, media=tuple(media), video=video, refused=e)
+    return _Parsed(item, media=tuple(media), video=video)
 
 
 class SftSource(Source):
+    kind = SFT
+
     def __init__(self, group: GroupConfig, ctx: StreamContext):
         super().__init__(group, ctx)
         lines: list[_Line] = []
@@ -127,94 +129,98 @@ class SftSource(Source):
     def pass_rows(self, max_files: int = 16) -> int:
         return len(self.lines)
 
-    def _walk(self, ra: ReadAhead | None) -> Iterator[Sample]:
+    def _reads(self, cursor: dict) -> Reads:
+        """Per row from the cursor on: its media on a store (a frame folder: its listing, then its
+        frames), then an end-of-row mark with the row's parse; a mark ends each pass."""
+        row = cursor["row"]
         while True:
-            while self.pos < len(self.lines):
-                row = self.pos
-                self.pos += 1
-                line = self.lines[row]
-                origin = SampleOrigin(self.group.name, line.dataset, self.ctx.worker_id, [row], True,
-                                      line.path, -1, line.line_no)
-                objects = _take_row(ra, row) if ra is not None else DIRECT
-                try:
-                    sample = self._row(line, origin, objects)
-                except Rejected as r:
-                    self._failed(r, f"{line.path}:{line.line_no + 1}")
-                    continue
-                yield sample
-            self.pos = 0
-            self._wrapped()
+            while row < len(self.lines):
+                parsed = _parse(self.lines[row])
+                for path in parsed.media:
+                    if not files.is_uri(path):  # read where the row reads it, as the reference does
+                        continue
+                    if not (parsed.video and path.endswith("/")):
+                        yield Read((row, "read", path), partial(files.read_bytes, path))
+                        continue
+                    try:
+                        names = frame_names_in_order((yield Read((row, "list", path), partial(files.list_names, path),
+                                                                 needed=True)))
+                    except Exception:  # the row fails at its listing; nothing else of it is read
+                        continue
+                    for name in names:
+                        frame = files.join(path, name)
+                        yield Read((row, "read", frame), partial(files.read_bytes, frame))
+                yield Read((row, "end", ""), info=parsed)
+                row += 1
+            yield Read(("pass",))
+            row = 0
 
-    def _plan(self):
-        """Each row's media from the cursor on (a frame folder: its listing, then its frames), then an
-        end-of-row mark."""
-        lines = self.lines
-        first = self.pos
+    def _walk(self, reads) -> Iterator[Sample]:
+        fetched: dict[tuple[str, str], list] = {}  # the row's objects so far, by (op, path)
+        for read, fut in reads:
+            if read.key[0] == "pass":
+                self.pos = 0
+                self._wrapped()
+                continue
+            row, op, path = read.key
+            if op != "end":
+                fetched.setdefault((op, path), []).append(fut)
+                continue
+            objects, fetched = Prefetched(fetched), {}
+            self.pos = row + 1
+            line = self.lines[row]
+            origin = SampleOrigin(self.group.name, line.dataset, self.ctx.worker_id, [row], True,
+                                  line.path, -1, line.line_no)
+            try:
+                sample = self._row(line, read.info, origin, objects)
+            except Rejected as r:
+                self._failed(r, f"{line.path}:{line.line_no + 1}")
+                continue
+            yield sample
 
-        def plan(submit) -> None:
-            row = first
-            while True:
-                while row < len(lines):
-                    for op, path in _media_reads(lines[row]):
-                        if op == "read":
-                            submit((row, op, path), lambda path=path: files.read_bytes(path))
-                            continue
-                        listed = submit((row, "list", path), lambda path=path: files.list_names(path))
-                        try:
-                            names = frame_names_in_order(listed.result())
-                        except Exception:  # the row fails at its listing; nothing else of it is read
-                            continue
-                        for name in names:
-                            frame = files.join(path, name)
-                            submit((row, "read", frame), lambda frame=frame: files.read_bytes(frame))
-                    submit((row, "end", ""), None)
-                    row += 1
-                row = 0
-
-        return plan
-
-    def _media(self, item: dict, data_dir: str, objects: Prefetched = DIRECT) -> list:
+    def _media(self, parsed: _Parsed, objects: Prefetched = DIRECT) -> list:
         """The row's pictures, decoded in the reference's order (may draw for video frames)."""
-        ctx = self.ctx
+        ctx, item = self.ctx, parsed.item
         if "image" in item:
-            names = item["image"] if type(item["image"]) is list else [item["image"]]
-            return [ctx.pictures.rgb(objects.media(_inside(data_dir, n))) for n in names]
+            pictures = [ctx.pictures.rgb(objects.media(path)) for path in parsed.media]
+            if parsed.refused is not None:
+                raise parsed.refused
+            return pictures
         if "video" in item:
-            frames = sample_frames(_inside(data_dir, item["video"]), self.group.frame_sampler, ctx.py_rng,
+            if parsed.refused is not None:
+                raise parsed.refused
+            frames = sample_frames(parsed.media[0], self.group.frame_sampler, ctx.py_rng,
                                    ctx.np_rng, ctx.image_policy, ctx.counters.warn, objects, ctx.pictures)
             convs = item["conversations"]
             first = convs[0]
             if "<video>" not in first["value"]:
-                raise Rejected("jsonl_parse", "no <video> placeholder in the first turn")
+                raise Rejected(Drop.JSONL_PARSE, "no <video> placeholder in the first turn")
             first["value"] = first["value"].replace("<video>", "<image>" * len(frames))
             if not frames:
                 if ctx.image_policy.strict:
-                    raise Rejected("strict_video_without_frames")
-                ctx.counters.warn("video_without_frames_packed_as_text")
+                    raise Rejected(Warn.VIDEO_WITHOUT_FRAMES_PACKED_AS_TEXT.strict)
+                ctx.counters.warn(Warn.VIDEO_WITHOUT_FRAMES_PACKED_AS_TEXT)
             return frames
         return []
 
-    def _row(self, line: _Line, origin: SampleOrigin, objects: Prefetched = DIRECT) -> Sample:
+    def _row(self, line: _Line, parsed: _Parsed, origin: SampleOrigin, objects: Prefetched = DIRECT) -> Sample:
         ctx, args = self.ctx, self.group.image_transform
-        if not line.valid_utf8:
-            raise Rejected("jsonl_not_utf8")
+        if parsed.error is not None:
+            raise parsed.error
+        item = parsed.item
         try:
-            item = json.loads(line.text)
-        except ValueError as e:
-            raise Rejected("jsonl_parse", f"bad JSON: {e}") from None
-        try:
-            pictures = self._media(item, line.data_dir, objects) if isinstance(item, dict) else None
+            pictures = self._media(parsed, objects) if isinstance(item, dict) else None
         except Rejected:
             raise
         except Exception as e:  # the reference's guard around media loading
-            raise Rejected("jsonl_parse", f"{type(e).__name__}: {e}") from None
+            raise Rejected(Drop.JSONL_PARSE, f"{type(e).__name__}: {e}") from None
         if not isinstance(item, dict):
-            raise Rejected("jsonl_not_object", type(item).__name__)
+            raise Rejected(Drop.JSONL_NOT_OBJECT, type(item).__name__)
         convs = item.get("conversations")
         if not isinstance(convs, list) or not all(
             isinstance(c, dict) and isinstance(c.get("from"), str) and isinstance(c.get("value"), str) for c in convs
         ):
-            raise Rejected("jsonl_bad_conversations", "needs a list of {from, value} strings")
+            raise Rejected(Drop.JSONL_BAD_CONVERSATIONS, "needs a list of {from, value} strings")
         images: list[SampleImage] = []
         tokens = 0
         for pic in pictures:
@@ -249,11 +255,11 @@ class SftSource(Source):
             elif conv["from"] == "gpt":
                 add_text(conv["value"], 1)
         if not any(p.loss for p in plan):
-            raise Rejected("no_loss_labels")
+            raise Rejected(Drop.NO_LOSS_LABELS)
         if placeholders > len(images):  # the reference would crash packing this row
-            raise Rejected("more_image_placeholders_than_images")
+            raise Rejected(Drop.MORE_IMAGE_PLACEHOLDERS_THAN_IMAGES)
         if placeholders < len(images):
             if ctx.image_policy.strict:
-                raise Rejected("strict_image_without_placeholder")
-            ctx.counters.warn("image_without_placeholder_counted_not_packed")
+                raise Rejected(Warn.IMAGE_WITHOUT_PLACEHOLDER_COUNTED_NOT_PACKED.strict)
+            ctx.counters.warn(Warn.IMAGE_WITHOUT_PLACEHOLDER_COUNTED_NOT_PACKED)
         return Sample(plan, texts, images, tokens, origin)

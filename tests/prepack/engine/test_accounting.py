@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from prepack.engine.accounting import Counters, Rejected
+from prepack.engine.accounting import Counters, Drop, Reference, Rejected, Warn, parse_key
 
 LOGGER = "prepack.engine.accounting"
 
@@ -173,3 +173,136 @@ def test_rejected_reason_and_detail():
     with pytest.raises(Rejected) as info:
         raise Rejected("image_over_pixel_limit", "30000x20000 > 400000000 pixels")
     assert info.value.reason == "image_over_pixel_limit"
+
+
+# -- declared reasons and kinds: counted keys, announcements ----------------------------------------
+
+def _knobs() -> dict:
+    from dataclasses import asdict
+
+    from schemas.config import PackingKnobs
+
+    return asdict(PackingKnobs())  # what the driver hands its RunProgress
+
+
+def _announce(section: str, key: str, example: str) -> list[str]:
+    """The run log's announcement of one counted key, through the driver's own path."""
+    from prepack.run.progress import RunProgress
+
+    run = RunProgress([0], 1, _knobs())
+    run.update(0, {"batches": 1, "tokens": 1, section: {key: 1}, "examples": {key: example}})
+    return run.new_kinds()
+
+
+GENERIC = "see docs/architecture.md"
+
+
+def _specific(declared, key: str, example: str) -> str:
+    return f"{key}: {declared.meaning.format(detail=example, **_knobs())}"
+
+
+@pytest.mark.parametrize("reason", list(Drop), ids=lambda d: d.key)
+def test_every_drop_reason_is_announced_with_its_own_meaning(reason):
+    groups = ["t2i_pretrain", "vlm_sft", "unified_edit"] if reason.per_group else [None]
+    for group in groups:
+        key = reason.counted_as(group)
+        assert key == (f"{group}:{reason.key}" if group else reason.key)
+        [line] = _announce("drops", key, "4601")
+        assert line.startswith(_specific(reason, key, "4601")), line
+        assert reason.reference.value in line and GENERIC not in line, line
+
+
+@pytest.mark.parametrize("kind", list(Warn), ids=lambda w: w.key)
+def test_every_warning_kind_is_announced_with_its_own_meaning(kind):
+    [line] = _announce("warnings", kind.key, "")
+    assert line.startswith(_specific(kind, kind.key, "?")), line
+    assert kind.reference.value in line and GENERIC not in line, line
+    if kind.strict is not None:
+        assert f"strict: true drops it: {kind.strict.key}" in line, line
+
+
+def test_the_pixel_limit_and_unsafe_paths_are_announced_under_their_group():
+    """Both are always counted as ``group:reason``: their meaning is found through the prefix."""
+    [pixels] = _announce("drops", "t2i_pretrain:image_over_pixel_limit", "a.parquet rg 0 row 3")
+    assert pixels.startswith("t2i_pretrain:image_over_pixel_limit: an image above max_image_pixels, refused from its "
+                             "header, never decoded (e.g. a.parquet rg 0 row 3); the reference packs it"), pixels
+    [unsafe] = _announce("drops", "vlm_sft:unsafe_path_outside_data_dir", "rows.jsonl:7")
+    assert unsafe.startswith("vlm_sft:unsafe_path_outside_data_dir: an image or video path outside the data folder")
+    assert GENERIC not in pixels + unsafe
+
+
+@pytest.mark.parametrize("section,key", [("drops", "g:never_declared"), ("drops", "never_declared"),
+                                         ("drops", "t2i_pretrain:overlength_sample"),  # a packer reason, never per group
+                                         ("drops", "overlength_sample:x"), ("warnings", "never_declared"),
+                                         ("warnings", "overlength_sample")])
+def test_an_undeclared_key_gets_the_generic_line(section, key):
+    [line] = _announce(section, key, "x")
+    assert GENERIC in line and line.startswith(f"{key}: "), line
+
+
+def test_keys_are_counted_per_group_only_for_a_sources_reasons():
+    c = Counters()
+    c.drop(Drop.T2I_IMAGE_PARSE, "a.parquet rg 0 row 1", group="t2i_pretrain")
+    c.drop(Drop.OVERLENGTH_SAMPLE, "5000")
+    c.warn(Warn.TRUNCATED_IMAGE)
+    c.drop_total(Drop.LEFT_IN_BUFFER_AT_END_OF_BUDGET, 4)
+    assert c.drops == {"t2i_pretrain:t2i_image_parse": 1, "overlength_sample": 1, "left_in_buffer_at_end_of_budget": 4}
+    assert c.warnings == {"truncated_image": 1}
+    # a total counted at the end is no occurrence: no example of its own
+    assert c.examples == {"t2i_pretrain:t2i_image_parse": "a.parquet rg 0 row 1", "overlength_sample": "5000",
+                          "truncated_image": ""}
+    assert all(type(k) is str for k in [*c.drops, *c.warnings, *c.examples])  # plain strings in every file
+    assert json.dumps(c.to_json()) == json.dumps(Counters.from_json(json.loads(json.dumps(c.to_json()))).to_json())
+    with pytest.raises(ValueError):
+        c.drop(Drop.T2I_IMAGE_PARSE)  # a source's reason needs its group
+    with pytest.raises(ValueError):
+        c.drop(Drop.OVERLENGTH_SAMPLE, group="t2i_pretrain")
+
+
+def test_parse_key_reads_back_what_was_counted():
+    for reason in Drop:
+        key = reason.counted_as("vlm_sft" if reason.per_group else None)
+        assert parse_key(key) == (("vlm_sft" if reason.per_group else None), reason)
+    for kind in Warn:
+        assert parse_key(kind.key, dropped=False) == (None, kind)
+    assert parse_key("g:unknown") == ("g", None) and parse_key("unknown") == (None, None)
+
+
+def test_declarations_are_consistent():
+    assert len({d.key for d in Drop} | {w.key for w in Warn}) == len(Drop) + len(Warn)  # one namespace of keys
+    for kind in Warn:
+        assert kind.strict is None or (kind.strict.per_group and kind.strict.key.startswith("strict_")), kind
+    stricts = [d for d in Drop if d.key.startswith("strict_")]
+    assert sorted(stricts) == sorted(w.strict for w in Warn if w.strict is not None)  # each strict drop has its kind
+    for declared in [*Drop, *Warn]:
+        assert declared.level == logging.INFO  # per-stream lines are for -v; the driver announces once per run
+        assert isinstance(declared.reference, Reference) and declared.meaning
+
+
+def test_rejected_takes_only_declared_reasons_and_crosses_processes():
+    import pickle
+
+    with pytest.raises(ValueError):
+        Rejected("not_a_declared_reason")
+    e = pickle.loads(pickle.dumps(Rejected(Drop.JSONL_PARSE, "bad JSON")))
+    assert e.reason is Drop.JSONL_PARSE and e.detail == "bad JSON" and str(e) == "jsonl_parse: bad JSON"
+
+
+def test_every_counting_site_names_a_declared_value():
+    """No drop reason or warning kind is a bare string at the place it is counted or raised."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[3] / "prepack" / "engine"
+    calls = {"Rejected", "drop", "drop_total", "warn", "_failed"}
+    bare = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call) or not node.args:
+                continue
+            name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+            strings = [n for n in ast.walk(node.args[0])
+                       if isinstance(n, ast.JoinedStr) or (isinstance(n, ast.Constant) and isinstance(n.value, str))]
+            if name in calls and strings:
+                bare.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not bare, bare

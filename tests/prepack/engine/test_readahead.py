@@ -245,3 +245,90 @@ def test_prefetched_answers_in_fetch_order_and_reads_the_rest_directly(tmp_path)
     assert p.media(str(local)) == str(local)  # a local path goes to the decoder as the reference does
     assert DIRECT.read_bytes(str(local)) == b"local"
     assert nbytes({"a": b"xy", "b": [b"z", "names"]}) == 3  # names are metadata: not counted
+
+
+# -- one description of a source's reads, walked by the read-ahead and by the source ---------------
+def _described(log: list):
+    """A description like a parquet source's: per file a footer (needed: it says how many row
+    groups follow), then its row groups; file 1's footer fails, so it has none; a mark per pass."""
+    from prepack.engine.sources.readahead import Read
+
+    footers = {0: 2, 1: None, 2: 1}
+
+    def footer(f):
+        if footers[f] is None:
+            raise OSError(f"file {f}: not parquet")
+        return footers[f]
+
+    def reads():
+        while True:
+            for f in footers:
+                try:
+                    n = yield Read(("open", f), lambda f=f: footer(f), needed=True)
+                except OSError as e:
+                    log.append(("skipped", f, str(e)))
+                    n = 0
+                for rg in range(n):
+                    yield Read(("rg", f, rg), lambda f=f, rg=rg: f"data {f}.{rg}", size=10)
+            yield Read(("pass",))
+
+    return reads()
+
+
+def _walked(pairs, steps: int) -> list:
+    out = []
+    for read, fut in pairs:
+        try:
+            out.append((read.key, fut.result()))
+        except OSError as e:
+            out.append((read.key, f"error: {e}"))
+        if len(out) == steps:
+            return out
+    return out
+
+
+def test_the_source_and_its_read_ahead_walk_one_description_to_the_same_values():
+    from prepack.engine.sources.readahead import plan_of, read_along
+
+    want = [(("open", 0), 2), (("rg", 0, 0), "data 0.0"), (("rg", 0, 1), "data 0.1"),
+            (("open", 1), "error: file 1: not parquet"), (("open", 2), 1), (("rg", 2, 0), "data 2.0"),
+            (("pass",), None), (("open", 0), 2)]
+    direct_log: list = []
+    assert _walked(read_along(_described(direct_log), None), len(want)) == want
+    assert direct_log == [("skipped", 1, "file 1: not parquet")]  # the failure was thrown into the description
+    pool = IOPool(ReadAheadSettings(depth=4, threads=2), name="ra-described")
+    try:
+        planner_log: list = []
+        ra = pool.read_ahead(plan_of(_described(planner_log)), "t")
+        walker_log: list = []
+        assert _walked(read_along(_described(walker_log), ra), len(want)) == want
+        assert walker_log[0] == planner_log[0] == ("skipped", 1, "file 1: not parquet")
+    finally:
+        pool.close()
+
+
+def test_without_a_read_ahead_each_object_is_read_when_the_walk_gets_there():
+    from prepack.engine.sources.readahead import Read, read_along
+
+    fetched = []
+
+    def reads():
+        for k in range(3):
+            yield Read(k, lambda k=k: fetched.append(k) or k)
+
+    walk = read_along(reads(), None)
+    assert next(walk)[0].key == 0 and fetched == [0]
+    assert next(walk)[1].result() == 1 and fetched == [0, 1]  # nothing read ahead of the walk
+
+
+def test_a_walk_out_of_step_with_the_read_ahead_is_an_error():
+    from prepack.engine.sources.readahead import plan_of, read_along
+
+    pool = IOPool(ReadAheadSettings(depth=4, threads=1), name="ra-step")
+    try:
+        ra = pool.read_ahead(plan_of(_described([])), "t")
+        ra.take(("open", 0))  # the walk below starts one object late
+        with pytest.raises(ReadAheadOutOfStep):
+            next(read_along(_described([]), ra))
+    finally:
+        pool.close()
