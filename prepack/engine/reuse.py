@@ -33,8 +33,8 @@ import pyarrow as pa
 
 from prepack.engine.pictures import RESIZE_IMPL, ReuseCounts
 from schemas.compression import decompress_frame
-from schemas.location import PackLocation, resolve_location
-from schemas.errors import DamagedFile, PackFormatError
+from schemas.location import PackLocation, redact_uri, resolve_location
+from schemas.errors import DamagedFile, PackFormatError, PackRefused
 from schemas.manifest import (PACK_INFO_NAME, StreamIndex, check_format, index_file, load_checked, shard_file,
                               shard_pixels_file)
 from schemas.pixel_catalog import CATALOG_NAME, ROW_DTYPE, Catalog, block_digest, fences_file, part_file
@@ -192,6 +192,20 @@ def open_old_pack(old: str) -> tuple[PackLocation, int]:
         raise ValueError(f"{loc.path('')} is not a pack (no {PACK_INFO_NAME})") from None
     identity = check_format(load_checked(raw, loc.path(PACK_INFO_NAME)), loc.path(PACK_INFO_NAME))
     return loc, int(identity["num_streams"])
+
+
+def check_old_packs(olds: "Iterable[str]", out: PackLocation | None = None) -> tuple[str, ...]:
+    """The ``--reuse`` packs, each checked to be a pack this version reads (and not ``out``):
+    a wrong one is the user's to fix, in one line (``PackRefused``), before anything runs."""
+    olds = tuple(str(o) for o in olds)
+    for old in olds:
+        try:
+            loc, _ = open_old_pack(old)
+        except (OSError, ValueError, DamagedFile, PackFormatError) as e:
+            raise PackRefused(f"--reuse {redact_uri(old)}: {str(e).strip().splitlines()[0]}") from None
+        if out is not None and loc.path("") == out.path(""):
+            raise PackRefused(f"--reuse {redact_uri(old)} is the output itself (a stream reuses its own shards anyway)")
+    return olds
 
 
 class PixelReuse:

@@ -19,17 +19,16 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
-
 from dataclasses import asdict
 
 from prepack.run.identity import read_identity, settle_identity
 from prepack.run.lease import StreamLease, acquire_streams, live_leases, pid_alive, remove_stale_leases
 from prepack.run.progress import RunProgress
+from prepack.run.summary import RunSummary
 from prepack.run.stream_job import drop_lineage_leftovers, read_done
 from prepack.run.writer import read_index, write_bytes_atomic
 from schemas.config import PrepackConfig
-from schemas.errors import DamagedFile, PackFormatError, PackRefused, StreamFailed
+from schemas.errors import PackRefused, StreamFailed
 from schemas.location import PackLocation, redact_uri, resolve_location
 from schemas.manifest import FORMAT_VERSION, MANIFEST_NAME, PackSummary, StreamSummary
 
@@ -38,74 +37,6 @@ log = logging.getLogger(__name__)
 LOG_EVERY_S = 30.0
 NODE_CHECK_S = 5.0  # how often the driver looks for lost nodes
 TASK_RETRIES = 10  # per stream task, for system failures (a lost worker or node); each retry resumes
-
-
-@dataclass
-class RunSummary:
-    out: str
-    streams: list[StreamSummary]
-    manifest_written: bool
-    elapsed_s: float
-    already_done: bool = False
-    max_num_tokens: int = 0
-    output_bytes: int = 0
-    extra: dict = field(default_factory=dict)
-    # what this run itself packed (resumed streams count only their new shards); None: all of ``streams``
-    packed_now: tuple[int, int] | None = None  # (records, tokens)
-    retried: str = ""  # a line naming the streams Ray retried, if any
-    reuse_from: tuple[str, ...] = ()  # the --reuse packs
-
-    def lines(self) -> list[str]:
-        recs = sum(s.num_records for s in self.streams)
-        toks = sum(s.num_tokens for s in self.streams)
-        samples = sum(s.num_samples for s in self.streams)
-        fill = toks / (recs * self.max_num_tokens) if recs and self.max_num_tokens else 0.0
-        groups: dict[str, int] = {}
-        drops: dict[str, int] = {}
-        warns: dict[str, int] = {}
-        for s in self.streams:
-            for d, src in ((groups, s.group_samples), (drops, s.drops), (warns, s.warnings)):
-                for k, v in src.items():
-                    d[k] = d.get(k, 0) + v
-        out = [
-            f"{'already complete' if self.already_done else 'packed'}: {len(self.streams)} streams, {recs} batches, "
-            f"{toks:,} tokens, {samples} samples -> {self.out}",
-            f"fill ratio {fill:.3f} of max_num_tokens={self.max_num_tokens}; output {self.output_bytes / 2**20:.1f} MiB",
-        ]
-        if self.elapsed_s > 0 and not self.already_done:
-            new_recs, new_toks = self.packed_now if self.packed_now is not None else (recs, toks)
-            resumed = f"; {recs - new_recs} batches were already committed" if new_recs != recs else ""
-            out.append(f"throughput {new_toks / self.elapsed_s:,.0f} tokens/s, {new_recs / self.elapsed_s:.2f} batches/s "
-                       f"({self.elapsed_s:.1f} s wall{resumed})")
-        total = sum(groups.values()) or 1
-        out.append("group mix: " + ", ".join(f"{g} {n} ({n / total:.0%})" for g, n in sorted(groups.items())))
-        out.append("drops: " + (", ".join(f"{k}={v}" for k, v in sorted(drops.items())) or "none"))
-        if warns:
-            out.append("damaged input packed as the reference does: " + ", ".join(f"{k}={v}" for k, v in sorted(warns.items())))
-        if self.retried:
-            out.append(self.retried)
-        out.extend(self.reuse_lines())
-        if not self.manifest_written:
-            out.append("manifest not written yet: some streams of this config are still unpacked "
-                       "(their committed shards are readable now)")
-        return out
-
-
-    def reuse_lines(self) -> list[str]:
-        """``reused N of M images (P%) from OLD`` (the streams packed now), and fallbacks by reason."""
-        images = sum(int(s.reuse.get("images", 0)) for s in self.streams)
-        reused = sum(int(s.reuse.get("reused", 0)) for s in self.streams)
-        fallbacks: dict[str, int] = {}
-        for s in self.streams:
-            for k, v in s.reuse.get("fallbacks", {}).items():
-                fallbacks[k] = fallbacks.get(k, 0) + int(v)
-        if not images or (not reused and not self.reuse_from and not fallbacks):
-            return []
-        where = " + ".join(redact_uri(r) for r in self.reuse_from) or "this pack's own shards"
-        out = [f"reused {reused:,} of {images:,} images ({reused / images:.0%}) from {where}"]
-        if fallbacks:
-            out.append("reuse fell back to decoding: " + ", ".join(f"{k}={v}" for k, v in sorted(fallbacks.items())))
-        return out
 
 
 # -- ray --------------------------------------------------------------------------------------
@@ -272,18 +203,11 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
     wanted = list(range(cfg.num_streams)) if streams is None else sorted(set(streams))
     for s in wanted:
         cfg.stream_rank_worker(s)  # range check with a clear message
-    from prepack.engine.reuse import open_old_pack
+    from prepack.engine.reuse import check_old_packs
     from prepack.run.catalog import ensure_catalog
 
     loc = resolve_location(out)
-    reuse = tuple(str(r) for r in reuse)
-    for old in reuse:  # a wrong --reuse is the user's to fix, before any stream starts
-        try:
-            open_old_pack(old)
-        except (OSError, ValueError, DamagedFile, PackFormatError) as e:
-            raise PackRefused(f"--reuse {redact_uri(old)}: {str(e).strip().splitlines()[0]}") from None
-        if resolve_location(old).path("") == loc.path(""):
-            raise PackRefused(f"--reuse {redact_uri(old)} is the output itself (a stream reuses its own shards anyway)")
+    reuse = check_old_packs(reuse, loc)
     try:
         loc.fs.create_dir(loc.base, recursive=True)  # on a store too: its bucket HEAD and PUTs are the early probe
     except OSError as e:  # no such bucket, no access, store unreachable: the user's to fix, in one line

@@ -319,16 +319,9 @@ def _reuse_provider(reuse: "tuple[str, ...] | list[str]"):
     """A stream's view of the ``reuse`` packs, each checked first (a wrong one is one line)."""
     if not reuse:
         return None
-    from prepack.engine.reuse import PixelReuse, open_old_pack
-    from schemas.errors import DamagedFile, PackFormatError, PackRefused
-    from schemas.location import redact_uri
+    from prepack.engine.reuse import PixelReuse, check_old_packs
 
-    for old in reuse:
-        try:
-            open_old_pack(old)
-        except (OSError, ValueError, DamagedFile, PackFormatError) as e:
-            raise PackRefused(f"--reuse {redact_uri(old)}: {str(e).strip().splitlines()[0]}") from None
-    return PixelReuse(reuse)
+    return PixelReuse(check_old_packs(reuse))
 
 
 def _project(cfg: PrepackConfig, acc: _Sample, cores: int, seconds: float, worker_start_s: float = 0.0) -> PackPlan:
