@@ -32,14 +32,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 log = logging.getLogger("bench_reuse_scale")
 
-_LOOKUP = """
+# each measuring process: the project on its path, and its resident memory (MB) from /proc
+_PRELUDE = """
 import json, sys, time
 sys.path.insert(0, {root!r})
 def rss(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):
             return int(line.split()[1]) / 1024
-import numpy as np
+"""
+
+_LOOKUP = _PRELUDE + """import numpy as np
 from prepack.engine.pictures import ReuseCounts
 from prepack.engine.reuse import PixelReuse
 from schemas.pixel_index import PictureSource
@@ -64,14 +67,7 @@ print(json.dumps({{"rss_mb": rss("VmHWM") - base, "first_s": first, "hit_us": hi
                   "fallbacks": reuse.counts.fallbacks}}))
 """
 
-_BUILD = """
-import json, sys, time
-sys.path.insert(0, {root!r})
-def rss(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key):
-            return int(line.split()[1]) / 1024
-from prepack.run.catalog import build_catalog
+_BUILD = _PRELUDE + """from prepack.run.catalog import build_catalog
 base = rss("VmRSS")
 t0 = time.perf_counter()
 result = build_catalog({out!r})
