@@ -64,6 +64,23 @@ class Compression:
             raise ValueError(f"zstd level must be a non-zero integer in [{lo}, {hi}], got {level} in {spec!r}")
         return cls("zstd", level)
 
+    @property
+    def frame_format(self) -> str:
+        """What a frame of this compression is, exactly enough that equal pixels give equal frames:
+        the codec, the library that wrote it and its parameters (``"zstd/libzstd-1.5.7/level-1/
+        hash_log-8"``).  A later pack whose writer has the same ``frame_format`` passes an earlier
+        frame through untouched instead of decompressing and compressing it again: same bytes,
+        since both compressions are deterministic.  ``frame_codec`` reads the codec back."""
+        if self.codec is None:
+            return "none"
+        if self.codec == "lz4":
+            return f"lz4/pyarrow-{pa.__version__}"
+        import zstandard  # writer side only
+
+        library = ".".join(str(v) for v in zstandard.ZSTD_VERSION)
+        tail = f"/hash_log-{FAST_ZSTD_HASH_LOG}" if self.level == 1 else ""
+        return f"zstd/libzstd-{library}/level-{self.level}{tail}"
+
     def write_options(self) -> pa.ipc.IpcWriteOptions:
         """IPC options: buffers stored as they are (the pixel table arrives compressed, see
         ``compress``), written on the calling thread."""
@@ -77,21 +94,36 @@ class Compression:
             return "lz4", pa.Codec("lz4").compress(data)
         return "zstd", _zstd_compressor(self.level).compress(data)
 
-    def compress_frames(self, data: np.ndarray, offsets: np.ndarray) -> tuple[str, "np.ndarray | bytes", np.ndarray]:
+    def compress_frames(self, data: np.ndarray, offsets: np.ndarray,
+                        given: "list[bytes | None] | None" = None) -> tuple[str, "np.ndarray | bytes", np.ndarray]:
         """``(codec, stored bytes, frame offsets)``: each ``data[offsets[i]:offsets[i+1]]`` compressed
         as a frame of its own, the frames concatenated (frame i is ``stored[frames[i]:frames[i+1]]``).
+        ``given[i]``, when not None, is frame i already made by a compression of this
+        ``frame_format`` (an earlier pack's, passed through): used as is, ``data``'s slice unread.
 
-        Why frames: a later pack reuses one picture by reading and decompressing its frame alone
-        (``decompress_frame``), never the whole record; a picture is hundreds of KB, so the frames
-        cost ~0.1% in size.  zstd decompresses concatenated frames in one call, so a whole-table
-        read stays one call too."""
+        Why frames: a later pack reuses one picture by reading its frame alone (``decompress_frame``),
+        never the whole record; a picture is hundreds of KB, so the frames cost ~0.1% in size.  zstd
+        decompresses concatenated frames in one call, so a whole-table read stays one call too."""
         offsets = np.asarray(offsets, np.int64)
+        given = given if given is not None else [None] * (len(offsets) - 1)
         if self.codec is None:
+            if any(g is not None for g in given):  # the frames are the coded bytes themselves
+                data = np.array(data, np.uint8)
+                for a, b, g in zip(offsets[:-1].tolist(), offsets[1:].tolist(), given):
+                    if g is not None:
+                        data[a:b] = np.frombuffer(g, np.uint8)
             return "none", data, offsets.copy()
-        parts = [self.compress(data[a:b])[1] for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist())]
+        parts = [g if g is not None else self.compress(data[a:b])[1]
+                 for a, b, g in zip(offsets[:-1].tolist(), offsets[1:].tolist(), given)]
         frames = np.zeros(len(parts) + 1, np.int64)
         np.cumsum([len(p) if isinstance(p, bytes) else p.size for p in parts], out=frames[1:])
         return self.codec, b"".join(memoryview(p) for p in parts), frames
+
+
+def frame_codec(frame_format: str) -> str:
+    """The codec (``none``, ``zstd``, ``lz4``) of a ``Compression.frame_format``: all a reader
+    needs to decompress the frame."""
+    return frame_format.split("/", 1)[0]
 
 
 def decompress(codec: str, stored: pa.Buffer, nbytes: int) -> pa.Buffer:
@@ -121,6 +153,6 @@ def decompress_frames(codec: str, stored: pa.Buffer, frames: np.ndarray, offsets
     return out
 
 
-def decompress_frame(codec: str, frame: "bytes | pa.Buffer", nbytes: int) -> pa.Buffer:
+def decompress_frame(frame_format: str, frame: "bytes | pa.Buffer", nbytes: int) -> pa.Buffer:
     """One picture's frame (see ``Compression.compress_frames``) -> its ``nbytes`` bytes."""
-    return decompress(codec, frame if isinstance(frame, pa.Buffer) else pa.py_buffer(frame), nbytes)
+    return decompress(frame_codec(frame_format), frame if isinstance(frame, pa.Buffer) else pa.py_buffer(frame), nbytes)

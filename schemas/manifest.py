@@ -41,8 +41,9 @@ from schemas.layout import (  # noqa: F401  (re-exported: the tools and tests ta
 from schemas.record import RECORD_SCHEMA_VERSION
 
 # of the whole layout (schemas.layout); pack.json names it (3: stream indexes are sealed; 4: one
-# pixel frame per image and a pixel index per shard, for reuse)
-FORMAT_VERSION = 4
+# pixel frame per image and a pixel index per shard, for reuse; 5: record digests by image, frame
+# formats and frame digests in the pixel index, so a later pack passes frames through)
+FORMAT_VERSION = 5
 
 
 def chain_root(previous: str, digests: "Sequence[str] | bytes", facts: bytes = b"") -> str:

@@ -36,7 +36,7 @@ import xxhash
 from schemas.documents import dump_checked, load_checked
 from schemas.errors import DamagedFile
 
-CATALOG_VERSION = 1
+CATALOG_VERSION = 2  # 2: frame formats in ``codecs``, ``frame_digest``
 CATALOG_DIR = "pixels"
 CATALOG_NAME = f"{CATALOG_DIR}/catalog.json"
 FENCES_NAME = "fences.arrow"
@@ -52,8 +52,9 @@ ROW_DTYPE = np.dtype([
     ("damage", "<i4"),  # code into Catalog.damages
     ("stream", "<i4"), ("shard", "<i4"), ("shard_bytes", "<i8"),
     ("offset", "<i8"), ("length", "<i8"), ("nbytes", "<i8"),  # the frame in the shard file
-    ("codec", "<i1"),  # code into Catalog.codecs
+    ("codec", "<i1"),  # code into Catalog.codecs (frame formats)
     ("digest", "<u8"),  # XXH3-64 of the frame's decompressed (coded) bytes
+    ("frame_digest", "<u8"),  # XXH3-64 of the frame as stored
 ])
 
 FENCES_SCHEMA = pa.schema([

@@ -17,8 +17,11 @@ the damage the decode saw: ``truncated_image``, ``high_bit_depth_image_saturated
 reader applies its own policy and counts the same warnings and drops as a fresh decode.
 
 Where: ``offset``/``length`` locate the image's compressed frame in the shard file (absolute byte
-offsets; ``codec`` names its compression), ``nbytes`` is its row-delta coded size and ``digest``
-the XXH3-64 of those coded bytes, checked before any reused byte is used.  The file carries a seal
+offsets; ``codec`` is the frame's exact format, ``schemas.compression.Compression.frame_format``:
+codec, library version, parameters), ``nbytes`` is its row-delta coded size, ``digest`` the
+XXH3-64 of those coded bytes and ``frame_digest`` the XXH3-64 of the frame as stored.  A reader
+checks one of the two before any reused byte is used: the frame's when it passes the frame through
+untouched (its writer makes frames of the same format), the pixels' when it decompresses.  The file carries a seal
 (XXH3-128 over its columns) so a damaged index is refused whole instead of pointing a key at
 another picture.  The index is only read for shards the stream index lists (committed).
 """
@@ -31,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 import xxhash
 
-PIXEL_INDEX_VERSION = 1
+PIXEL_INDEX_VERSION = 2  # 2: frame formats in ``codec``, ``frame_digest``
 SEAL_KEY = b"prepack.pixels_seal"
 RESIZE_KEY = b"prepack.resize"
 VERSION_KEY = b"prepack.pixel_index_version"
@@ -49,8 +52,9 @@ PIXEL_INDEX_SCHEMA = pa.schema([
     pa.field("offset", pa.int64(), nullable=False),
     pa.field("length", pa.int64(), nullable=False),
     pa.field("nbytes", pa.int64(), nullable=False),
-    pa.field("codec", pa.string(), nullable=False),
+    pa.field("codec", pa.string(), nullable=False),  # the frame's format (see module doc)
     pa.field("digest", pa.uint64(), nullable=False),
+    pa.field("frame_digest", pa.uint64(), nullable=False),
 ])
 
 
@@ -88,8 +92,9 @@ class PixelEntry:
     offset: int
     length: int
     nbytes: int
-    codec: str
+    codec: str  # frame format
     digest: int
+    frame_digest: int
 
 
 def content_key(data: "bytes | memoryview") -> bytes:
@@ -97,9 +102,9 @@ def content_key(data: "bytes | memoryview") -> bytes:
     return xxhash.xxh3_128_digest(data)
 
 
-def pixel_digest(coded: np.ndarray) -> int:
-    """XXH3-64 of an image's row-delta coded bytes (what its frame decompresses to)."""
-    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(coded).data)
+def frame_digest(frame: "bytes | memoryview") -> int:
+    """XXH3-64 of a frame as stored (checked before it is passed through undecompressed)."""
+    return xxhash.xxh3_64_intdigest(frame)
 
 
 def _seal(table: pa.Table) -> str:
@@ -156,6 +161,7 @@ def pixel_index_table(entries: list[PixelEntry], resize: str) -> pa.Table:
         "nbytes": pa.array([e.nbytes for e in entries], pa.int64()),
         "codec": pa.array([e.codec for e in entries], pa.string()),
         "digest": pa.array([e.digest for e in entries], pa.uint64()),
+        "frame_digest": pa.array([e.frame_digest for e in entries], pa.uint64()),
     }
     table = pa.Table.from_pydict(cols, schema=PIXEL_INDEX_SCHEMA).combine_chunks()
     meta = {VERSION_KEY: str(PIXEL_INDEX_VERSION).encode(), RESIZE_KEY: resize.encode(),

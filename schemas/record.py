@@ -23,7 +23,9 @@ On disk (version 3) the pixel table is the one buffer the encoder compresses its
 ``image_pixels_codec`` column), one frame per image (``image_pixels_frames``: where each frame
 starts in the stored buffer), so a later pack can read one picture without the rest of the
 record; every other buffer is stored as is.  The content digest covers the decoded values, so it
-does not depend on the codec or the framing.
+does not depend on the codec or the framing; for the pixel table it covers each image's XXH3-64
+(``image_digest``), so a writer that passes an earlier pack's frame through untouched
+(``StoredImage``) knows the digest without decompressing it.
 """
 
 from __future__ import annotations
@@ -37,12 +39,13 @@ import numpy as np
 import pyarrow as pa
 import xxhash
 
-from schemas.compression import Compression, decompress_frames
+from schemas.compression import Compression, decompress_frame, decompress_frames
 
 # 2: the pixel table is compressed by the record encoder (codec in ``image_pixels_codec``),
 #    the Arrow IPC buffers are not.
 # 3: one compressed frame per image (``image_pixels_frames``).
-RECORD_SCHEMA_VERSION = 3
+# 4: the content digest covers the pixel table as its images' XXH3-64 digests.
+RECORD_SCHEMA_VERSION = 4
 
 ATTN_MODES = ("causal", "full", "noise")
 ATTN_MODE_CODES = {name: code for code, name in enumerate(ATTN_MODES)}
@@ -115,6 +118,10 @@ class PackedBatch:
     # where each image of the table came from (``schemas.pixel_index.PictureSource`` or None), for the
     # shard's pixel index: never part of the record (empty for a batch read back)
     image_sources: list = field(default_factory=list, compare=False, repr=False, metadata={"stored": False})
+    # per image, None or the ``StoredImage`` it was taken from; an image with a frame to pass through
+    # (``StoredImage.frame``) has its slot of ``image_pixels`` left unwritten: ``image(i)`` and
+    # ``encode_record`` read the frame instead (empty for a batch read back)
+    image_stored: list = field(default_factory=list, compare=False, repr=False, metadata={"stored": False})
 
     @property
     def num_samples(self) -> int:
@@ -122,8 +129,14 @@ class PackedBatch:
 
     def image(self, i: int) -> np.ndarray:
         """Image i as decoded (h, w, 3) uint8 pixels."""
-        a, b = int(self.image_offsets[i]), int(self.image_offsets[i + 1])
-        return decode_rows(self.image_pixels[a:b].reshape(int(self.image_heights[i]), int(self.image_widths[i]), 3))
+        return decode_rows(self.coded_image(i).reshape(int(self.image_heights[i]), int(self.image_widths[i]), 3))
+
+    def coded_image(self, i: int) -> np.ndarray:
+        """Image i's row-delta coded bytes, flat (from its frame when its slot was left unwritten)."""
+        stored = self.image_stored[i] if i < len(self.image_stored) else None
+        if stored is not None and stored.frame is not None:
+            return stored.coded_pixels()
+        return self.image_pixels[int(self.image_offsets[i]):int(self.image_offsets[i + 1])]
 
     def sample_splits(self) -> list[tuple[list[int], list[str]]]:
         """Per sample: its split lengths and attention-mode names."""
@@ -150,28 +163,76 @@ def decode_rows(coded: np.ndarray) -> np.ndarray:
     return np.cumsum(coded, axis=1, dtype=np.uint8)
 
 
-def image_table(images: list[np.ndarray], alloc: Callable[[int], np.ndarray] | None = None,
-                coded: "list[bool] | None" = None) -> dict[str, np.ndarray]:
-    """The PackedBatch image-table fields for decoded (h, w, 3) uint8 images.
+def image_digest(coded: np.ndarray) -> int:
+    """XXH3-64 of an image's row-delta coded bytes: what its frame decompresses to, what a pixel
+    index checks reused pixels against, and the image's part of the record digest."""
+    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(coded).data)
+
+
+def image_digests(pixels: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """``image_digest`` of every image of a coded pixel table (uint64, one per image)."""
+    bounds = np.asarray(offsets, np.int64).tolist()
+    return np.fromiter((image_digest(pixels[a:b]) for a, b in zip(bounds[:-1], bounds[1:])), np.uint64,
+                       count=max(len(bounds) - 1, 0))
+
+
+@dataclass(frozen=True)
+class StoredImage:
+    """An image as an earlier pack's table stored it, checked: its row-delta coded pixels
+    (``coded``), or its compressed frame alone (``frame``, of ``frame_format``) when the writer at hand
+    makes frames of that same format and so passes it through without decompressing it.
+    ``digest`` is ``image_digest`` of the coded pixels (known from the pixel index)."""
+
+    width: int
+    height: int
+    digest: int
+    coded: "np.ndarray | None" = None  # (height, width, 3) uint8
+    frame: "bytes | None" = None
+    frame_format: str = "none"
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.height, self.width, 3)
+
+    @property
+    def size(self) -> int:
+        return self.height * self.width * 3
+
+    def coded_pixels(self) -> np.ndarray:
+        """The coded (flat uint8) pixels, decompressed from the frame if that is all there is."""
+        if self.coded is not None:
+            return self.coded.reshape(-1)
+        return np.frombuffer(decompress_frame(self.frame_format, self.frame, self.size), np.uint8)
+
+
+def image_table(images: "list[np.ndarray | StoredImage]", alloc: Callable[[int], np.ndarray] | None = None
+                ) -> dict[str, "np.ndarray | list"]:
+    """The PackedBatch image-table fields for (h, w, 3) uint8 images, resized (coded here) or
+    ``StoredImage`` entries (coded pixels copied as they are; a frame leaves its slot unwritten and is
+    listed in ``image_stored``, see ``PackedBatch``).
 
     ``alloc(n)`` gives the uint8 array of n bytes the table is coded into (default: a new one).
-    ``coded[i]``: image i is already row-delta coded (pixels reused from a stored table), copied as is.
     """
     offsets = np.zeros(len(images) + 1, np.int64)
     if images:
         np.cumsum([im.size for im in images], out=offsets[1:])
     size = int(offsets[-1])
     pixels = np.empty(size, np.uint8) if alloc is None else alloc(size)  # coded straight into place
-    for i, (im, a, b) in enumerate(zip(images, offsets[:-1], offsets[1:])):
-        if coded is not None and coded[i]:
-            pixels[a:b] = im.reshape(-1)
+    stored: list = []
+    for im, a, b in zip(images, offsets[:-1], offsets[1:]):
+        if isinstance(im, StoredImage):
+            if im.frame is None:
+                pixels[a:b] = im.coded.reshape(-1)
+            stored.append(im)
         else:
             encode_rows(im, out=pixels[a:b].reshape(im.shape))
+            stored.append(None)
     return {
         "image_heights": np.asarray([im.shape[0] for im in images], np.int32),
         "image_widths": np.asarray([im.shape[1] for im in images], np.int32),
         "image_offsets": offsets,
         "image_pixels": pixels,
+        "image_stored": stored,
     }
 
 
@@ -256,17 +317,50 @@ def _to_record(batch: PackedBatch, codec: str, stored_pixels, frames: np.ndarray
     return pa.RecordBatch.from_arrays(cols, schema=schema)
 
 
-def encode_record(batch: PackedBatch, compression: Compression | None = None,
-                  metadata: dict[str, str] | None = None) -> tuple[pa.RecordBatch, str]:
-    """``(record, content digest)`` of a PackedBatch, its pixel table stored with ``compression``.
+@dataclass(frozen=True)
+class EncodedRecord:
+    """A record as ``encode_record`` made it, with what the writer's pixel index needs of it."""
 
-    The digest is taken from the pixels in hand, so writing never decompresses what it just
-    compressed; it equals ``record_digest`` of the record read back.
+    record: pa.RecordBatch
+    digest: str  # ``record_digest`` of the record
+    frame_format: str  # of every frame in its pixel table
+    image_digests: np.ndarray  # uint64 per image: ``image_digest`` of its coded pixels
+    frame_digests: np.ndarray  # uint64 per image: XXH3-64 of its frame as stored
+
+
+def encode_record(batch: PackedBatch, compression: Compression | None = None,
+                  metadata: dict[str, str] | None = None) -> EncodedRecord:
+    """A PackedBatch as a record, its pixel table stored with ``compression``.
+
+    The digest is taken from the pixels in hand (or, for a frame passed through, from its pixel
+    index digest), so writing never decompresses what it just compressed; it equals
+    ``record_digest`` of the record read back.  A ``StoredImage`` frame of another format than
+    ``compression``'s is decompressed and compressed again (never stored under a wrong name).
     """
+    compression = compression or Compression(None, None)
+    fmt = compression.frame_format
     pixels = np.ascontiguousarray(batch.image_pixels, dtype=np.uint8).reshape(-1)
-    codec, stored, frames = (compression or Compression(None, None)).compress_frames(pixels, batch.image_offsets)
-    record = _to_record(batch, codec, stored, frames, metadata)
-    return record, _digest(record, pixels)
+    offsets = np.asarray(batch.image_offsets, np.int64)
+    stored = list(batch.image_stored) + [None] * (len(offsets) - 1 - len(batch.image_stored))
+    given: list = [None] * len(stored)
+    digests = np.zeros(len(stored), np.uint64)
+    for i, im in enumerate(stored):
+        a, b = int(offsets[i]), int(offsets[i + 1])
+        if im is not None and im.frame is not None:
+            if im.frame_format == fmt and compression.codec is not None:
+                given[i] = im.frame
+                digests[i] = im.digest
+                continue
+            pixels = pixels if pixels.flags.writeable else pixels.copy()
+            pixels[a:b] = im.coded_pixels()  # another format: stored anew from its pixels
+        digests[i] = image_digest(pixels[a:b])
+    codec, data, frames = compression.compress_frames(pixels, offsets, given)
+    record = _to_record(batch, codec, data, frames, metadata)
+    view = memoryview(data if not isinstance(data, np.ndarray) else data.data).cast("B")
+    bounds = frames.tolist()
+    frame_digests = np.fromiter((xxhash.xxh3_64_intdigest(view[a:b]) for a, b in zip(bounds[:-1], bounds[1:])),
+                                np.uint64, count=len(stored))
+    return EncodedRecord(record, _digest(record, digests), fmt, digests, frame_digests)
 
 
 def batch_to_record(batch: PackedBatch, metadata: dict[str, str] | None = None) -> pa.RecordBatch:
@@ -370,17 +464,20 @@ def record_to_batch(record: pa.RecordBatch) -> PackedBatch:
     return PackedBatch(**kwargs)
 
 
-def _digest(record: pa.RecordBatch, pixels: np.ndarray) -> str:
+def _digest(record: pa.RecordBatch, image_digests: np.ndarray) -> str:
     h = xxhash.xxh3_128()
     for name, _ in _SCALAR_COLUMNS:
         h.update(name.encode())
         h.update(repr(record.column(name)[0].as_py()).encode())
     arrays = record_arrays(record)
-    arrays["image_pixels"] = pixels
     for name, _ in _ARRAY_COLUMNS:
-        a = arrays[name]
         h.update(name.encode())
-        h.update(len(a).to_bytes(8, "little"))
+        if name == "image_pixels":  # the table by its images' digests (``image_digest``)
+            a = np.ascontiguousarray(image_digests, dtype="<u8")
+            h.update(int(arrays["image_offsets"][-1] if len(arrays["image_offsets"]) else 0).to_bytes(8, "little"))
+        else:
+            a = arrays[name]
+            h.update(len(a).to_bytes(8, "little"))
         h.update(np.ascontiguousarray(a).view(np.uint8).data)
     for name, _ in _ORIGIN_COLUMNS:
         h.update(name.encode())
@@ -398,7 +495,7 @@ def record_digest(record: pa.RecordBatch) -> str:
     pixels are handed to a following ``record_to_batch`` of the same record.
     """
     pixels = record_pixels(record)
-    digest = _digest(record, pixels)
+    digest = _digest(record, image_digests(pixels, record.column("image_offsets").flatten().to_numpy(zero_copy_only=True)))
     if _stored_pixels(record)[0] != "none":
         _decoded.put(record, pixels)
     return digest

@@ -245,7 +245,7 @@ def main() -> None:
     compression = Compression.parse(args.compression)
     opts = compression.write_options()
     for b in batches:
-        rec, _ = encode_record(b, compression)
+        rec = encode_record(b, compression).record
         buf = pa.BufferOutputStream()
         with pa.ipc.new_stream(buf, RECORD_SCHEMA, options=opts) as w:
             w.write_batch(rec)

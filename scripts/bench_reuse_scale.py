@@ -144,7 +144,8 @@ def synthetic_shards(out: str, pictures: int, per_shard: int = 1000, streams: in
         index = StreamIndex(s, [], "0" * 64, "0" * 64)
         for k in range(shards):
             entries = [PixelEntry(PictureSource(rng.bytes(16), "rgb", DecodeFacts(1024, 768)), 512, 384, i // 40, i % 40,
-                                  i * 300_000, 300_000, 512 * 384 * 3, "zstd:1", int(rng.integers(0, 2**63)))
+                                  i * 300_000, 300_000, 512 * 384 * 3, "zstd:1", int(rng.integers(0, 2**63)),
+                                  int(rng.integers(0, 2**63)))
                        for i in range(per_shard)]
             data = pixel_index_bytes(entries, RESIZE_IMPL)
             write_bytes_atomic(loc, shard_pixels_file(s, k), data)

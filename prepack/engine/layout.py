@@ -248,8 +248,7 @@ class SequenceBuilder:
         """The compact batch; pixels are resized here (once per distinct picture).  ``alloc``: where
         the pixel table goes (``image_table``)."""
         k = self.knobs
-        table = image_table([img.table_pixels() for img in self.images], alloc,
-                            [img.coded for img in self.images])
+        table = image_table([img.table_pixels() for img in self.images], alloc)
         cat = lambda parts: np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)  # noqa: E731
         return PackedBatch(
             use_flex=k.use_flex,

@@ -25,6 +25,7 @@ from PIL import Image
 from prepack.engine.images import ImagePolicy, apply_facts, decode_observed, to_plain_rgb, to_rgb
 from prepack.engine.resize import resize_pixels
 from schemas.pixel_index import DecodeFacts, PictureSource, content_key
+from schemas.record import StoredImage
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +38,9 @@ class PixelProvider(Protocol):
 
     def facts(self, key: tuple[bytes, str]) -> DecodeFacts | None: ...
 
-    def fetch(self, source: PictureSource, width: int, height: int) -> np.ndarray | None:
-        """The row-delta coded (height, width, 3) pixels stored for this picture and target, checked;
-        None: none (or none that holds)."""
+    def fetch(self, source: PictureSource, width: int, height: int) -> StoredImage | None:
+        """The pixels stored for this picture and target, checked (coded, or a frame the writer
+        passes through); None: none (or none that holds)."""
 
     counts: "ReuseCounts"  # where the provider counts its fallbacks: the store counts into the same
 
@@ -51,6 +52,8 @@ class ReuseCounts:
 
     images: int = 0  # resizes asked for (every packed image, video frames included)
     reused: int = 0  # served from earlier pixels
+    frames_passed: int = 0  # of them, frames written as they were stored (not decompressed nor compressed)
+    frames_recompressed: int = 0  # of them, frames of another format than the writer's: decompressed, compressed anew
     decodes_saved: int = 0  # pictures never decoded
     fallbacks: dict[str, int] = field(default_factory=dict)  # reason -> reused pixels refused, decoded instead
 
@@ -58,7 +61,8 @@ class ReuseCounts:
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
 
     def to_json(self) -> dict:
-        return {"images": self.images, "reused": self.reused, "decodes_saved": self.decodes_saved,
+        return {"images": self.images, "reused": self.reused, "frames_passed": self.frames_passed,
+                "frames_recompressed": self.frames_recompressed, "decodes_saved": self.decodes_saved,
                 "fallbacks": dict(sorted(self.fallbacks.items()))}
 
 
@@ -96,17 +100,18 @@ class Picture:
             self._store.counts.decodes_saved -= 1
         return self._image
 
-    def resized(self, width: int, height: int) -> tuple[np.ndarray, bool]:
-        """``(pixels, coded)``: (height, width, 3) uint8, row-delta coded as an earlier table stored
-        them (``coded``) when they are provably these, else the resize's own pixels."""
+    def resized(self, width: int, height: int) -> "np.ndarray | StoredImage":
+        """The resize's (height, width, 3) uint8 pixels, or an earlier table's (``StoredImage``) when
+        they are provably these."""
         store = self._store
         store.counts.images += 1
         if store.provider is not None:
             got = store.provider.fetch(self.source, width, height)
             if got is not None:
                 store.counts.reused += 1
-                return got, True
-        return resize_pixels(self.image(), width, height), False
+                store.counts.frames_passed += got.frame is not None
+                return got
+        return resize_pixels(self.image(), width, height)
 
 
 class PictureStore:

@@ -5,8 +5,11 @@ The rule (docs/architecture.md, "Reuse"): a picture's resized pixels are a funct
 bytes, how they are decoded and the resize target, for one resize implementation.  So an image is
 taken from an earlier shard when its ``(content, decode, width, height)`` is in that shard's pixel
 index (``schemas.pixel_index``) and the index names the same resize implementation; its frame is
-read alone (one ranged read), decompressed and its XXH3-64 compared with the index before a byte is
-used.  A picture whose decode facts are known is not decoded at all (``prepack.engine.pictures``).
+read alone (one ranged read) and checked against the index before a byte is used: when the
+stream's writer makes frames of the frame's exact format (``Compression.frame_format``) the frame
+is passed through untouched, checked by its own XXH3-64 (equal pixels, same deterministic
+compression: the bytes a fresh pack writes); otherwise it is decompressed and its pixels' XXH3-64
+checked.  A picture whose decode facts are known is not decoded at all (``prepack.engine.pictures``).
 Anything that does not hold — an index missing, damaged or of another resize, a shard file gone,
 short or changed, a frame that fails its digest — means decode and resize as usual, counted by
 reason: never a wrong byte, never a failed run.
@@ -32,13 +35,14 @@ import numpy as np
 import pyarrow as pa
 
 from prepack.engine.pictures import RESIZE_IMPL, ReuseCounts
-from schemas.compression import decompress_frame
+from schemas.compression import decompress_frame, frame_codec
 from schemas.location import PackLocation, redact_uri, resolve_location
 from schemas.errors import DamagedFile, PackFormatError, PackRefused
 from schemas.manifest import (PACK_INFO_NAME, StreamIndex, check_format, index_file, load_checked, shard_file,
                               shard_pixels_file)
 from schemas.pixel_catalog import CATALOG_NAME, ROW_DTYPE, Catalog, block_digest, fences_file, part_file
-from schemas.pixel_index import DecodeFacts, PictureSource, PixelEntry, pixel_digest, read_pixel_index
+from schemas.pixel_index import DecodeFacts, PictureSource, PixelEntry, frame_digest, read_pixel_index
+from schemas.record import StoredImage, image_digest
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +61,9 @@ class _Where:
     offset: int
     length: int
     nbytes: int
-    codec: str
+    codec: str  # frame format
     digest: int
+    frame_digest: int
 
 
 class _RangedFile:
@@ -214,11 +219,15 @@ class PixelReuse:
     ``olds``: earlier packs (paths or URIs), loaded at the first lookup.  ``add_shard`` adds one
     of this stream's own shards once it is committed (reuse within one pack).  ``counts`` is the
     stream's ``ReuseCounts`` (fallbacks are counted there by reason).  At most ``open_files``
-    earlier shard files are held open at once.
+    earlier shard files are held open at once.  ``frame_format``: the format of the frames the
+    stream's writer makes (``Compression.frame_format``); frames of that format are handed over
+    undecompressed (None: always as pixels).
     """
 
-    def __init__(self, olds: Iterable[str] = (), counts: ReuseCounts | None = None, open_files: int = 64):
+    def __init__(self, olds: Iterable[str] = (), counts: ReuseCounts | None = None, open_files: int = 64,
+                 frame_format: str | None = None):
         self.olds = [str(o) for o in olds]
+        self.frame_format = frame_format
         self.counts = counts if counts is not None else ReuseCounts()
         self._facts: dict[tuple[bytes, str], DecodeFacts] = {}
         self._where: dict[tuple[bytes, str, int, int], _Where] = {}
@@ -242,7 +251,7 @@ class PixelReuse:
                                tuple(k for k in view.catalog.damages[row["damage"]].split(",") if k))
         return None
 
-    def fetch(self, source: PictureSource, width: int, height: int) -> np.ndarray | None:
+    def fetch(self, source: PictureSource, width: int, height: int) -> StoredImage | None:
         self._load()
         where = self._where.get((source.content, source.decode, width, height))
         if where is None:
@@ -253,13 +262,19 @@ class PixelReuse:
             frame = self._read(where)
         except (OSError, ValueError, pa.ArrowException) as e:
             return self._fallback("shard_unreadable", e)
+        if where.codec == self.frame_format and frame_codec(where.codec) != "none":
+            if where.nbytes != width * height * 3 or frame_digest(frame) != where.frame_digest:
+                return self._fallback("frame_damaged", "frame digest differs from the pixel index")
+            return StoredImage(width, height, where.digest, frame=frame, frame_format=where.codec)
+        recompressed = self.frame_format is not None and frame_codec(self.frame_format) != "none"
         try:
             coded = np.frombuffer(decompress_frame(where.codec, frame, where.nbytes), np.uint8)
         except (OSError, ValueError, pa.ArrowException) as e:  # pyarrow says "data corruption" as an OSError
             return self._fallback("frame_damaged", e)
-        if coded.size != width * height * 3 or pixel_digest(coded) != where.digest:
+        if coded.size != width * height * 3 or image_digest(coded) != where.digest:
             return self._fallback("frame_damaged", "digest differs from the pixel index")
-        return coded.reshape(height, width, 3)  # as stored: the new table takes them coded
+        self.counts.frames_recompressed += recompressed
+        return StoredImage(width, height, where.digest, coded=coded.reshape(height, width, 3))
 
     # -- catalogs -------------------------------------------------------------------------------
     def _catalog_rows(self, content: bytes, decode: str) -> "list[tuple[int, dict, CatalogView]]":
@@ -287,7 +302,7 @@ class PixelReuse:
                     file = self._file_ids[key] = len(self._files)
                     self._files.append(_RangedFile(view.loc, shard_file(key[1], key[2]), int(row["shard_bytes"])))
                 return _Where(file, int(row["offset"]), int(row["length"]), int(row["nbytes"]),
-                              view.catalog.codecs[row["codec"]], int(row["digest"]))
+                              view.catalog.codecs[row["codec"]], int(row["digest"]), int(row["frame_digest"]))
         return None
 
     def _read(self, where: _Where) -> bytes:
@@ -306,7 +321,7 @@ class PixelReuse:
         self._files.append(_RangedFile(loc, shard_file(stream, shard), size))
         for e in entries:
             self._add(e.source.content, e.source.decode, e.source.facts, e.width, e.height,
-                      _Where(file, e.offset, e.length, e.nbytes, e.codec, e.digest))
+                      _Where(file, e.offset, e.length, e.nbytes, e.codec, e.digest, e.frame_digest))
 
     def add_stream(self, loc: PackLocation, index: StreamIndex) -> None:
         """Every committed shard of one stream, read from its pixel index files."""
@@ -344,7 +359,7 @@ class PixelReuse:
             facts = DecodeFacts(cols["src_width"][i], cols["src_height"][i], damage)
             self._add(cols["content"][i], cols["decode"][i], facts, cols["width"][i], cols["height"][i],
                       _Where(file, cols["offset"][i], cols["length"][i], cols["nbytes"][i], cols["codec"][i],
-                             cols["digest"][i]))
+                             cols["digest"][i], cols["frame_digest"][i]))
 
     def _add(self, content: bytes, decode: str, facts: DecodeFacts, width: int, height: int, where: _Where) -> None:
         self._facts.setdefault((content, decode), facts)

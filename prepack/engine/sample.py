@@ -19,8 +19,7 @@ from prepack.engine.pictures import Picture
 from prepack.engine.resize import resize_pixels
 from schemas.config import TransformArgs
 from schemas.pixel_index import PictureSource
-from schemas.record import decode_rows
-from schemas.record import SampleOrigin
+from schemas.record import SampleOrigin, StoredImage, decode_rows
 
 
 @dataclass
@@ -40,7 +39,7 @@ class PlanItem:
 class SampleImage:
     """A decoded picture bound to a resize target and a normalisation; pixels made on demand."""
 
-    __slots__ = ("picture", "width", "height", "norm", "source", "coded", "_pixels")
+    __slots__ = ("picture", "width", "height", "norm", "source", "_pixels")
 
     def __init__(self, picture: "Picture | Image.Image | None", width: int, height: int, norm: tuple[float, ...],
                  pixels: np.ndarray | None = None, source: PictureSource | None = None):
@@ -49,20 +48,19 @@ class SampleImage:
         self.height = height
         self.norm = norm  # mean rgb + std rgb
         self.source = picture.source if isinstance(picture, Picture) else source  # None: no key (video frames)
-        self.coded = False  # _pixels are row-delta coded (reused from a stored table, see table_pixels)
-        self._pixels = pixels
+        self._pixels: "np.ndarray | StoredImage | None" = pixels
 
     @classmethod
     def from_transform(cls, picture: "Picture | Image.Image", target: tuple[int, int], args: TransformArgs) -> "SampleImage":
         return cls(picture, target[0], target[1], tuple(args.image_mean) + tuple(args.image_std))
 
-    def table_pixels(self) -> np.ndarray:
-        """What goes into the record's pixel table: the resized (h, w, 3) uint8 pixels, or (when
-        ``coded``) the row-delta coded ones taken as stored from an earlier table; computed once,
-        the picture then released."""
+    def table_pixels(self) -> "np.ndarray | StoredImage":
+        """What goes into the record's pixel table: the resized (h, w, 3) uint8 pixels, or an earlier
+        table's (``StoredImage``: coded pixels, or a frame to pass through); computed once, the
+        picture then released."""
         if self._pixels is None:
             if isinstance(self.picture, Picture):
-                self._pixels, self.coded = self.picture.resized(self.width, self.height)
+                self._pixels = self.picture.resized(self.width, self.height)
             else:
                 self._pixels = resize_pixels(self.picture, self.width, self.height)
             self.picture = None
@@ -71,7 +69,9 @@ class SampleImage:
     def pixels(self) -> np.ndarray:
         """(h, w, 3) uint8 after the NaViT resize."""
         table = self.table_pixels()
-        return decode_rows(table) if self.coded else table
+        if isinstance(table, StoredImage):
+            return decode_rows(table.coded_pixels().reshape(table.shape))
+        return table
 
 
 @dataclass

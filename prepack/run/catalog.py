@@ -233,7 +233,7 @@ def _catalog_rows(table: pa.Table, stream: int, shard: int, shard_bytes: int, vo
     rows = np.zeros(table.num_rows, ROW_DTYPE)
     content = table.column("content").combine_chunks()
     rows["content"] = np.frombuffer(content.buffers()[1], "S16", count=len(content), offset=content.offset * 16)
-    for name in ("width", "height", "src_width", "src_height", "offset", "length", "nbytes", "digest"):
+    for name in ("width", "height", "src_width", "src_height", "offset", "length", "nbytes", "digest", "frame_digest"):
         rows[name] = table.column(name).to_numpy()
     for name in ("decode", "codec", "damage"):
         rows[name] = vocab[name].codes(table.column(name))

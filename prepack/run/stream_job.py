@@ -24,6 +24,7 @@ from prepack.engine.packer import StreamPacker, StreamState
 from prepack.engine.reuse import PixelReuse, own_reuse_on
 from prepack.run.writer import StreamWriter, recover_stream, sha256_hex, write_bytes_atomic
 from schemas.checkpoint import CheckpointDoc
+from schemas.compression import Compression
 from schemas.config import PrepackConfig
 from schemas.errors import DamagedFile
 from schemas.location import PackLocation, resolve_location
@@ -130,13 +131,15 @@ def compact_lineage(loc: PackLocation, index: StreamIndex) -> tuple[str, int]:
     return sha256_hex(data), rows
 
 
-def pixel_provider(loc: PackLocation, index: StreamIndex, reuse: "tuple[str, ...] | list[str]") -> PixelReuse | None:
+def pixel_provider(loc: PackLocation, index: StreamIndex, reuse: "tuple[str, ...] | list[str]",
+                   compression: Compression) -> PixelReuse | None:
     """Where this stream's earlier pixels come from: the ``reuse`` packs, and its own committed shards
-    (its later passes over a small set) unless ``PREPACK_REUSE_OWN=0``."""
+    (its later passes over a small set) unless ``PREPACK_REUSE_OWN=0``.  Frames the stream's writer
+    (``compression``) would make byte for byte are handed over as they are stored."""
     own = own_reuse_on()
     if not reuse and not own:
         return None
-    provider = PixelReuse(reuse)
+    provider = PixelReuse(reuse, frame_format=compression.frame_format)
     if own:
         provider.add_stream(loc, index)
     return provider
@@ -161,7 +164,7 @@ def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, 
         log.info("stream %d: extending from %s to %s", stream, previous.budget, budget)
         loc.fs.delete_file(loc.path(done_file(stream)))
     index = recover_stream(loc, stream)
-    pixels = pixel_provider(loc, index, reuse)
+    pixels = pixel_provider(loc, index, reuse, Compression.parse(cfg.prepack.compression))
     own = pixels is not None and own_reuse_on()
     if not index.shards:
         packer = StreamPacker(cfg, stream, tokenizer, special, reuse_pixel_table=True,  # each batch is written before the next

@@ -72,6 +72,10 @@ class RunSummary:
             return []
         where = " + ".join(redact_uri(r) for r in self.reuse_from) or "this pack's own shards"
         out = [f"reused {reused:,} of {images:,} images ({reused / images:.0%}) from {where}"]
+        again = sum(int(s.reuse.get("frames_recompressed", 0)) for s in self.streams)
+        if again:
+            out.append(f"{again:,} reused images compressed again: OLD's frames are of another format than this "
+                       "pack's compression (same bytes, more CPU)")
         if fallbacks:
             out.append("reuse fell back to decoding: " + ", ".join(f"{k}={v}" for k, v in sorted(fallbacks.items())))
         return out

@@ -32,7 +32,6 @@ import os
 from dataclasses import asdict, is_dataclass
 from typing import Any, Callable
 
-import numpy as np
 import pyarrow as pa
 import xxhash
 import pyarrow.fs as pafs
@@ -57,8 +56,8 @@ from schemas.layout import (
     temporary,
 )
 from schemas.manifest import LINEAGE_SCHEMA, RecordEntry, ShardEntry, StreamIndex, shard_metadata
-from schemas.pixel_index import PixelEntry, pixel_digest, pixel_index_bytes
-from schemas.record import RECORD_SCHEMA, PackedBatch, encode_record, stored_pixel_frames
+from schemas.pixel_index import PixelEntry, pixel_index_bytes
+from schemas.record import RECORD_SCHEMA, EncodedRecord, PackedBatch, encode_record, stored_pixel_frames
 
 log = logging.getLogger(__name__)
 
@@ -296,31 +295,32 @@ class StreamWriter:
         """Write one packed batch; return the shard's entry if this record completed a shard."""
         if self.index is not None:
             self._lineage.append((batch.origins, batch.sample_lens.tolist()))
-        record, digest = encode_record(batch, self.compression)  # the pixel table is compressed here
+        encoded = encode_record(batch, self.compression)  # the pixel table is compressed here
+        record = encoded.record
         if self._ipc is None:
             self._open()
-        codec, stored, frames = stored_pixel_frames(record)
+        _, stored, frames = stored_pixel_frames(record)
         self._sink.watch(stored)
         self._ipc.write_batch(record)
         if self._sink.seen is not None:
-            self._index_pixels(batch, codec, self._sink.seen, frames)
-        self._records.append(RecordEntry(digest, int(batch.sequence_length), batch.num_samples))
+            self._index_pixels(batch, encoded, self._sink.seen, frames)
+        self._records.append(RecordEntry(encoded.digest, int(batch.sequence_length), batch.num_samples))
         if self._sink.nbytes >= self.shard_bytes:
             return self._commit()
         return None
 
-    def _index_pixels(self, batch: PackedBatch, codec: str, at: int, frames) -> None:
+    def _index_pixels(self, batch: PackedBatch, encoded: EncodedRecord, at: int, frames) -> None:
         """Pixel index rows for the record about to be listed (``at``: its pixel bytes' file offset)."""
         offsets = batch.image_offsets
-        pixels = np.asarray(batch.image_pixels).reshape(-1)
         for i, source in enumerate(batch.image_sources):
             if source is None:
                 continue
-            a, b = int(offsets[i]), int(offsets[i + 1])
             self._pixels.append(PixelEntry(
                 source=source, width=int(batch.image_widths[i]), height=int(batch.image_heights[i]),
                 record=len(self._records), image=i, offset=at + int(frames[i]),
-                length=int(frames[i + 1] - frames[i]), nbytes=b - a, codec=codec, digest=pixel_digest(pixels[a:b])))
+                length=int(frames[i + 1] - frames[i]), nbytes=int(offsets[i + 1] - offsets[i]),
+                codec=encoded.frame_format, digest=int(encoded.image_digests[i]),
+                frame_digest=int(encoded.frame_digests[i])))
 
     def finish(self) -> ShardEntry | None:
         """Commit the current partial shard, if it holds any record."""

@@ -184,7 +184,7 @@ def _sample_stream(cfg: PrepackConfig, stream: int, tokenizer, special, least: i
     records, lineage, stamps = [], [], []
     with StreamPacker(cfg, stream, tokenizer, special, reuse_pixel_table=True, pixels=pixels) as packer:
         for batch in packer:
-            record, _ = encode_record(batch, compression)
+            record = encode_record(batch, compression).record
             records.append(record)
             lineage.append((batch.origins, batch.sample_lens.tolist()))
             acc.tokens += int(batch.sequence_length)
@@ -291,7 +291,7 @@ def plan_pack(cfg: PrepackConfig, *, cores: int | None = None, sample_batches: i
     deadline = start + max_seconds
     streams = sample_streams(cfg.num_streams, sample_streams_n)
     allot = batch_allotment(len(streams), sample_batches, p.batches_per_stream, cfg.num_streams, max_fraction)
-    pixels = _reuse_provider(reuse)
+    pixels = _reuse_provider(reuse, Compression.parse(p.compression))
     try:
         for s, (least, most) in zip(streams, allot):
             if acc.batches and time.monotonic() > deadline:
@@ -315,13 +315,14 @@ def plan_pack(cfg: PrepackConfig, *, cores: int | None = None, sample_batches: i
     return plan
 
 
-def _reuse_provider(reuse: "tuple[str, ...] | list[str]"):
-    """A stream's view of the ``reuse`` packs, each checked first (a wrong one is one line)."""
+def _reuse_provider(reuse: "tuple[str, ...] | list[str]", compression: Compression):
+    """A stream's view of the ``reuse`` packs, each checked first (a wrong one is one line); frames
+    are handed over as a run's writer would take them."""
     if not reuse:
         return None
     from prepack.engine.reuse import PixelReuse, check_old_packs
 
-    return PixelReuse(check_old_packs(reuse))
+    return PixelReuse(check_old_packs(reuse), frame_format=compression.frame_format)
 
 
 def _project(cfg: PrepackConfig, acc: _Sample, cores: int, seconds: float, worker_start_s: float = 0.0) -> PackPlan:

@@ -31,8 +31,9 @@ def roundtrip(record: pa.RecordBatch) -> pa.RecordBatch:
 @pytest.mark.parametrize("spec", SPECS)
 def test_digest_is_the_content_digest_for_every_codec(spec):
     batch = photo_like(make_batch(5))
-    reference, ref_digest = encode_record(batch, Compression.parse("none"))
-    record, digest = encode_record(batch, Compression.parse(spec))
+    ref_digest = encode_record(batch, Compression.parse("none")).digest
+    encoded = encode_record(batch, Compression.parse(spec))
+    record, digest = encoded.record, encoded.digest
     assert digest == ref_digest
     back = roundtrip(record)
     assert record_digest(back) == digest
@@ -47,7 +48,7 @@ def test_hand_over_gives_each_record_its_own_pixels():
     zstd = Compression.parse("zstd:1")
     a, b = photo_like(make_batch(1)), photo_like(make_batch(1))
     b.image_pixels = b.image_pixels[::-1].copy()
-    ra, rb = roundtrip(encode_record(a, zstd)[0]), roundtrip(encode_record(b, zstd)[0])
+    ra, rb = roundtrip(encode_record(a, zstd).record), roundtrip(encode_record(b, zstd).record)
     record_digest(ra), record_digest(rb)
     np.testing.assert_array_equal(record_to_batch(rb).image_pixels, b.image_pixels)
     np.testing.assert_array_equal(record_to_batch(ra).image_pixels, a.image_pixels)
@@ -56,7 +57,8 @@ def test_hand_over_gives_each_record_its_own_pixels():
 
 def test_damaged_compressed_pixels_are_caught():
     """A flipped byte inside the compressed pixel table: decoding fails or the digest differs."""
-    record, digest = encode_record(photo_like(make_batch(2)), Compression.parse("zstd:1"))
+    encoded = encode_record(photo_like(make_batch(2)), Compression.parse("zstd:1"))
+    record, digest = encoded.record, encoded.digest
     sink = pa.BufferOutputStream()
     with pa.ipc.new_file(sink, record.schema, options=Compression.parse("zstd:1").write_options()) as w:
         w.write_batch(record)
@@ -78,3 +80,61 @@ def test_wrong_decoded_size_is_refused():
     blob = Compression.parse("zstd:1").compress(np.zeros(1000, np.uint8))[1]
     with pytest.raises((pa.ArrowException, OSError, ValueError)):
         decompress("zstd", pa.py_buffer(blob), 999)
+
+
+def _ipc(record: pa.RecordBatch) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, record.schema, options=Compression.parse("zstd:1").write_options()) as w:
+        w.write_batch(record)
+    return sink.getvalue().to_pybytes()
+
+
+def _with_frames(batch, encoded, which):
+    """``batch`` as a later pack holds it when images ``which`` come from ``encoded``'s frames: their
+    slots of the table unwritten (here: scrambled), a ``StoredImage`` with the frame instead."""
+    import copy
+
+    from schemas.record import StoredImage, stored_pixel_frames
+
+    _, data, frames = stored_pixel_frames(encoded.record)
+    later = copy.copy(batch)
+    later.image_pixels = batch.image_pixels.copy()
+    later.image_stored = [None] * len(batch.image_heights)
+    for i in which:
+        a, b = int(batch.image_offsets[i]), int(batch.image_offsets[i + 1])
+        later.image_pixels[a:b] = 0xA5
+        later.image_stored[i] = StoredImage(int(batch.image_widths[i]), int(batch.image_heights[i]),
+                                            int(encoded.image_digests[i]),
+                                            frame=data.slice(int(frames[i]), int(frames[i + 1] - frames[i])).to_pybytes(),
+                                            frame_format=encoded.frame_format)
+    return later
+
+
+@pytest.mark.parametrize("spec", ["zstd:1", "zstd:3", "lz4", "none"])
+def test_a_frame_passed_through_is_the_record_a_fresh_encode_makes(spec):
+    """Frames of an earlier zstd:1 record: a zstd:1 writer stores them as they are, any other
+    compression decompresses and stores them its own way; either way the record is byte for byte the
+    one made from the pixels, and so is its digest."""
+    batch = photo_like(make_batch(4))
+    first = encode_record(batch, Compression.parse("zstd:1"))
+    n = len(batch.image_heights)
+    assert n >= 2
+    later = _with_frames(batch, first, range(0, n, 2))
+    want = encode_record(batch, Compression.parse(spec))
+    got = encode_record(later, Compression.parse(spec))
+    assert _ipc(got.record) == _ipc(want.record) and got.digest == want.digest
+    assert got.image_digests.tolist() == want.image_digests.tolist()
+    assert got.frame_digests.tolist() == want.frame_digests.tolist()
+    assert record_digest(roundtrip(got.record)) == want.digest
+    for i in range(n):
+        np.testing.assert_array_equal(later.image(i), batch.image(i))
+
+
+def test_the_digest_sees_every_image():
+    """The record digest covers each image's pixels: one byte of any image changes it."""
+    batch = photo_like(make_batch(3))
+    digest = encode_record(batch, Compression.parse("zstd:1")).digest
+    for i in range(len(batch.image_heights)):
+        changed = photo_like(make_batch(3))
+        changed.image_pixels[int(batch.image_offsets[i])] ^= 1
+        assert encode_record(changed, Compression.parse("zstd:1")).digest != digest

@@ -91,6 +91,27 @@ def test_reused_pack_is_the_fresh_pack(old, change, tmp_path, tokenizer_and_spec
     assert _reuse(fresh)[1] == 0
     line = [x for x in reused.lines() if x.startswith("reused ")]
     assert line == [f"reused {hits:,} of {images:,} images ({hits / images:.0%}) from {old['out']}"]
+    # the same compression as OLD's: every reused frame is written as OLD stored it, none decompressed
+    assert sum(s.reuse["frames_passed"] for s in reused.streams) == hits
+    assert not any("compressed again" in x for x in reused.lines())
+
+
+@pytest.mark.parametrize("compression", ["zstd:3", "lz4", "none"])
+def test_another_compression_stores_reused_pixels_anew(old, compression, tmp_path, tokenizer_and_special,
+                                                       monkeypatch):
+    """OLD's frames are zstd:1: a NEW of another compression decompresses them and stores the pixels
+    its own way (the fresh pack's bytes), saying so; none of OLD's frames is passed through."""
+    monkeypatch.setenv(OWN_SETTING, "0")
+    config = _config(old["ds"], str(tmp_path / "new.yaml"), seed=3, prepack={"compression": compression})
+    fresh = _pack(config, str(tmp_path / "fresh"), tokenizer_and_special)
+    reused = _pack(config, str(tmp_path / "reused"), tokenizer_and_special, reuse=[old["out"]])
+    assert _files(str(tmp_path / "reused")) == _files(str(tmp_path / "fresh"))
+    images, hits, fallbacks = _reuse(reused)
+    assert hits > 0 and not fallbacks and _reuse(fresh)[1] == 0
+    assert sum(s.reuse["frames_passed"] for s in reused.streams) == 0
+    again = sum(s.reuse["frames_recompressed"] for s in reused.streams)
+    assert again == (0 if compression == "none" else hits)
+    assert any(x.startswith(f"{again:,} reused images compressed again") for x in reused.lines()) == (again > 0)
 
 
 def _a_part(pack: str, build: str) -> int:
