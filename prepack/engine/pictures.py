@@ -42,6 +42,9 @@ class PixelProvider(Protocol):
         """The pixels stored for this picture and target, checked (coded, or a frame the writer
         passes through); None: none (or none that holds)."""
 
+    def prefetch(self, source: PictureSource, width: int, height: int) -> None:
+        """This target will be fetched: a provider on a store may start reading it now."""
+
     counts: "ReuseCounts"  # where the provider counts its fallbacks: the store counts into the same
 
 
@@ -54,6 +57,7 @@ class ReuseCounts:
     reused: int = 0  # served from earlier pixels
     frames_passed: int = 0  # of them, frames written as they were stored (not decompressed nor compressed)
     frames_recompressed: int = 0  # of them, frames of another format than the writer's: decompressed, compressed anew
+    frames_read_ahead: int = 0  # frames on a store whose read started before they were asked for
     decodes_saved: int = 0  # pictures never decoded
     fallbacks: dict[str, int] = field(default_factory=dict)  # reason -> reused pixels refused, decoded instead
 
@@ -62,7 +66,8 @@ class ReuseCounts:
 
     def to_json(self) -> dict:
         return {"images": self.images, "reused": self.reused, "frames_passed": self.frames_passed,
-                "frames_recompressed": self.frames_recompressed, "decodes_saved": self.decodes_saved,
+                "frames_recompressed": self.frames_recompressed, "frames_read_ahead": self.frames_read_ahead,
+                "decodes_saved": self.decodes_saved,
                 "fallbacks": dict(sorted(self.fallbacks.items()))}
 
 
@@ -99,6 +104,13 @@ class Picture:
                 self._data = None
             self._store.counts.decodes_saved -= 1
         return self._image
+
+    def will_resize(self, width: int, height: int) -> None:
+        """``resized(width, height)`` will be asked for (when the sample is packed): earlier pixels
+        on a store start their read now."""
+        provider = self._store.provider
+        if provider is not None:
+            provider.prefetch(self.source, width, height)
 
     def resized(self, width: int, height: int) -> "np.ndarray | StoredImage":
         """The resize's (height, width, 3) uint8 pixels, or an earlier table's (``StoredImage``) when

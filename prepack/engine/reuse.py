@@ -27,14 +27,18 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
 import pyarrow as pa
 
+from prepack.engine.accounting import Warn
 from prepack.engine.pictures import RESIZE_IMPL, ReuseCounts
+from prepack.engine.sources.readahead import ReadAheadSettings
 from schemas.compression import decompress_frame, frame_codec
 from schemas.location import PackLocation, redact_uri, resolve_location
 from schemas.errors import DamagedFile, PackFormatError, PackRefused
@@ -67,12 +71,14 @@ class _Where:
 
 
 class _RangedFile:
-    """One earlier file (a shard, a catalog part), opened at its first read; ranged reads only."""
+    """One earlier file (a shard, a catalog part), opened at its first read; ranged reads only.
+    On a store, reads may come from the read-ahead's threads (``read_at`` is thread-safe)."""
 
     def __init__(self, loc: PackLocation, relpath: str, size: int):
         self.loc, self.relpath, self.size = loc, relpath, size
         self._fd: int | None = None
         self._remote = None
+        self._lock = threading.Lock()
 
     def read(self, offset: int, length: int) -> bytes:
         if offset < 0 or offset + length > self.size:
@@ -84,9 +90,11 @@ class _RangedFile:
                     raise ValueError(f"{self.relpath} is not the size its index recorded")
             data = os.pread(self._fd, length, offset)
         else:
-            if self._remote is None:
-                self._remote = self.loc.fs.open_input_file(self.loc.path(self.relpath))
-            data = self._remote.read_at(length, offset)
+            with self._lock:
+                if self._remote is None:
+                    self._remote = self.loc.fs.open_input_file(self.loc.path(self.relpath))
+                remote = self._remote
+            data = remote.read_at(length, offset)
         if len(data) != length:
             raise ValueError("short read")
         return bytes(data)
@@ -95,9 +103,8 @@ class _RangedFile:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        if self._remote is not None:
-            self._remote.close()
-            self._remote = None
+        with self._lock:
+            self._remote = None  # dropped, not closed: a read in flight holds its own reference
 
 
 class CatalogView:
@@ -225,9 +232,11 @@ class PixelReuse:
     """
 
     def __init__(self, olds: Iterable[str] = (), counts: ReuseCounts | None = None, open_files: int = 64,
-                 frame_format: str | None = None):
+                 frame_format: str | None = None, read_ahead: "FrameReadAhead | None" = None):
         self.olds = [str(o) for o in olds]
         self.frame_format = frame_format
+        self._ahead = read_ahead if read_ahead is not None else FrameReadAhead()
+        self._pending: OrderedDict[tuple[bytes, str, int, int], tuple[_Where, Future]] = OrderedDict()
         self.counts = counts if counts is not None else ReuseCounts()
         self._facts: dict[tuple[bytes, str], DecodeFacts] = {}
         self._where: dict[tuple[bytes, str, int, int], _Where] = {}
@@ -244,22 +253,41 @@ class PixelReuse:
     def facts(self, key: tuple[bytes, str]) -> DecodeFacts | None:
         self._load()
         known = self._facts.get(key)
-        if known is not None:
-            return known
-        for i, row, view in self._catalog_rows(*key):
-            return DecodeFacts(int(row["src_width"]), int(row["src_height"]),
-                               tuple(k for k in view.catalog.damages[row["damage"]].split(",") if k))
-        return None
+        if known is None:
+            for i, row, view in self._catalog_rows(*key):
+                known = DecodeFacts(int(row["src_width"]), int(row["src_height"]),
+                                    tuple(k for k in view.catalog.damages[row["damage"]].split(",") if k))
+                break
+        if known is not None and not all(_declared_damage(k) for k in known.damage):
+            # a kind this code does not know (an index of another version): the picture is decoded to
+            # learn its damage under this code's rules; its pixels may still be reused
+            return self._fallback("pixel_index_unknown_damage", ",".join(known.damage))
+        return known
+
+    def prefetch(self, source: PictureSource, width: int, height: int) -> None:
+        """A target this stream will ask for: on a store, its frame's read starts now (in the
+        read-ahead's threads), so ``fetch`` finds it there instead of waiting for the request."""
+        key = (source.content, source.decode, width, height)
+        if not self._ahead.enabled or key in self._pending:
+            return
+        self._load()
+        where = self._locate(source, width, height)
+        if where is None or self._files[where.file].loc.is_local:
+            return  # a local pread is cheaper than a thread
+        f = self._files[where.file]
+        self._pending[key] = (where, self._ahead.submit(f.read, where.offset, where.length))
+        self.counts.frames_read_ahead += 1
+        while len(self._pending) > self._ahead.depth:  # targets never asked for (their sample dropped)
+            self._pending.popitem(last=False)[1][1].cancel()
 
     def fetch(self, source: PictureSource, width: int, height: int) -> StoredImage | None:
         self._load()
-        where = self._where.get((source.content, source.decode, width, height))
-        if where is None:
-            where = self._catalog_where(source, width, height)
+        pending = self._pending.pop((source.content, source.decode, width, height), None)
+        where = pending[0] if pending is not None else self._locate(source, width, height)
         if where is None:
             return None
         try:
-            frame = self._read(where)
+            frame = pending[1].result() if pending is not None else self._read(where)
         except (OSError, ValueError, pa.ArrowException) as e:
             return self._fallback("shard_unreadable", e)
         if where.codec == self.frame_format and frame_codec(where.codec) != "none":
@@ -275,6 +303,10 @@ class PixelReuse:
             return self._fallback("frame_damaged", "digest differs from the pixel index")
         self.counts.frames_recompressed += recompressed
         return StoredImage(width, height, where.digest, coded=coded.reshape(height, width, 3))
+
+    def _locate(self, source: PictureSource, width: int, height: int) -> _Where | None:
+        where = self._where.get((source.content, source.decode, width, height))
+        return where if where is not None else self._catalog_where(source, width, height)
 
     # -- catalogs -------------------------------------------------------------------------------
     def _catalog_rows(self, content: bytes, decode: str) -> "list[tuple[int, dict, CatalogView]]":
@@ -425,6 +457,10 @@ class PixelReuse:
         return view
 
     def close(self) -> None:
+        for _, fut in self._pending.values():
+            fut.cancel()
+        self._pending.clear()
+        self._ahead.close()
         for f in self._files:
             f.close()
         for view in self._catalogs:
@@ -435,6 +471,43 @@ class PixelReuse:
         self.counts.fallback(reason)
         log.debug("reuse: %s (%s); decoding instead", reason, detail)
         return None
+
+
+def _declared_damage(key: str) -> bool:
+    try:
+        Warn(key)
+    except ValueError:
+        return False
+    return True
+
+
+class FrameReadAhead:
+    """The I/O threads that read earlier frames on a store ahead of their use (started at the first
+    read; ``PREPACK_READ_AHEAD=0`` turns it off, ``PREPACK_IO_THREADS`` sets the threads, as for
+    sources).  At most ``depth`` frames are read ahead (~300 KB each): a target whose sample never
+    reaches a batch is dropped first."""
+
+    def __init__(self, settings: "ReadAheadSettings | None" = None):
+        self.settings = settings if settings is not None else ReadAheadSettings.from_env()
+        self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.settings.depth > 0
+
+    @property
+    def depth(self) -> int:
+        return max(1, min(4 * self.settings.depth, self.settings.max_bytes // (256 << 10)))
+
+    def submit(self, fn, *args) -> Future:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.settings.threads, thread_name_prefix="prepack-frames")
+        return self._pool.submit(fn, *args)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,8 @@ class SampleImage:
         self.norm = norm  # mean rgb + std rgb
         self.source = picture.source if isinstance(picture, Picture) else source  # None: no key (video frames)
         self._pixels: "np.ndarray | StoredImage | None" = pixels
+        if pixels is None and isinstance(picture, Picture):
+            picture.will_resize(width, height)
 
     @classmethod
     def from_transform(cls, picture: "Picture | Image.Image", target: tuple[int, int], args: TransformArgs) -> "SampleImage":

@@ -268,7 +268,7 @@ def test_a_wrong_reuse_is_one_clear_line(old, tmp_path, tokenizer_and_special):
 
 @pytest.mark.slow
 def test_old_on_the_s3_server(old, s3, tmp_path, tokenizer_and_special, monkeypatch):
-    """OLD copied to a real S3 server: read by ranged reads of its frames, the same bytes."""
+    """OLD copied to a real S3 server: its frames read ahead by ranged reads, the same bytes."""
     monkeypatch.setenv(OWN_SETTING, "0")
     uri = s3.new_prefix("old")
     import pyarrow.fs as pafs
@@ -284,6 +284,12 @@ def test_old_on_the_s3_server(old, s3, tmp_path, tokenizer_and_special, monkeypa
     images, hits, fallbacks = _reuse(reused)
     assert hits > images // 2 and not fallbacks, (images, hits, fallbacks)
     assert _reuse(fresh)[1] == 0
+    ahead = sum(s.reuse["frames_read_ahead"] for s in reused.streams)
+    assert 0 < ahead and sum(s.reuse["frames_passed"] for s in reused.streams) == hits
+    monkeypatch.setenv("PREPACK_READ_AHEAD", "0")  # off: the frames are read when asked for, same bytes
+    off = _pack(config, str(tmp_path / "off"), tokenizer_and_special, reuse=[uri])
+    assert _files(str(tmp_path / "off")) == _files(str(tmp_path / "fresh"))
+    assert _reuse(off)[1] == hits and sum(s.reuse["frames_read_ahead"] for s in off.streams) == 0
 
 
 def test_plan_projects_reuse(old, tmp_path, tokenizer_and_special, monkeypatch):
