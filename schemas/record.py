@@ -44,7 +44,7 @@ from schemas.compression import Compression, decompress_frame, decompress_frames
 # 2: the pixel table is compressed by the record encoder (codec in ``image_pixels_codec``),
 #    the Arrow IPC buffers are not.
 # 3: one compressed frame per image (``image_pixels_frames``).
-# 4: the content digest covers the pixel table as its images' XXH3-64 digests.
+# 4: the content digest covers the pixel table as its images' XXH3-64 digests; ``sample_num_frames``.
 RECORD_SCHEMA_VERSION = 4
 
 ATTN_MODES = ("causal", "full", "noise")
@@ -89,6 +89,7 @@ class PackedBatch:
     sequence_length: int
     sample_lens: np.ndarray = field(default_factory=_i32)  # int32 [n_samples]
     sample_num_splits: np.ndarray = field(default_factory=_i32)  # int32 [n_samples]
+    sample_num_frames: np.ndarray = field(default_factory=_i32)  # int32 [n_samples]: of its images, video frames
     split_lens: np.ndarray = field(default_factory=_i32)  # int32 [n_splits]
     attn_modes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint8))  # codes
     packed_text_ids: np.ndarray = field(default_factory=_i32)
@@ -122,6 +123,10 @@ class PackedBatch:
     # (``StoredImage.frame``) has its slot of ``image_pixels`` left unwritten: ``image(i)`` and
     # ``encode_record`` read the frame instead (empty for a batch read back)
     image_stored: list = field(default_factory=list, compare=False, repr=False, metadata={"stored": False})
+
+    def __post_init__(self) -> None:
+        if len(self.sample_num_frames) == 0 and len(self.sample_lens):  # made without it: no video frames
+            self.sample_num_frames = np.zeros(len(self.sample_lens), np.int32)
 
     @property
     def num_samples(self) -> int:
@@ -240,6 +245,7 @@ def image_table(images: "list[np.ndarray | StoredImage]", alloc: Callable[[int],
 _ARRAY_COLUMNS: list[tuple[str, pa.DataType]] = [
     ("sample_lens", pa.int32()),
     ("sample_num_splits", pa.int32()),
+    ("sample_num_frames", pa.int32()),
     ("split_lens", pa.int32()),
     ("attn_modes", pa.uint8()),
     ("packed_text_ids", pa.int32()),

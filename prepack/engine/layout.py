@@ -76,6 +76,7 @@ class SequenceBuilder:
         self.curr = 0
         self.sample_lens: list[int] = []
         self.sample_num_splits: list[int] = []
+        self.sample_num_frames: list[int] = []
         self.split_lens: list[int] = []
         self.attn_modes: list[int] = []
         self.text_ids: list[int] = []
@@ -127,6 +128,7 @@ class SequenceBuilder:
         c = _Cursor(self.curr)
         sample_len = 0
         n_splits = 0
+        n_frames = 0
         n_modes_before = len(self.attn_modes)
         for item in sample.plan:
             if item.split_start:
@@ -136,6 +138,7 @@ class SequenceBuilder:
             content, place = placers[item.kind]
             if not place(item, next(content), c):
                 continue
+            n_frames += item.video_frame
             if item.split_end:
                 self.split_lens.append(c.split_len)
                 n_splits += 1
@@ -145,6 +148,7 @@ class SequenceBuilder:
         self.curr = c.curr
         self.sample_lens.append(sample_len)
         self.sample_num_splits.append(n_splits)
+        self.sample_num_frames.append(n_frames)
         self.origins.append(sample.origin)
 
     def _dropped(self, item, prob: float) -> bool:
@@ -257,6 +261,7 @@ class SequenceBuilder:
             sequence_length=int(sum(self.sample_lens)),
             sample_lens=np.asarray(self.sample_lens, np.int32),
             sample_num_splits=np.asarray(self.sample_num_splits, np.int32),
+            sample_num_frames=np.asarray(self.sample_num_frames, np.int32),
             split_lens=np.asarray(self.split_lens, np.int32),
             attn_modes=np.asarray(self.attn_modes, np.uint8),
             packed_text_ids=np.asarray(self.text_ids, np.int32),

@@ -50,6 +50,7 @@ from schemas.record import StoredImage, image_digest
 
 log = logging.getLogger(__name__)
 
+WRITTEN_LIMIT_BYTES = 128 << 20  # frames of the open shard kept in memory for a stream's later passes
 OWN_SETTING = "PREPACK_REUSE_OWN"  # 0: a stream's later passes decode again instead of reading its own shards
 
 
@@ -237,6 +238,9 @@ class PixelReuse:
         self.frame_format = frame_format
         self._ahead = read_ahead if read_ahead is not None else FrameReadAhead()
         self._pending: OrderedDict[tuple[bytes, str, int, int], tuple[_Where, Future]] = OrderedDict()
+        self._written: OrderedDict[tuple[bytes, str, int, int], StoredImage] = OrderedDict()
+        self._written_bytes = 0
+        self.written_limit = WRITTEN_LIMIT_BYTES
         self.counts = counts if counts is not None else ReuseCounts()
         self._facts: dict[tuple[bytes, str], DecodeFacts] = {}
         self._where: dict[tuple[bytes, str, int, int], _Where] = {}
@@ -282,6 +286,9 @@ class PixelReuse:
 
     def fetch(self, source: PictureSource, width: int, height: int) -> StoredImage | None:
         self._load()
+        written = self._written.get((source.content, source.decode, width, height))
+        if written is not None and written.frame_format == self.frame_format:
+            return written  # this stream's own frame, written by this process: nothing to check
         pending = self._pending.pop((source.content, source.decode, width, height), None)
         where = pending[0] if pending is not None else self._locate(source, width, height)
         if where is None:
@@ -348,12 +355,29 @@ class PixelReuse:
 
     # -- loading --------------------------------------------------------------------------------
     def add_shard(self, loc: PackLocation, stream: int, shard: int, size: int, entries: list[PixelEntry]) -> None:
-        """A committed shard's pictures (from the writer: no index file to read back)."""
+        """A committed shard's pictures (from the writer: no index file to read back); the frames
+        held in memory since it was open are dropped (its file serves them now)."""
+        self._written.clear()
+        self._written_bytes = 0
         file = len(self._files)
         self._files.append(_RangedFile(loc, shard_file(stream, shard), size))
         for e in entries:
             self._add(e.source.content, e.source.decode, e.source.facts, e.width, e.height,
                       _Where(file, e.offset, e.length, e.nbytes, e.codec, e.digest, e.frame_digest))
+
+    def add_written(self, images: "list[tuple[PictureSource, StoredImage]]") -> None:
+        """Frames this stream just wrote into the shard still open (in memory until it commits, the
+        last ``written_limit`` bytes of them), so a later pass finds them before that shard is
+        committed; ``add_shard`` of the shard then serves them from its file."""
+        for source, image in images:
+            key = (source.content, source.decode, image.width, image.height)
+            if key in self._written or frame_codec(image.frame_format) == "none":
+                continue  # (an uncompressed table is the packer's buffer, rewritten by the next batch)
+            self._facts.setdefault(key[:2], source.facts)
+            self._written[key] = image
+            self._written_bytes += len(image.frame)
+        while self._written_bytes > self.written_limit and self._written:
+            self._written_bytes -= len(self._written.popitem(last=False)[1].frame)
 
     def add_stream(self, loc: PackLocation, index: StreamIndex) -> None:
         """Every committed shard of one stream, read from its pixel index files."""

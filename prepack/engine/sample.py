@@ -34,6 +34,7 @@ class PlanItem:
     split_start: bool = True
     split_end: bool = True
     frame_delta: int | None = None
+    video_frame: bool = False  # a ViT image that is one of an SFT video's frames (counted per sample)
 
 
 class SampleImage:

@@ -177,8 +177,12 @@ def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, 
     start = time.perf_counter()
 
     def committed(writer: StreamWriter, entry: ShardEntry | None) -> None:
-        if entry is not None and own:  # a later pass of this stream may take these pictures back
+        if not own:
+            return
+        if entry is not None:  # a later pass of this stream may take these pictures back
             pixels.add_shard(loc, stream, entry.shard, entry.nbytes, writer.committed_pixels)
+        else:  # and those of the shard still open, from memory
+            pixels.add_written(writer.last_images)
 
     try:
         # a new stream's writer writes ckpt-00000 here, before the packer's first batch

@@ -56,8 +56,8 @@ from schemas.layout import (
     temporary,
 )
 from schemas.manifest import LINEAGE_SCHEMA, RecordEntry, ShardEntry, StreamIndex, shard_metadata
-from schemas.pixel_index import PixelEntry, pixel_index_bytes
-from schemas.record import RECORD_SCHEMA, EncodedRecord, PackedBatch, encode_record, stored_pixel_frames
+from schemas.pixel_index import PictureSource, PixelEntry, pixel_index_bytes
+from schemas.record import RECORD_SCHEMA, EncodedRecord, PackedBatch, StoredImage, encode_record, stored_pixel_frames
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +272,7 @@ class StreamWriter:
         self._pixels: list[PixelEntry] = []
         self._lineage: list[tuple[list, list[int]]] = []  # of the open shard's records (committing writer)
         self.committed_pixels: list[PixelEntry] = []
+        self.last_images: list[tuple[PictureSource, StoredImage]] = []
         if index is not None and not index.shards:
             index.ckpt0_json_sha256, index.ckpt0_arrow_sha256 = self._checkpoint(0)
 
@@ -304,6 +305,7 @@ class StreamWriter:
         self._ipc.write_batch(record)
         if self._sink.seen is not None:
             self._index_pixels(batch, encoded, self._sink.seen, frames)
+        self.last_images = _written_images(batch, encoded, stored, frames)
         self._records.append(RecordEntry(encoded.digest, int(batch.sequence_length), batch.num_samples))
         if self._sink.nbytes >= self.shard_bytes:
             return self._commit()
@@ -381,6 +383,19 @@ class StreamWriter:
         write_bytes_atomic(self.loc, checkpoint_file(self.stream, shard, "arrow"), pixels)
         write_bytes_atomic(self.loc, checkpoint_file(self.stream, shard, "json"), text)
         return sha256_hex(text), sha256_hex(pixels)
+
+
+def _written_images(batch: PackedBatch, encoded: EncodedRecord, stored: pa.Buffer, frames) -> list:
+    """``(source, StoredImage)`` of each keyed image of the record just written: its frame as
+    written (zero-copy slices of the stored table), for a later pass of the same stream."""
+    out = []
+    for i, source in enumerate(batch.image_sources):
+        if source is not None:
+            a, b = int(frames[i]), int(frames[i + 1])
+            out.append((source, StoredImage(int(batch.image_widths[i]), int(batch.image_heights[i]),
+                                            int(encoded.image_digests[i]), frame=stored.slice(a, b - a),
+                                            frame_format=encoded.frame_format)))
+    return out
 
 
 def sha256_hex(data: bytes) -> str:

@@ -15,8 +15,8 @@ columns in a projected read (``COLUMNS``: a few hundred KB of a record, not its 
 
 Distributions are ``prepack.tools.sketch.Distribution``: fixed memory whatever the number of
 records, exact min and max, percentiles exact below 2,048 and within 0.1% above.  What is not
-counted: video frames (an SFT video's frames are ViT images like any other in the record;
-telling them apart needs a per-sample frame count the writer does not record).
+counted apart: video frames (an SFT video's frames are ViT images like any other in the record;
+``sample_num_frames`` says how many of a sample's images are frames).
 """
 
 from __future__ import annotations
@@ -35,15 +35,16 @@ from schemas.record import RECORD_SCHEMA
 COLUMNS = tuple(sorted(("use_flex", "max_num_tokens", "sequence_length", "sample_lens", "packed_text_indexes",
                         "packed_vit_token_indexes", "packed_vae_token_indexes", "ce_loss_indexes", "mse_loss_indexes",
                         "vit_token_seqlens", "vae_latent_shapes", "image_heights", "vit_image_ids", "vae_image_ids",
-                        "origin_group"), key=RECORD_SCHEMA.get_field_index))
+                        "sample_num_frames", "origin_group"), key=RECORD_SCHEMA.get_field_index))
 
 TOKEN_KINDS = ("text", "vit", "vae")
-SAMPLE_QUANTITIES = ("tokens", "text", "vit", "vae", "ce", "mse", "vit_images", "vae_images")
+SAMPLE_QUANTITIES = ("tokens", "text", "vit", "vae", "ce", "mse", "vit_images", "vae_images", "frames")
 BATCH_QUANTITIES = ("tokens", "text", "vit", "vae", "ce", "mse", "padding", "samples", "images", "vit_images",
-                    "vae_images")
+                    "vae_images", "frames")
 LABELS = {"tokens": "tokens", "text": "text tokens", "vit": "ViT tokens", "vae": "VAE tokens",
           "ce": "CE loss tokens", "mse": "MSE loss tokens", "padding": "flex padding", "samples": "samples",
-          "images": "images stored", "vit_images": "ViT images", "vae_images": "VAE images"}
+          "images": "images stored", "vit_images": "ViT images", "vae_images": "VAE images",
+          "frames": "video frames"}
 _OF_TOKENS = {"text", "vit", "vae", "ce", "mse", "padding"}  # quantities shown as a share of the tokens
 FLUSH_VALUES = 1 << 16  # values buffered before they go into the distributions (bounded memory)
 
@@ -83,12 +84,13 @@ def count_batch(get: Callable[[str], np.ndarray], use_flex: bool, max_num_tokens
     shapes = np.asarray(get("vae_latent_shapes"), np.int64).reshape(-1, 2)
     firsts = {"vit_images": _per_image_first(pos["vit"], get("vit_token_seqlens")),
               "vae_images": _per_image_first(pos["vae"], shapes[:, 0] * shapes[:, 1])}
+    frames = np.asarray(get("sample_num_frames"), np.int64)
     samples = {"tokens": sample_lens, **{k: per_sample(v) for k, v in pos.items()},
-               **{k: per_sample(v) for k, v in firsts.items()}}
+               **{k: per_sample(v) for k, v in firsts.items()}, "frames": frames}
     batch = {k: int(len(v)) for k, v in pos.items()}
     batch.update(tokens=int(sequence_length), padding=int(max_num_tokens) - int(sequence_length) if use_flex else 0,
                  samples=n, images=int(len(get("image_heights"))), vit_images=int(len(get("vit_image_ids"))),
-                 vae_images=int(len(get("vae_image_ids"))))
+                 vae_images=int(len(get("vae_image_ids"))), frames=int(frames.sum()))
     return BatchCounts(batch, list(groups), samples)
 
 

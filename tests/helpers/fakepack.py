@@ -147,7 +147,7 @@ def make_batch(seed: int, spec: BatchSpec | None = None, **overrides) -> PackedB
         setattr(spec, k, v)
     rng = np.random.default_rng(seed)
     b = _Builder(rng, spec)
-    sample_lens, num_splits, split_lens, modes, origins = [], [], [], [], []
+    sample_lens, num_splits, split_lens, modes, origins, frames = [], [], [], [], [], []
     kinds = ["text"] + (["vit"] if spec.vit else []) + (["vae"] if spec.vae else [])
     n_samples = spec.n_samples or int(rng.integers(1, 4))
     for s in range(n_samples):
@@ -170,6 +170,7 @@ def make_batch(seed: int, spec: BatchSpec | None = None, **overrides) -> PackedB
             n_split += 1
         sample_lens.append(total)
         num_splits.append(n_split)
+        frames.append(plan.count("vit") if s % 3 == 0 else 0)  # a vlm_sft sample's ViT images: a video's frames
         scalar = bool(rng.random() < 0.5)
         origins.append(
             SampleOrigin(
@@ -193,6 +194,7 @@ def make_batch(seed: int, spec: BatchSpec | None = None, **overrides) -> PackedB
         sequence_length=seq,
         sample_lens=np.asarray(sample_lens, np.int32),
         sample_num_splits=np.asarray(num_splits, np.int32),
+        sample_num_frames=np.asarray(frames, np.int32),
         split_lens=np.asarray(split_lens, np.int32),
         attn_modes=np.asarray(modes, np.uint8),
         packed_text_ids=i32("packed_text_ids"),

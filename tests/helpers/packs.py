@@ -53,3 +53,25 @@ def build_pack(root: str, tokenizer_and_special, *, batches: int = 6, shard_byte
     """A small real pack (2 streams, several shards each) under ``root``, packed in-process; returns OUT."""
     return pack_in_process(small_dataset(root, batches=batches, shard_bytes=shard_bytes, seed=seed, edit=edit),
                            os.path.join(root, "out"), tokenizer_and_special)
+
+
+def make_video_dataset(root: str) -> dg.Dataset:
+    """t2i + an SFT group with mp4 videos and a frame folder among its image rows."""
+    import json
+
+    rs = np.random.RandomState(4)
+    ds = dg.Dataset(os.path.join(root, "data"))
+    os.makedirs(ds.root)
+    dg.add_t2i(ds, [dg.good_t2i_rows(rs, 6, i * 6) for i in range(2)], row_group_size=3)
+    lines, files = dg.good_sft(rs, 6)
+    for v in range(2):
+        frames = [np.asarray(dg.photo(10 * v + i, rs, 96, 97).resize((96, 80))) for i in range(12)]
+        files[f"clip{v}.mp4"] = dg.mp4(frames)
+        lines.append(json.dumps({"video": f"clip{v}.mp4", "conversations": [
+            {"from": "human", "value": "<video>\nWhat happens?"}, {"from": "gpt", "value": dg.sentence(rs, 8, 20)}]}))
+    for i, f in enumerate(frames):
+        files[f"frames/clip/frame_{i:05d}.jpg"] = dg.jpeg(dg.Image.fromarray(f))
+    lines.append(json.dumps({"video": "frames/clip/", "conversations": [
+        {"from": "human", "value": "<video>\nAnd here?"}, {"from": "gpt", "value": dg.sentence(rs, 8, 20)}]}))
+    dg.add_sft(ds, lines, files, frames={"max_num_frames": 5, "min_num_frames": 3, "sample": "middle"})
+    return ds

@@ -27,15 +27,15 @@ def expected_values(batches: list[PackedBatch]) -> tuple[dict[str, list[int]], d
                   "vae": int((kinds == VAE).sum()), "ce": int(ce.sum()), "mse": int(mse.sum()),
                   "padding": b.max_num_tokens - b.sequence_length if b.use_flex else 0, "samples": b.num_samples,
                   "images": len(b.image_heights), "vit_images": len(b.vit_image_ids),
-                  "vae_images": len(b.vae_image_ids)}
+                  "vae_images": len(b.vae_image_ids), "frames": int(np.sum(b.sample_num_frames))}
         for q, v in values.items():
             per_batch.setdefault(q, []).append(int(v))
-        for f in sample_facts(b):
+        for j, f in enumerate(sample_facts(b)):
             span = slice(f.start, f.start + f.length)
             sample = {"tokens": f.length, "text": f.counts[0], "vit": f.counts[1], "vae": f.counts[2],
                       "ce": int(ce[span].sum()), "mse": int(mse[span].sum()),
                       "vit_images": sum(u.kind == VIT for u in f.images),
-                      "vae_images": sum(u.kind == VAE for u in f.images)}
+                      "vae_images": sum(u.kind == VAE for u in f.images), "frames": int(b.sample_num_frames[j])}
             for q, v in sample.items():
                 per_group.setdefault(f.origin.group, {}).setdefault(q, []).append(int(v))
     return per_batch, per_group

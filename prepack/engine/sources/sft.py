@@ -250,7 +250,7 @@ class SftSource(Source):
                     if piece.strip() != "":
                         add_text(piece.strip(), 0)
                     if i != len(pieces) - 1 and i < len(images):
-                        plan.append(PlanItem("vit_image", enable_cfg=0, loss=0))
+                        plan.append(PlanItem("vit_image", enable_cfg=0, loss=0, video_frame=parsed.video))
                         placeholders += 1
             elif conv["from"] == "gpt":
                 add_text(conv["value"], 1)

@@ -146,3 +146,44 @@ def test_positions_in_any_order_count_alike():
     assert ordered.batch == mixed.batch
     for q in ("tokens", "text", "vit", "vae", "ce", "mse"):
         assert np.array_equal(ordered.samples[q], mixed.samples[q]), q
+
+
+# -- video frames in a real pack ------------------------------------------------------------------
+def test_video_frames_per_sample_are_the_vit_images_of_video_rows(tmp_path, tokenizer_and_special):
+    """A real pack of SFT rows with images, mp4 videos and a frame folder: a sample's frames are the
+    ViT images of a row whose JSONL says ``video`` (found from its origin), none for any other row;
+    stats and the in-memory count agree."""
+    import json
+
+    from loader.reader import Pack, iter_records
+    from prepack.tools.inspect_record import VIT, sample_facts
+    from schemas.record import record_to_batch
+    from tests.helpers.packs import KNOBS, make_video_dataset, pack_in_process
+
+    ds = make_video_dataset(str(tmp_path))
+    out = pack_in_process(ds.config(knobs=KNOBS, num_workers=1, prepack={"batches_per_stream": 12}),
+                          str(tmp_path / "out"), tokenizer_and_special)
+    rows: dict[str, list[dict]] = {}
+    want_batch, want_group, seen = [], {}, Composition()
+    for _, record in iter_records(Pack.open(out), 0):
+        packed = record_to_batch(record)
+        frames = 0
+        for f in sample_facts(packed):
+            o = f.origin
+            if o.source_file not in rows:
+                with open(o.source_file) as fh:
+                    rows[o.source_file] = [json.loads(line) for line in fh] if o.source_file.endswith(".jsonl") else []
+            line = rows[o.source_file][o.source_row] if rows[o.source_file] else {}
+            n = sum(u.kind == VIT for u in f.images) if "video" in line and "image" not in line else 0
+            want_group.setdefault(o.group, []).append(n)
+            frames += n
+        want_batch.append(frames)
+        seen.add(packed_batch_counts(packed))
+    assert sum(want_batch) > 0 and sum(want_group.get("vlm_sft", [])) == sum(want_batch)
+    st = compute_stats(out)
+    row = {r["quantity"]: r for r in st.token_batch.to_dicts()}[LABELS["frames"]]
+    check_summary(row, want_batch, "frames")
+    groups = {(r["group"], r["quantity"]): r for r in st.token_group.to_dicts()}
+    for g, values in want_group.items():
+        check_summary(groups[(g, LABELS["frames"])], values, g)
+    assert seen.batch_rows() == st.token_batch.to_dicts()
