@@ -232,9 +232,9 @@ class PixelReuse:
     undecompressed (None: always as pixels).
     """
 
-    def __init__(self, olds: Iterable[str] = (), counts: ReuseCounts | None = None, open_files: int = 64,
+    def __init__(self, olds: "Iterable[str | OldPack]" = (), counts: ReuseCounts | None = None, open_files: int = 64,
                  frame_format: str | None = None, read_ahead: "FrameReadAhead | None" = None):
-        self.olds = [str(o) for o in olds]
+        self.olds = [o if isinstance(o, OldPack) else str(o) for o in olds]
         self.frame_format = frame_format
         self._ahead = read_ahead if read_ahead is not None else FrameReadAhead()
         self._pending: OrderedDict[tuple[bytes, str, int, int], tuple[_Where, Future]] = OrderedDict()
@@ -427,57 +427,32 @@ class PixelReuse:
             return
         self._loaded = True
         for old in self.olds:
-            try:
-                loc, streams = open_old_pack(old)
-            except (OSError, ValueError, DamagedFile, PackFormatError) as e:
-                log.warning("reuse: %s is not read (%s); its pictures are decoded", old, e)
-                self.counts.fallback("old_pack_unreadable")
+            snapshot = old if isinstance(old, OldPack) else read_old_pack(old)
+            for reason, n in snapshot.fallbacks:  # what the driver's one reading of OLD met
+                self.counts.fallbacks[reason] = self.counts.fallbacks.get(reason, 0) + n
+            if not snapshot.readable:
                 continue
-            committed = self._committed(loc, streams)
-            view = self._open_catalog(loc, committed)
+            loc = resolve_location(snapshot.uri)
+            view = None
+            if snapshot.catalog_build is not None:
+                view = self._catalog_of(loc, snapshot.catalog_build)
             self._catalogs.append(view)
-            for stream, shards in committed.items():
-                covered = view.catalog.covered.get(stream, (0, ""))[0] if view is not None else 0
-                self._add_shards(loc, stream, shards[covered:])
+            for stream, shards in snapshot.uncovered:
+                self._add_shards(loc, stream, list(shards))
             if view is not None:
                 self.indexed += view.catalog.rows
         log.info("reuse: %d pictures indexed (%d in memory)", self.indexed, len(self._where))
 
-    def _committed(self, loc: PackLocation, streams: int) -> "dict[int, list[_Committed]]":
-        out: dict[int, list[_Committed]] = {}
-        for stream in range(streams):
-            try:
-                data = loc.read_bytes(index_file(stream))
-            except FileNotFoundError:
-                continue  # nothing committed yet
-            except OSError as e:
-                self._fallback("stream_index_unreadable", e)
-                continue
-            try:
-                index = StreamIndex.from_bytes(data, stream, loc.path(index_file(stream)))
-            except (DamagedFile, PackFormatError, ValueError) as e:
-                self._fallback("stream_index_damaged", e)
-                continue
-            out[stream] = [_Committed.of(e) for e in index.shards]  # the records' digests are not kept
-        return out
-
-    def _open_catalog(self, loc: PackLocation, committed: "dict[int, list[_Committed]]") -> CatalogView | None:
-        """The pack's catalog when it holds, else None (its shards' own indexes are read instead)."""
+    def _catalog_of(self, loc: PackLocation, build: str) -> "CatalogView | None":
+        """The catalog build the pack was checked with; None (its pictures decoded) if it is no longer
+        readable or another build replaced it since."""
         try:
             view = CatalogView.open(loc)
         except (OSError, ValueError, pa.ArrowException) as e:
-            self._fallback("pixel_catalog_damaged", e)
+            return self._fallback("pixel_catalog_damaged", e)
+        if view is None or view.catalog.build != build:
+            self.counts.fallback("pixel_catalog_changed")
             return None
-        if view is None:
-            return None
-        if view.catalog.resize != RESIZE_IMPL:
-            self.counts.fallback("pixel_catalog_other_resize")
-            return None
-        for stream, (n, last) in view.catalog.covered.items():
-            shards = committed.get(stream, [])
-            if n and (len(shards) < n or shards[n - 1].pixels_sha256 != last):
-                self.counts.fallback("pixel_catalog_stale")  # the pack changed under it: not one byte trusted
-                return None
         return view
 
     def close(self) -> None:
@@ -495,6 +470,82 @@ class PixelReuse:
         self.counts.fallback(reason)
         log.debug("reuse: %s (%s); decoding instead", reason, detail)
         return None
+
+
+@dataclass(frozen=True)
+class OldPack:
+    """An earlier pack as read once (by a job's driver, for all its streams): where it is, the catalog
+    build whose coverage its stream indexes confirm (None: no catalog that holds), and the committed
+    shards that build does not cover, per stream.  A stream given this reads no stream index of OLD:
+    on a store that is one request per OLD stream saved per new stream.  Picklable (Ray task args)."""
+
+    uri: str
+    readable: bool
+    catalog_build: str | None = None
+    uncovered: "tuple[tuple[int, tuple[_Committed, ...]], ...]" = ()
+    fallbacks: "tuple[tuple[str, int], ...]" = ()  # counted while reading it (each stream counts them too)
+
+
+def read_old_pack(old: str) -> OldPack:
+    """Read an earlier pack's stream indexes and check its catalog against them; what failed is kept
+    in ``fallbacks`` (a stream counts them as its own)."""
+    mine = ReuseCounts()
+    try:
+        loc, streams = open_old_pack(old)
+    except (OSError, ValueError, DamagedFile, PackFormatError) as e:
+        log.warning("reuse: %s is not read (%s); its pictures are decoded", old, e)
+        mine.fallback("old_pack_unreadable")
+        return OldPack(str(old), False, fallbacks=tuple(mine.fallbacks.items()))
+    committed = _committed(loc, streams, mine)
+    catalog = _checked_catalog(loc, committed, mine)
+    covered = catalog.covered if catalog is not None else {}
+    uncovered = tuple((stream, tuple(shards[covered.get(stream, (0, ""))[0]:])) for stream, shards in committed.items())
+    return OldPack(str(old), True, catalog.build if catalog is not None else None,
+                   tuple((s, sh) for s, sh in uncovered if sh), tuple(sorted(mine.fallbacks.items())))
+
+
+def _committed(loc: PackLocation, streams: int, counts: ReuseCounts) -> "dict[int, list[_Committed]]":
+    out: dict[int, list[_Committed]] = {}
+    for stream in range(streams):
+        try:
+            data = loc.read_bytes(index_file(stream))
+        except FileNotFoundError:
+            continue  # nothing committed yet
+        except OSError as e:
+            counts.fallback("stream_index_unreadable")
+            log.debug("reuse: stream_index_unreadable (%s)", e)
+            continue
+        try:
+            index = StreamIndex.from_bytes(data, stream, loc.path(index_file(stream)))
+        except (DamagedFile, PackFormatError, ValueError) as e:
+            counts.fallback("stream_index_damaged")
+            log.debug("reuse: stream_index_damaged (%s)", e)
+            continue
+        out[stream] = [_Committed.of(e) for e in index.shards]  # the records' digests are not kept
+    return out
+
+
+def _checked_catalog(loc: PackLocation, committed: "dict[int, list[_Committed]]", counts: ReuseCounts) -> "Catalog | None":
+    """The pack's catalog when it holds (its checksums, resize and a coverage the stream indexes
+    confirm), else None: its shards' own indexes are read instead."""
+    try:
+        view = CatalogView.open(loc)
+    except (OSError, ValueError, pa.ArrowException) as e:
+        counts.fallback("pixel_catalog_damaged")
+        log.debug("reuse: pixel_catalog_damaged (%s)", e)
+        return None
+    if view is None:
+        return None
+    view.close()
+    if view.catalog.resize != RESIZE_IMPL:
+        counts.fallback("pixel_catalog_other_resize")
+        return None
+    for stream, (n, last) in view.catalog.covered.items():
+        shards = committed.get(stream, [])
+        if n and (len(shards) < n or shards[n - 1].pixels_sha256 != last):
+            counts.fallback("pixel_catalog_stale")  # the pack changed under it: not one byte trusted
+            return None
+    return view.catalog
 
 
 def _declared_damage(key: str) -> bool:

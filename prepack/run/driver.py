@@ -203,7 +203,7 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
     wanted = list(range(cfg.num_streams)) if streams is None else sorted(set(streams))
     for s in wanted:
         cfg.stream_rank_worker(s)  # range check with a clear message
-    from prepack.engine.reuse import check_old_packs
+    from prepack.engine.reuse import check_old_packs, read_old_pack
     from prepack.run.catalog import ensure_catalog
 
     loc = resolve_location(out)
@@ -231,6 +231,7 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
             line = ensure_catalog(old)
             if line:
                 log.info("reuse: %s", line)
+        olds = tuple(read_old_pack(old) for old in reuse)  # its stream indexes read here, not by every stream
         before = [_committed_totals(loc, s) for s in todo]  # shards an earlier run already committed
         run = RunProgress(todo, cfg.prepack.batches_per_stream, asdict(cfg.knobs))
         if inline:
@@ -243,9 +244,9 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
 
             for s in todo:
                 lease.check()
-                pack_one_stream(cfg, out, s, tokenizer, special, pack.metadata, report, reuse)
+                pack_one_stream(cfg, out, s, tokenizer, special, pack.metadata, report, olds)
         else:
-            _run_tasks(cfg, out, todo, pack.metadata, address, progress, num_cpus, lease, run, reuse)
+            _run_tasks(cfg, out, todo, pack.metadata, address, progress, num_cpus, lease, run, olds)
         lease.check()  # never write the manifest over a run that took our streams over
         written, _ = finalize(loc, cfg, pack.identity)
         entries = [read_done(loc, s) for s in wanted]
@@ -349,7 +350,7 @@ class _Watch:
 
 
 def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus, lease: StreamLease,
-               run: RunProgress, reuse: tuple[str, ...] = ()) -> None:
+               run: RunProgress, reuse: tuple = ()) -> None:
     ray = init_ray(address, num_cpus)
     try:
         Progress, stream_task = _make_remote(ray)
@@ -357,6 +358,7 @@ def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus, lease
         watch.wait_ready()
         local = not (address or os.environ.get("RAY_ADDRESS"))
         level = logging.getLogger().getEffectiveLevel()
+        reuse = ray.put(reuse) if reuse else reuse  # once in the object store, not once per task
         pending = {stream_task.options(name=f"stream_task[{s}]").remote(cfg, out, s, metadata, watch.progress, local,
                                                                       level, reuse): s for s in todo}
         started = last_log = time.monotonic()

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 from prepack.engine.accounting import Counters
 from prepack.engine.checkpoint import state_from_payload, state_to_payload
 from prepack.engine.packer import StreamPacker, StreamState
-from prepack.engine.reuse import PixelReuse, own_reuse_on
+from prepack.engine.reuse import OldPack, PixelReuse, own_reuse_on
 from prepack.run.writer import StreamWriter, recover_stream, sha256_hex, write_bytes_atomic
 from schemas.checkpoint import CheckpointDoc
 from schemas.compression import Compression
@@ -131,7 +131,7 @@ def compact_lineage(loc: PackLocation, index: StreamIndex) -> tuple[str, int]:
     return sha256_hex(data), rows
 
 
-def pixel_provider(loc: PackLocation, index: StreamIndex, reuse: "tuple[str, ...] | list[str]",
+def pixel_provider(loc: PackLocation, index: StreamIndex, reuse: "tuple[str | OldPack, ...] | list",
                    compression: Compression) -> PixelReuse | None:
     """Where this stream's earlier pixels come from: the ``reuse`` packs, and its own committed shards
     (its later passes over a small set) unless ``PREPACK_REUSE_OWN=0``.  Frames the stream's writer
@@ -147,10 +147,11 @@ def pixel_provider(loc: PackLocation, index: StreamIndex, reuse: "tuple[str, ...
 
 def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, tokenizer, special,
                     metadata: dict[str, str], report: Callable[[ProgressEvent], None] | None = None,
-                    reuse: "tuple[str, ...] | list[str]" = ()) -> StreamSummary:
+                    reuse: "tuple[str | OldPack, ...] | list" = ()) -> StreamSummary:
     """Pack (or continue, or extend) stream ``stream`` into ``out``; returns its summary (done.json).
 
-    ``reuse``: earlier packs whose pixels may be taken instead of decoding (no byte changes)."""
+    ``reuse``: earlier packs whose pixels may be taken instead of decoding (no byte changes): paths or
+    URIs, or ``OldPack`` snapshots the driver read once for every stream."""
     cpu_start = time.process_time()  # the whole process (Ray's threads too): what packing costs per core
     loc = resolve_location(out)
     rank, worker = cfg.stream_rank_worker(stream)

@@ -170,3 +170,21 @@ def test_streams_subset_then_rest_with_file_uri(packed, tmp_path):
     same_streams(man, load_manifest(packed["out"]))
     counts = read_back(uri, man)
     assert counts == {0: 6, 1: 6}
+
+
+def test_reuse_through_ray_tasks(packed, tmp_path):
+    """``--reuse`` on Ray: the driver indexes OLD and reads it once, and hands every stream task what
+    it found; the same config packed again from the demo pack's pixels is the demo pack byte for
+    byte, every picture taken from it.  (Runs last: it adds OLD's catalog to the module's pack.)"""
+    from tests.helpers.s3checks import pack_bytes
+
+    old = packed["out"]
+    out = str(tmp_path / "again")
+    with RayRun() as rr:
+        r = rr.run(prepack("run", packed["config"], "--out", out, "--reuse", old), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = next(ln for ln in summary(r.stdout) if ln.startswith("reused "))
+    reused, images = (int(x.replace(",", "")) for x in line.split()[1:4:2])
+    assert images > 0 and reused == images and line.endswith(f"from {old}"), line
+    assert pack_bytes(out) == {k: v for k, v in pack_bytes(old).items() if not k.startswith("pixels/")}
+    assert any(k.startswith("pixels/") for k in pack_bytes(old))  # the job indexed OLD once, for its streams

@@ -355,3 +355,36 @@ def test_video_frames_are_reused(tmp_path, tokenizer_and_special, monkeypatch):
     images, hits, fallbacks = _reuse(reused)
     assert not fallbacks and _reuse(fresh)[1] == 0
     assert images - hits == sum((r["content"], r["decode"], r["width"], r["height"]) not in known for r in new_rows)
+
+
+@pytest.mark.parametrize("catalog", [True, False], ids=["catalog", "shard-indexes"])
+def test_a_stream_given_old_as_the_driver_read_it_reads_no_stream_index(old, catalog, tmp_path):
+    """The driver reads OLD's stream indexes once (``read_old_pack``) for every stream: with that
+    snapshot a stream finds every picture of OLD with the indexes gone (through the catalog, or the
+    shards' own pixel indexes the snapshot lists), and each picture's frame checks out."""
+    from prepack.engine.reuse import PixelReuse, read_old_pack
+    from schemas.manifest import index_file
+    from schemas.pixel_index import DecodeFacts, PictureSource
+
+    copy = str(tmp_path / "old")
+    shutil.copytree(old["out"], copy)
+    shutil.rmtree(os.path.join(copy, CATALOG_DIR), ignore_errors=True)
+    if catalog:
+        ensure_catalog(copy)
+    rows = _pixel_rows(copy)
+    snapshot = read_old_pack(copy)
+    assert (snapshot.catalog_build is not None) == catalog and snapshot.readable and not snapshot.fallbacks
+    assert bool(snapshot.uncovered) != catalog  # a catalog covers every committed shard
+    for s in range(2):
+        os.remove(os.path.join(copy, index_file(s)))
+    reuse = PixelReuse([snapshot], frame_format="zstd/none-such")  # frames decompressed: pixels checked
+    for r in rows[::7]:
+        facts = reuse.facts((r["content"], r["decode"]))
+        assert facts == DecodeFacts(r["src_width"], r["src_height"], tuple(k for k in r["damage"].split(",") if k))
+        got = reuse.fetch(PictureSource(r["content"], r["decode"], facts), r["width"], r["height"])
+        assert got is not None and got.digest == r["digest"] and got.coded is not None
+    assert not reuse.counts.fallbacks
+    again = read_old_pack(copy)  # read now, without indexes: nothing is committed, a catalog is stale
+    assert again.catalog_build is None and not again.uncovered
+    assert again.fallbacks == ((("pixel_catalog_stale", 1),) if catalog else ())
+    reuse.close()
