@@ -114,10 +114,16 @@ def reference_cpu_per_batch(cfg, stream: int, tok, first: int, count: int, keep:
 
 def prepack_run_cpu(config: str, out: str, stream: int) -> tuple[float, int, int]:
     """Run the real ``prepack run`` for one stream on a one-CPU local Ray; (worker CPU s, tokens,
-    records) from the stream's done entry."""
+    records) from the stream's done entry.
+
+    ``PREPACK_REUSE_OWN=0``: this dataset is small, so 26 batches read a stream's slice more than
+    once, and the stream would take its later passes' pictures from its own shards (70 ms/batch
+    instead of ~130 here).  The figure is a first pass over data, which is what a user's first pack
+    of a large set costs; later passes are ``bench_reuse.py --passes``'s figure."""
     from schemas.manifest import StreamSummary, done_file
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+               PREPACK_REUSE_OWN="0")
     cmd = [sys.executable, "-m", "prepack.cli", "run", config, "--out", out, "--streams", str(stream),
            "--num-cpus", "1", "--no-progress"]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
