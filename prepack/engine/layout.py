@@ -23,7 +23,8 @@ import torch
 from prepack.engine.sample import Sample, SampleImage
 from schemas.config import PackingKnobs
 from schemas.errors import PackingError
-from schemas.record import ATTN_MODE_CODES, PackedBatch, SampleOrigin, image_table
+from schemas.pixel_table import image_table
+from schemas.record import ATTN_MODE_CODES, PackedBatch, SampleOrigin
 
 
 @lru_cache(maxsize=4096)

@@ -25,7 +25,7 @@ from PIL import Image
 from prepack.engine.images import ImagePolicy, apply_facts, decode_observed, to_plain_rgb, to_rgb
 from prepack.engine.resize import resize_pixels
 from schemas.pixel_index import DecodeFacts, PictureSource, content_key
-from schemas.record import StoredImage
+from schemas.pixel_table import StoredImage
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,16 +36,14 @@ import numpy as np
 import pyarrow as pa
 
 from prepack.engine.accounting import Warn
+from prepack.engine.old_packs import CatalogView, CommittedShard, OldPack, RangedFile, read_old_pack
 from prepack.engine.pictures import RESIZE_IMPL, ReuseCounts
 from prepack.engine.sources.readahead import ReadAheadSettings
 from schemas.compression import decompress_frame, frame_codec
-from schemas.location import PackLocation, redact_uri, resolve_location
-from schemas.errors import DamagedFile, PackFormatError, PackRefused
-from schemas.manifest import (PACK_INFO_NAME, StreamIndex, check_format, index_file, load_checked, shard_file,
-                              shard_pixels_file)
-from schemas.pixel_catalog import CATALOG_NAME, ROW_DTYPE, Catalog, block_digest, fences_file, part_file
+from schemas.location import PackLocation, resolve_location
+from schemas.manifest import StreamIndex, shard_file, shard_pixels_file
 from schemas.pixel_index import DecodeFacts, PictureSource, PixelEntry, frame_digest, read_pixel_index
-from schemas.record import StoredImage, image_digest
+from schemas.pixel_table import StoredImage, image_digest
 
 log = logging.getLogger(__name__)
 
@@ -69,156 +66,6 @@ class _Where:
     codec: str  # frame format
     digest: int
     frame_digest: int
-
-
-class _RangedFile:
-    """One earlier file (a shard, a catalog part), opened at its first read; ranged reads only.
-    On a store, reads may come from the read-ahead's threads (``read_at`` is thread-safe)."""
-
-    def __init__(self, loc: PackLocation, relpath: str, size: int):
-        self.loc, self.relpath, self.size = loc, relpath, size
-        self._fd: int | None = None
-        self._remote = None
-        self._lock = threading.Lock()
-
-    def read(self, offset: int, length: int) -> bytes:
-        if offset < 0 or offset + length > self.size:
-            raise ValueError(f"frame {offset}+{length} outside the {self.size}-byte shard")
-        if self.loc.is_local:
-            if self._fd is None:
-                self._fd = os.open(self.loc.path(self.relpath), os.O_RDONLY)
-                if os.fstat(self._fd).st_size != self.size:
-                    raise ValueError(f"{self.relpath} is not the size its index recorded")
-            data = os.pread(self._fd, length, offset)
-        else:
-            with self._lock:
-                if self._remote is None:
-                    self._remote = self.loc.fs.open_input_file(self.loc.path(self.relpath))
-                remote = self._remote
-            data = remote.read_at(length, offset)
-        if len(data) != length:
-            raise ValueError("short read")
-        return bytes(data)
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        with self._lock:
-            self._remote = None  # dropped, not closed: a read in flight holds its own reference
-
-
-class CatalogView:
-    """Lookups by content in one earlier pack's pixel catalog: its fences in memory, its blocks read
-    one ranged read at a time (checked against their digest) and the last ``cache_blocks`` kept."""
-
-    def __init__(self, loc: PackLocation, catalog: Catalog, fences: pa.Table, cache_blocks: int = 256):
-        self.loc, self.catalog = loc, catalog
-        first = fences.column("first").combine_chunks()
-        self._first = np.frombuffer(first.buffers()[1], dtype="S16", count=len(first), offset=first.offset * 16)
-        self._part = fences.column("part").to_numpy()
-        self._row = fences.column("row").to_numpy()
-        self._rows = fences.column("rows").to_numpy()
-        self._digest = fences.column("digest").to_numpy()
-        self._files: dict[int, _RangedFile] = {}
-        self._blocks: OrderedDict[int, np.ndarray] = OrderedDict()
-        self._cache = cache_blocks
-        self._decode = {name: code for code, name in enumerate(catalog.decodes)}
-        self._bad: set[int] = set()
-
-    @classmethod
-    def open(cls, loc: PackLocation) -> "CatalogView | None":
-        """The pack's catalog, checked; None when it has none.  ``ValueError`` when it is damaged."""
-        try:
-            raw = loc.read_bytes(CATALOG_NAME)
-        except FileNotFoundError:
-            return None
-        try:
-            catalog = Catalog.from_bytes(raw, loc.path(CATALOG_NAME))
-        except DamagedFile as e:
-            raise ValueError(str(e)) from None
-        data = loc.read_bytes(fences_file(catalog.build))
-        if hashlib.sha256(data).hexdigest() != catalog.fences_sha256:
-            raise ValueError(f"{loc.path(fences_file(catalog.build))}: sha256 differs from {CATALOG_NAME}")
-        try:
-            fences = pa.ipc.open_file(pa.py_buffer(data)).read_all()
-        except (pa.ArrowException, OSError) as e:
-            raise ValueError(f"{loc.path(fences_file(catalog.build))}: not readable ({e})") from None
-        return cls(loc, catalog, fences)
-
-    def rows(self, content: bytes, decode: str) -> "tuple[list[np.void], bool]":
-        """``(rows, damaged)``: the catalog rows of ``(content, decode)`` (every resize target it holds)
-        in the blocks that read and check, and whether a block the key may lie in did not."""
-        code = self._decode.get(decode)
-        if code is None or not len(self._first):
-            return [], False
-        out, damaged = [], False
-        block = max(int(np.searchsorted(self._first, content, side="left")) - 1, 0)
-        while block < len(self._first) and self._first[block] <= content:
-            try:
-                rows = self._block(block)
-            except (OSError, ValueError, pa.ArrowException) as e:
-                if block not in self._bad:
-                    log.debug("reuse: %s", e)
-                self._bad.add(block)  # its pictures are decoded; the other blocks still serve
-                damaged = True
-                block += 1
-                continue
-            keys = rows["content"]
-            lo, hi = np.searchsorted(keys, content, "left"), np.searchsorted(keys, content, "right")
-            out.extend(rows[i] for i in range(lo, hi) if rows["decode"][i] == code)
-            block += 1
-        return out, damaged
-
-    def _block(self, block: int) -> np.ndarray:
-        if block in self._bad:
-            raise ValueError(f"catalog block {block} is damaged")
-        rows = self._blocks.get(block)
-        if rows is not None:
-            self._blocks.move_to_end(block)
-            return rows
-        part = int(self._part[block])
-        f = self._files.get(part)
-        if f is None:
-            size = int(self._rows[self._part == part].sum()) * ROW_DTYPE.itemsize
-            f = self._files[part] = _RangedFile(self.loc, part_file(self.catalog.build, part), size)
-        data = f.read(int(self._row[block]) * ROW_DTYPE.itemsize, int(self._rows[block]) * ROW_DTYPE.itemsize)
-        if block_digest(data) != self._digest[block]:
-            raise ValueError(f"catalog block {block}: digest differs from its fence")
-        rows = np.frombuffer(data, ROW_DTYPE)
-        self._blocks[block] = rows
-        if len(self._blocks) > self._cache:
-            self._blocks.popitem(last=False)
-        return rows
-
-    def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-
-
-def open_old_pack(old: str) -> tuple[PackLocation, int]:
-    """``(location, number of streams)`` of an earlier pack; ``NotAPack``-like errors name it."""
-    loc = resolve_location(old)
-    try:
-        raw = loc.read_bytes(PACK_INFO_NAME)
-    except FileNotFoundError:
-        raise ValueError(f"{loc.path('')} is not a pack (no {PACK_INFO_NAME})") from None
-    identity = check_format(load_checked(raw, loc.path(PACK_INFO_NAME)), loc.path(PACK_INFO_NAME))
-    return loc, int(identity["num_streams"])
-
-
-def check_old_packs(olds: "Iterable[str]", out: PackLocation | None = None) -> tuple[str, ...]:
-    """The ``--reuse`` packs, each checked to be a pack this version reads (and not ``out``):
-    a wrong one is the user's to fix, in one line (``PackRefused``), before anything runs."""
-    olds = tuple(str(o) for o in olds)
-    for old in olds:
-        try:
-            loc, _ = open_old_pack(old)
-        except (OSError, ValueError, DamagedFile, PackFormatError) as e:
-            raise PackRefused(f"--reuse {redact_uri(old)}: {str(e).strip().splitlines()[0]}") from None
-        if out is not None and loc.path("") == out.path(""):
-            raise PackRefused(f"--reuse {redact_uri(old)} is the output itself (a stream reuses its own shards anyway)")
-    return olds
 
 
 class PixelReuse:
@@ -244,7 +91,7 @@ class PixelReuse:
         self.counts = counts if counts is not None else ReuseCounts()
         self._facts: dict[tuple[bytes, str], DecodeFacts] = {}
         self._where: dict[tuple[bytes, str, int, int], _Where] = {}
-        self._files: list[_RangedFile] = []
+        self._files: list[RangedFile] = []
         self._file_ids: dict[tuple[int, int, int], int] = {}  # (catalog, stream, shard) -> into _files
         self._open: OrderedDict[int, None] = OrderedDict()
         self._open_files = open_files
@@ -339,7 +186,7 @@ class PixelReuse:
                 file = self._file_ids.get(key)
                 if file is None:
                     file = self._file_ids[key] = len(self._files)
-                    self._files.append(_RangedFile(view.loc, shard_file(key[1], key[2]), int(row["shard_bytes"])))
+                    self._files.append(RangedFile(view.loc, shard_file(key[1], key[2]), int(row["shard_bytes"])))
                 return _Where(file, int(row["offset"]), int(row["length"]), int(row["nbytes"]),
                               view.catalog.codecs[row["codec"]], int(row["digest"]), int(row["frame_digest"]))
         return None
@@ -360,7 +207,7 @@ class PixelReuse:
         self._written.clear()
         self._written_bytes = 0
         file = len(self._files)
-        self._files.append(_RangedFile(loc, shard_file(stream, shard), size))
+        self._files.append(RangedFile(loc, shard_file(stream, shard), size))
         for e in entries:
             self._add(e.source.content, e.source.decode, e.source.facts, e.width, e.height,
                       _Where(file, e.offset, e.length, e.nbytes, e.codec, e.digest, e.frame_digest))
@@ -381,9 +228,9 @@ class PixelReuse:
 
     def add_stream(self, loc: PackLocation, index: StreamIndex) -> None:
         """Every committed shard of one stream, read from its pixel index files."""
-        self._add_shards(loc, index.stream, [_Committed.of(e) for e in index.shards])
+        self._add_shards(loc, index.stream, [CommittedShard.of(e) for e in index.shards])
 
-    def _add_shards(self, loc: PackLocation, stream: int, shards: "list[_Committed]") -> None:
+    def _add_shards(self, loc: PackLocation, stream: int, shards: "list[CommittedShard]") -> None:
         for entry in shards:
             rel = shard_pixels_file(stream, entry.shard)
             try:
@@ -408,7 +255,7 @@ class PixelReuse:
 
     def _add_table(self, loc: PackLocation, stream: int, shard: int, size: int, table: pa.Table) -> None:
         file = len(self._files)
-        self._files.append(_RangedFile(loc, shard_file(stream, shard), size))
+        self._files.append(RangedFile(loc, shard_file(stream, shard), size))
         cols = {name: table.column(name).to_pylist() for name in table.schema.names}
         for i in range(table.num_rows):
             damage = tuple(k for k in cols["damage"][i].split(",") if k)
@@ -472,82 +319,6 @@ class PixelReuse:
         return None
 
 
-@dataclass(frozen=True)
-class OldPack:
-    """An earlier pack as read once (by a job's driver, for all its streams): where it is, the catalog
-    build whose coverage its stream indexes confirm (None: no catalog that holds), and the committed
-    shards that build does not cover, per stream.  A stream given this reads no stream index of OLD:
-    on a store that is one request per OLD stream saved per new stream.  Picklable (Ray task args)."""
-
-    uri: str
-    readable: bool
-    catalog_build: str | None = None
-    uncovered: "tuple[tuple[int, tuple[_Committed, ...]], ...]" = ()
-    fallbacks: "tuple[tuple[str, int], ...]" = ()  # counted while reading it (each stream counts them too)
-
-
-def read_old_pack(old: str) -> OldPack:
-    """Read an earlier pack's stream indexes and check its catalog against them; what failed is kept
-    in ``fallbacks`` (a stream counts them as its own)."""
-    mine = ReuseCounts()
-    try:
-        loc, streams = open_old_pack(old)
-    except (OSError, ValueError, DamagedFile, PackFormatError) as e:
-        log.warning("reuse: %s is not read (%s); its pictures are decoded", old, e)
-        mine.fallback("old_pack_unreadable")
-        return OldPack(str(old), False, fallbacks=tuple(mine.fallbacks.items()))
-    committed = _committed(loc, streams, mine)
-    catalog = _checked_catalog(loc, committed, mine)
-    covered = catalog.covered if catalog is not None else {}
-    uncovered = tuple((stream, tuple(shards[covered.get(stream, (0, ""))[0]:])) for stream, shards in committed.items())
-    return OldPack(str(old), True, catalog.build if catalog is not None else None,
-                   tuple((s, sh) for s, sh in uncovered if sh), tuple(sorted(mine.fallbacks.items())))
-
-
-def _committed(loc: PackLocation, streams: int, counts: ReuseCounts) -> "dict[int, list[_Committed]]":
-    out: dict[int, list[_Committed]] = {}
-    for stream in range(streams):
-        try:
-            data = loc.read_bytes(index_file(stream))
-        except FileNotFoundError:
-            continue  # nothing committed yet
-        except OSError as e:
-            counts.fallback("stream_index_unreadable")
-            log.debug("reuse: stream_index_unreadable (%s)", e)
-            continue
-        try:
-            index = StreamIndex.from_bytes(data, stream, loc.path(index_file(stream)))
-        except (DamagedFile, PackFormatError, ValueError) as e:
-            counts.fallback("stream_index_damaged")
-            log.debug("reuse: stream_index_damaged (%s)", e)
-            continue
-        out[stream] = [_Committed.of(e) for e in index.shards]  # the records' digests are not kept
-    return out
-
-
-def _checked_catalog(loc: PackLocation, committed: "dict[int, list[_Committed]]", counts: ReuseCounts) -> "Catalog | None":
-    """The pack's catalog when it holds (its checksums, resize and a coverage the stream indexes
-    confirm), else None: its shards' own indexes are read instead."""
-    try:
-        view = CatalogView.open(loc)
-    except (OSError, ValueError, pa.ArrowException) as e:
-        counts.fallback("pixel_catalog_damaged")
-        log.debug("reuse: pixel_catalog_damaged (%s)", e)
-        return None
-    if view is None:
-        return None
-    view.close()
-    if view.catalog.resize != RESIZE_IMPL:
-        counts.fallback("pixel_catalog_other_resize")
-        return None
-    for stream, (n, last) in view.catalog.covered.items():
-        shards = committed.get(stream, [])
-        if n and (len(shards) < n or shards[n - 1].pixels_sha256 != last):
-            counts.fallback("pixel_catalog_stale")  # the pack changed under it: not one byte trusted
-            return None
-    return view.catalog
-
-
 def _declared_damage(key: str) -> bool:
     try:
         Warn(key)
@@ -583,16 +354,3 @@ class FrameReadAhead:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
-
-
-@dataclass(frozen=True)
-class _Committed:
-    """What reuse needs of a committed shard's index row."""
-
-    shard: int
-    nbytes: int
-    pixels_sha256: str
-
-    @classmethod
-    def of(cls, entry) -> "_Committed":
-        return cls(entry.shard, entry.nbytes, entry.pixels_sha256)

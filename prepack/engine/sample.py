@@ -19,7 +19,8 @@ from prepack.engine.pictures import Picture
 from prepack.engine.resize import resize_pixels
 from schemas.config import TransformArgs
 from schemas.pixel_index import PictureSource
-from schemas.record import SampleOrigin, StoredImage, decode_rows
+from schemas.pixel_table import StoredImage, decode_rows
+from schemas.record import SampleOrigin
 
 
 @dataclass

@@ -203,7 +203,7 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
     wanted = list(range(cfg.num_streams)) if streams is None else sorted(set(streams))
     for s in wanted:
         cfg.stream_rank_worker(s)  # range check with a clear message
-    from prepack.engine.reuse import check_old_packs, read_old_pack
+    from prepack.engine.old_packs import check_old_packs, read_old_pack
     from prepack.run.catalog import ensure_catalog
 
     loc = resolve_location(out)

@@ -57,7 +57,8 @@ from schemas.layout import (
 )
 from schemas.manifest import LINEAGE_SCHEMA, RecordEntry, ShardEntry, StreamIndex, shard_metadata
 from schemas.pixel_index import PictureSource, PixelEntry, pixel_index_bytes
-from schemas.record import RECORD_SCHEMA, EncodedRecord, PackedBatch, StoredImage, encode_record, stored_pixel_frames
+from schemas.pixel_table import StoredImage
+from schemas.record import RECORD_SCHEMA, EncodedRecord, PackedBatch, encode_record, stored_pixel_frames
 
 log = logging.getLogger(__name__)
 

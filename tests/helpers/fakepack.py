@@ -20,7 +20,8 @@ import numpy as np
 from prepack.run.writer import StreamWriter, write_bytes_atomic, write_index
 from schemas.location import resolve_location
 from schemas.manifest import FORMAT_VERSION, PACK_INFO_NAME, StreamIndex, StreamSummary, done_file, dump_checked
-from schemas.record import ATTN_MODE_CODES, RECORD_SCHEMA_VERSION, PackedBatch, SampleOrigin, image_table
+from schemas.pixel_table import image_table
+from schemas.record import ATTN_MODE_CODES, RECORD_SCHEMA_VERSION, PackedBatch, SampleOrigin
 
 NORMS = [
     ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),

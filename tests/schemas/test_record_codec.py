@@ -94,7 +94,8 @@ def _with_frames(batch, encoded, which):
     slots of the table unwritten (here: scrambled), a ``StoredImage`` with the frame instead."""
     import copy
 
-    from schemas.record import StoredImage, stored_pixel_frames
+    from schemas.pixel_table import StoredImage
+    from schemas.record import stored_pixel_frames
 
     _, data, frames = stored_pixel_frames(encoded.record)
     later = copy.copy(batch)

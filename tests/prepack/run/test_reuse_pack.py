@@ -362,7 +362,8 @@ def test_a_stream_given_old_as_the_driver_read_it_reads_no_stream_index(old, cat
     """The driver reads OLD's stream indexes once (``read_old_pack``) for every stream: with that
     snapshot a stream finds every picture of OLD with the indexes gone (through the catalog, or the
     shards' own pixel indexes the snapshot lists), and each picture's frame checks out."""
-    from prepack.engine.reuse import PixelReuse, read_old_pack
+    from prepack.engine.old_packs import read_old_pack
+    from prepack.engine.reuse import PixelReuse
     from schemas.manifest import index_file
     from schemas.pixel_index import DecodeFacts, PictureSource
 

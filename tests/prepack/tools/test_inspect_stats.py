@@ -18,7 +18,8 @@ from prepack.tools.inspect_record import attention_mask, inspect_record
 from prepack.tools.composition import BATCH_QUANTITIES, LABELS
 from prepack.tools.stats import batches_with_row, compute_stats, pack_stats, rows_of_batch
 from schemas.manifest import MANIFEST_NAME, PackSummary
-from schemas.record import ATTN_MODE_CODES, PackedBatch, SampleOrigin, image_table, record_to_batch
+from schemas.pixel_table import image_table
+from schemas.record import ATTN_MODE_CODES, PackedBatch, SampleOrigin, record_to_batch
 from tests.helpers.packs import build_pack
 from tests.helpers.tokens import check_summary, expected_values
 
