@@ -18,10 +18,16 @@ the process, so a helper thread never makes a figure look better than the work i
 - **in process**: ``StreamPacker`` in this process to a finished record (encode + compress), no
   files: where the packing code itself stands.
 
+- **the floor** (``--floor``): the in-process pass again under cProfile, split into the three C
+  calls the output bytes are defined by — libjpeg's decode (inside Pillow), the exact resize (the
+  kernel the router chose) and zstd — and everything else.  No packer that writes these bytes can
+  cost less than those three, so the reference's CPU per batch over their sum bounds the ratio.
+
 ``--ray`` also packs W*K streams on a local Ray with 1 and then 2 CPUs (wall time).
 
     python scripts/bench_pack.py --batches 6               # in-process and end-to-end
     python scripts/bench_pack.py --batches 6 --no-e2e      # in-process only (fast)
+    python scripts/bench_pack.py --batches 10 --no-e2e --floor   # where the CPU goes, and the bound
 """
 
 from __future__ import annotations
@@ -140,9 +146,48 @@ def stream_records(out: str, stream: int) -> list:
 
     return [rec for _, rec in iter_records(Pack.open(out), stream)]
 
+# cProfile's names of the C calls the output bytes are defined by (the resize is the router's
+# wrapper: a ctypes call is not a profiled function, and the wrapper around it is a few lines)
+_FLOOR_PARTS = {
+    "JPEG decode": lambda file, name: name == "<method 'decode' of 'ImagingDecoder' objects>",
+    "resize": lambda file, name: (file.endswith(os.path.join("resize", "router.py")) and name == "resize")
+    or name == "<method 'resize' of 'ImagingCore' objects>",
+    "zstd": lambda file, name: "ZstdCompressor" in name,
+}
 
-def end_to_end(ds, knobs: dict, skip: int, batches: int, reps: int, tok) -> None:
-    """``prepack run`` (default compression and shard size) vs the reference, per core."""
+
+def floor_profile(pack_and_encode, batches: int) -> tuple[dict[str, float], float]:
+    """Run ``pack_and_encode()`` under cProfile: (ms per batch inside each of ``_FLOOR_PARTS``,
+    ms per batch in all, by the process's CPU time)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    t0 = time.process_time()
+    prof.enable()
+    pack_and_encode()
+    prof.disable()
+    total = (time.process_time() - t0) / batches * 1e3
+    parts = dict.fromkeys(_FLOOR_PARTS, 0.0)
+    for (file, _line, name), (_cc, _nc, tottime, _ct, _callers) in pstats.Stats(prof).stats.items():
+        for part, match in _FLOOR_PARTS.items():
+            if match(file, name):
+                parts[part] += tottime / batches * 1e3
+    return parts, total
+
+
+def print_floor(parts: dict[str, float], total: float, references: dict[str, float]) -> None:
+    floor = sum(parts.values())
+    print("floor, in process under cProfile: " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items())
+          + f" ms/batch = {floor:.1f} of {total:.1f} ms/batch; everything else {total - floor:.1f} ms/batch")
+    for label, ref_ms in references.items():
+        print(f"floor bound vs the reference {label} ({ref_ms:.0f} ms/batch): at most {ref_ms / floor:.2f}x "
+              f"per core for any packer writing these bytes; now {ref_ms / total:.2f}x here")
+
+
+def end_to_end(ds, knobs: dict, skip: int, batches: int, reps: int, tok) -> float:
+    """``prepack run`` (default compression and shard size) vs the reference, per core; returns the
+    reference's best CPU ms per batch."""
     import yaml
 
     from compare import diff_batches
@@ -198,6 +243,7 @@ def end_to_end(ds, knobs: dict, skip: int, batches: int, reps: int, tok) -> None
           f"{ref_cpu / batches * 1e3:.0f} ms/batch)")
     print(f"ratio, end to end : {ref_cpu / cpu:.2f}x the reference per core, best of {reps} per side; "
           f"median of alternating runs {statistics.median(ratios):.2f}x")
+    return ref_cpu / batches * 1e3
 
 
 def main() -> None:
@@ -211,6 +257,8 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=2, help="end to end: batches whose cost (with start-up) is subtracted")
     ap.add_argument("--e2e-batches", type=int, default=24, help="end to end: batches timed after --skip")
     ap.add_argument("--reps", type=int, default=2, help="end to end: runs per side, best taken")
+    ap.add_argument("--floor", action="store_true",
+                    help="also split the in-process pass into decode, resize, zstd and the rest (cProfile)")
     args = ap.parse_args()
 
     import torch
@@ -242,22 +290,25 @@ def main() -> None:
     oracle.reference_batches(cfg, 1, tok, 1)
     settle_worker_process()  # the process settings a prepack run worker packs with
 
+    compression = Compression.parse(args.compression)
+    opts = compression.write_options()
+
+    def encode(b) -> tuple[pa.RecordBatch, int]:
+        rec = encode_record(b, compression).record
+        buf = pa.BufferOutputStream()
+        with pa.ipc.new_stream(buf, RECORD_SCHEMA, options=opts) as w:
+            w.write_batch(rec)
+        return rec, buf.getvalue().size
+
     t0 = time.process_time()
     w0 = time.perf_counter()
     batches = list(StreamPacker(cfg, 0, tok, special))
     pack_cpu, pack_wall = time.process_time() - t0, time.perf_counter() - w0
     t0 = time.process_time()
-    ours, nbytes = [], 0
-    compression = Compression.parse(args.compression)
-    opts = compression.write_options()
-    for b in batches:
-        rec = encode_record(b, compression).record
-        buf = pa.BufferOutputStream()
-        with pa.ipc.new_stream(buf, RECORD_SCHEMA, options=opts) as w:
-            w.write_batch(rec)
-        nbytes += buf.getvalue().size
-        ours.append(rec)
+    encoded = [encode(b) for b in batches]
     write_cpu = time.process_time() - t0
+    ours, nbytes = [rec for rec, _ in encoded], sum(size for _, size in encoded)
+    del batches, encoded
 
     t0 = time.process_time()
     w0 = time.perf_counter()
@@ -277,8 +328,12 @@ def main() -> None:
     print(f"reference         : {tokens / ref_cpu:10,.0f} tokens/s per core ({ref_cpu:.2f} s CPU, {ref_wall:.2f} s wall)")
     print(f"ratio             : {ref_cpu / pack_cpu:.2f}x the reference per core packing; "
           f"{ref_cpu / (pack_cpu + write_cpu):.2f}x including the {args.compression} record write")
+    references = {"in process": ref_cpu / n * 1e3}
     if args.e2e:
-        end_to_end(ds, knobs, args.skip, args.e2e_batches, args.reps, tok)
+        references["end to end, best"] = end_to_end(ds, knobs, args.skip, args.e2e_batches, args.reps, tok)
+    if args.floor:
+        parts, total = floor_profile(lambda: [encode(b) for b in StreamPacker(cfg, 0, tok, special)], n)
+        print_floor(parts, total, references)
 
     if args.ray:
         from prepack.run.driver import run_pack

@@ -73,7 +73,8 @@ class Drop(_Declared):
                                     "{max_num_tokens})")
     BATCH_REFUSED_OVER_MAX_NUM_TOKENS = ("batch_refused_over_max_num_tokens", False, Reference.PACKS,
                                          "a batch of {detail} tokens (mandatory samples that together exceed "
-                                         "max_num_tokens) was refused: flex padding would be negative")
+                                         "max_num_tokens) was refused: flex padding would be negative",
+                                         logging.INFO, "batches")
     SAMPLES_IN_REFUSED_BATCHES = ("samples_in_refused_batches", False, Reference.PACKS,
                                   "samples of refused batches (see batch_refused_over_max_num_tokens)")
     LEFT_IN_BUFFER_AT_END_OF_BUDGET = ("left_in_buffer_at_end_of_budget", False, Reference.ENDLESS,
@@ -133,11 +134,15 @@ class Drop(_Declared):
                                         "a conversation with an image and no <image> placeholder for it, dropped by "
                                         "strict: true")
 
-    def __init__(self, key: str, per_group: bool, reference: Reference, meaning: str, level: int = logging.INFO):
+    def __init__(self, key: str, per_group: bool, reference: Reference, meaning: str, level: int = logging.INFO,
+                 counts: str = "samples"):
         self.per_group = per_group
         self.reference = reference
         self.meaning = meaning  # ``{detail}``: the first occurrence's detail; other fields: the packing knobs
         self.level = level  # of the per-stream line logged for its first occurrences
+        # what one count is: a row, file or sample lost ("samples"), or a batch refused ("batches",
+        # whose samples are counted again under their own reason): rates of lost samples skip it
+        self.counts = counts
 
     def counted_as(self, group: "str | None" = None) -> str:
         """The key counted: ``group:reason`` for a source's reason, the reason alone for the packer's."""
@@ -245,9 +250,10 @@ class Counters:
             log.log(_level(reason), "drop[%s]=%d %s", key, c, detail)
 
     def drop_total(self, reason: Drop, n: int) -> None:
-        """Count ``n`` at once, with no example and no log line: a total known at the end, not an event."""
+        """Count ``n`` at once, with no example: a total known at the end, not an event (one log line)."""
         key = reason.counted_as()
         self.drops[key] = self.drops.get(key, 0) + n
+        log.log(_level(reason), "drop[%s]=%d at the end", key, self.drops[key])
 
     def warn(self, kind: "Warn | str", detail: str = "") -> None:
         key = kind.key if isinstance(kind, Warn) else str(kind)

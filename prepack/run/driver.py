@@ -406,7 +406,10 @@ def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus, lease
                 elif time.monotonic() - last_log >= LOG_EVERY_S:  # no terminal (e.g. ray job logs)
                     last_log = time.monotonic()
                     log.info("%d batches; %s", run.batches, run.postfix(last_log - started))
-            watch.poll()  # the last word on retries: every task has ended
+            watch.poll()  # the last word on retries and on the streams' final counts: every task has ended
+            for s, payload in watch.reports.items():
+                run.update(s, payload)
+            say(run.new_kinds())  # kinds only a stream's end counts (what was left in its buffer)
             if watch.dead:  # (the state API is asked only after a node loss: it may take seconds)
                 watch.attempts_from_state_api(timeout_s=30)
             say(run.retried(watch.attempts, watch.dead))

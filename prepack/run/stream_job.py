@@ -221,7 +221,7 @@ def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, 
         except FileNotFoundError:
             pass
     if report is not None:
-        report(ProgressEvent(stream, packer.batches, packer.tokens, done=True, counters=packer.counters))
+        report(ProgressEvent(stream, packer.batches, packer.tokens, done=True, counters=counters))  # what done.json says
     return result
 
 

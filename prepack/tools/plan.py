@@ -22,6 +22,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Mapping
 
 import pyarrow as pa
 
@@ -174,7 +175,6 @@ def _ipc_sizes(records: list[pa.RecordBatch], compression: Compression) -> tuple
 def _sample_stream(cfg: PrepackConfig, stream: int, tokenizer, special, least: int, most: int, deadline: float,
                    acc: _Sample, pixels=None) -> None:
     """Pack ``least`` to ``most`` batches of ``stream`` into ``acc`` (fewer once settled or past the deadline)."""
-    from prepack.engine.accounting import Drop, parse_key
     from prepack.engine.checkpoint import state_to_payload
     from prepack.engine.packer import StreamPacker
     from prepack.run.writer import lineage_table, parquet_bytes
@@ -204,12 +204,10 @@ def _sample_stream(cfg: PrepackConfig, stream: int, tokenizer, special, least: i
         counters = packer.counters
         for g, n in counters.samples_read.items():
             acc.samples_read[g] = acc.samples_read.get(g, 0) + n
-        for key, n in counters.drops.items():
-            group, reason = parse_key(key)
-            if group is not None:
-                acc.source_drops[group] = acc.source_drops.get(group, 0) + n
-            elif reason is not Drop.LEFT_IN_BUFFER_AT_END_OF_BUDGET:
-                acc.packer_drops += n
+        source_drops, packer_drops = lost_samples(counters.drops)
+        for group, n in source_drops.items():
+            acc.source_drops[group] = acc.source_drops.get(group, 0) + n
+        acc.packer_drops += packer_drops
         for group, source in zip(cfg.groups, packer.sources):
             acc.rows_per_pass.setdefault(group.name, source.pass_rows())
     record_bytes, overhead = _ipc_sizes(records, compression)
@@ -224,6 +222,25 @@ def _sample_stream(cfg: PrepackConfig, stream: int, tokenizer, special, least: i
         acc.cpu_s += stamps[-1] - stamps[0]
         acc.steady_batches += len(stamps) - 1
     acc.streams.append(stream)
+
+
+def lost_samples(drops: Mapping[str, int]) -> tuple[dict[str, int], int]:
+    """(rows each group's source dropped, samples the packer lost) from a stream's drop counts.
+
+    Not lost: samples still buffered when the sample's budget ran out (a longer stream packs
+    them), and refused batches themselves (counted in batches; their samples are counted again,
+    as samples, under their own reason)."""
+    from prepack.engine.accounting import Drop, parse_key
+
+    by_group: dict[str, int] = {}
+    packer = 0
+    for key, n in drops.items():
+        group, reason = parse_key(key)
+        if group is not None:
+            by_group[group] = by_group.get(group, 0) + n
+        elif reason is not Drop.LEFT_IN_BUFFER_AT_END_OF_BUDGET and (reason is None or reason.counts == "samples"):
+            packer += n
+    return by_group, packer
 
 
 def sample_streams(num_streams: int, count: int) -> list[int]:

@@ -166,3 +166,14 @@ def test_planning_imports_neither_ray_nor_transformers(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
+
+
+def test_the_packer_drop_rate_counts_lost_samples_not_refused_batches():
+    from prepack.tools.plan import lost_samples
+
+    drops = {"batch_refused_over_max_num_tokens": 3, "samples_in_refused_batches": 7, "overlength_sample": 2,
+             "left_in_buffer_at_end_of_budget": 5, "t2i:t2i_image_parse": 1, "edit:parquet_row_parse": 4,
+             "t2i:jsonl_parse": 2, "reason_of_a_later_version": 1}
+    by_group, packer = lost_samples(drops)
+    assert by_group == {"t2i": 3, "edit": 4}
+    assert packer == 7 + 2 + 1  # samples of refused batches, overlength, an undeclared reason: not batches or buffer
