@@ -33,7 +33,6 @@ the process, so a helper thread never makes a figure look better than the work i
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -188,8 +187,6 @@ def print_floor(parts: dict[str, float], total: float, references: dict[str, flo
 def end_to_end(ds, knobs: dict, skip: int, batches: int, reps: int, tok) -> float:
     """``prepack run`` (default compression and shard size) vs the reference, per core; returns the
     reference's best CPU ms per batch."""
-    import yaml
-
     from compare import diff_batches
     from loader.batch import SimpleCustomBatch
     from schemas.config import load_config
@@ -203,7 +200,6 @@ def end_to_end(ds, knobs: dict, skip: int, batches: int, reps: int, tok) -> floa
     cfg = load_config(configs[skip + batches])
     runs: dict[int, list[tuple[float, int, int]]] = {skip: [], skip + batches: []}
     ref_runs: list[float] = []
-    ref: list[dict] = []
     last_out = None
     for rep in range(reps):  # the sides alternate, so a busy spell on the machine hits both
         for n, path in configs.items():
@@ -213,9 +209,10 @@ def end_to_end(ds, knobs: dict, skip: int, batches: int, reps: int, tok) -> floa
                 last_out = out  # compared with the reference below
             else:
                 shutil.rmtree(out)
-        cpu_s, kept = reference_cpu_per_batch(cfg, 0, tok, skip, batches, keep=rep == 0)
-        ref_runs.append(cpu_s)
-        ref = kept if rep == 0 else ref
+        # timed without keeping the batches (a DataLoader hands each on and frees it; keeping 24
+        # batches of ~120 MiB made the kept run's CPU time ~1.7x higher: new pages for every batch)
+        ref_runs.append(reference_cpu_per_batch(cfg, 0, tok, skip, batches, keep=False)[0])
+    _, ref = reference_cpu_per_batch(cfg, 0, tok, skip, batches)  # untimed: the batches to compare with
     small, large = (min(runs[n]) for n in (skip, skip + batches))
     cpu, tokens = large[0] - small[0], large[1] - small[1]
     ref_cpu = min(ref_runs)
