@@ -184,6 +184,15 @@ def print_floor(parts: dict[str, float], total: float, references: dict[str, flo
               f"per core for any packer writing these bytes; now {ref_ms / total:.2f}x here")
 
 
+def quiet(label: str) -> None:
+    """Start a timed run on a quiet machine (``machine.wait_quiet``); say so when it is not."""
+    from machine import wait_quiet
+
+    busy = wait_quiet()
+    if busy >= 0.15:
+        print(f"note: the machine stayed {busy:.0%} busy before the {label} run (other work alongside)")
+
+
 def end_to_end(ds, knobs: dict, skip: int, batches: int, reps: int, tok) -> float:
     """``prepack run`` (default compression and shard size) vs the reference, per core; returns the
     reference's best CPU ms per batch."""
@@ -204,6 +213,7 @@ def end_to_end(ds, knobs: dict, skip: int, batches: int, reps: int, tok) -> floa
     for rep in range(reps):  # the sides alternate, so a busy spell on the machine hits both
         for n, path in configs.items():
             out = tempfile.mkdtemp(prefix=f"e2e-{n}-")
+            quiet(f"ours, {n} batches")
             runs[n].append(prepack_run_cpu(path, out, 0))
             if n == skip + batches and last_out is None:
                 last_out = out  # compared with the reference below
@@ -211,6 +221,7 @@ def end_to_end(ds, knobs: dict, skip: int, batches: int, reps: int, tok) -> floa
                 shutil.rmtree(out)
         # timed without keeping the batches (a DataLoader hands each on and frees it; keeping 24
         # batches of ~120 MiB made the kept run's CPU time ~1.7x higher: new pages for every batch)
+        quiet("reference")
         ref_runs.append(reference_cpu_per_batch(cfg, 0, tok, skip, batches, keep=False)[0])
     _, ref = reference_cpu_per_batch(cfg, 0, tok, skip, batches)  # untimed: the batches to compare with
     small, large = (min(runs[n]) for n in (skip, skip + batches))

@@ -52,3 +52,27 @@ def machine_line() -> str:
         kernel += f", {native.isa(native.library())} path"
     return (f"machine: {cpu_model()}, {os.cpu_count()} cores, {platform.machine()}, vector ISA {isa_level()}; "
             f"resize kernel: {kernel} ({r.reason})")
+
+
+def _busy_idle() -> tuple[int, int]:
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, idle
+
+
+def wait_quiet(busy_below: float = 0.15, window_s: float = 1.0, max_s: float = 30.0) -> float:
+    """Wait until the machine's CPUs were busy less than ``busy_below`` of a ``window_s`` window
+    (what the previous run left, such as a Ray node shutting down, is done), at most ``max_s``;
+    returns the last window's busy share.  Work running beside a timed run inflates its CPU time,
+    not only its wall time (shared caches and memory bandwidth; on a VM, the host's sharing)."""
+    import time
+
+    deadline = time.monotonic() + max_s
+    while True:
+        b0, i0 = _busy_idle()
+        time.sleep(window_s)
+        b1, i1 = _busy_idle()
+        share = (b1 - b0) / max(1, (b1 - b0) + (i1 - i0))
+        if share < busy_below or time.monotonic() >= deadline:
+            return share
