@@ -10,7 +10,7 @@ compresses photographs to ~2/3 of the plain size at twice the speed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 import xxhash
@@ -74,31 +74,49 @@ class StoredImage:
         return np.frombuffer(decompress_frame(self.frame_format, self.frame, self.size), np.uint8)
 
 
-def image_table(images: "list[np.ndarray | StoredImage]", alloc: Callable[[int], np.ndarray] | None = None
-                ) -> dict[str, "np.ndarray | list"]:
-    """The PackedBatch image-table fields for (h, w, 3) uint8 images, resized (coded here) or
+class CodesItself(Protocol):
+    """An image that writes itself into its table slot, row-delta coded (``SampleImage``: resized
+    then, by the C kernel already coded, so no plain pixels are made and nothing codes them again),
+    or hands back the earlier table's ``StoredImage`` it is instead (the slot then left to the table)."""
+
+    @property
+    def shape(self) -> tuple[int, int, int]: ...
+
+    def code_into(self, out: np.ndarray) -> "StoredImage | None": ...
+
+
+def image_table(images: "list[np.ndarray | StoredImage | CodesItself]",
+                alloc: Callable[[int], np.ndarray] | None = None) -> dict[str, "np.ndarray | list"]:
+    """The PackedBatch image-table fields for (h, w, 3) uint8 images, resized (coded here),
     ``StoredImage`` entries (coded pixels copied as they are; a frame leaves its slot unwritten and is
-    listed in ``image_stored``, see ``PackedBatch``).
+    listed in ``image_stored``, see ``PackedBatch``) or images that code themselves into their slot
+    (``CodesItself``), each in turn, after the table is allocated.
 
     ``alloc(n)`` gives the uint8 array of n bytes the table is coded into (default: a new one).
     """
+    shapes = [tuple(im.shape) for im in images]
     offsets = np.zeros(len(images) + 1, np.int64)
     if images:
-        np.cumsum([im.size for im in images], out=offsets[1:])
+        np.cumsum([h * w * c for h, w, c in shapes], out=offsets[1:])
     size = int(offsets[-1])
     pixels = np.empty(size, np.uint8) if alloc is None else alloc(size)  # coded straight into place
     stored: list = []
-    for im, a, b in zip(images, offsets[:-1], offsets[1:]):
-        if isinstance(im, StoredImage):
-            if im.frame is None:
-                pixels[a:b] = im.coded.reshape(-1)
-            stored.append(im)
-        else:
-            encode_rows(im, out=pixels[a:b].reshape(im.shape))
+    for im, shape, a, b in zip(images, shapes, offsets[:-1], offsets[1:]):
+        slot = pixels[a:b].reshape(shape)
+        if isinstance(im, np.ndarray):
+            encode_rows(im, out=slot)
             stored.append(None)
+            continue
+        got = im if isinstance(im, StoredImage) else im.code_into(slot)
+        if got is not None:
+            if got.shape != shape:
+                raise ValueError(f"a stored image of shape {got.shape} for a slot of shape {shape}")
+            if got.frame is None:
+                pixels[a:b] = got.coded.reshape(-1)
+        stored.append(got)
     return {
-        "image_heights": np.asarray([im.shape[0] for im in images], np.int32),
-        "image_widths": np.asarray([im.shape[1] for im in images], np.int32),
+        "image_heights": np.asarray([s[0] for s in shapes], np.int32),
+        "image_widths": np.asarray([s[1] for s in shapes], np.int32),
         "image_offsets": offsets,
         "image_pixels": pixels,
         "image_stored": stored,

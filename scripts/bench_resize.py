@@ -13,6 +13,11 @@ against the same process with ``PREPACK_FAST_RESIZE=0``.
     python scripts/bench_resize.py                      # sizes the packer makes from ~0.8 MP photographs
     python scripts/bench_resize.py --no-startup --isa native,avx2,portable   # each x86 build
     python scripts/bench_resize.py --no-startup --flags=-mno-avx512f --no-numba
+    python scripts/bench_resize.py --no-startup --coded   # the packer's form: row-delta coded into a table slot
+
+``--coded`` times what the packer's table asks for instead: the result row-delta coded into a
+preallocated slot (``Resizer.resize_coded``: the C kernel codes as it resizes, Pillow and numba
+resize and then ``encode_rows``), checked equal to ``encode_rows`` of Pillow's.
 """
 
 from __future__ import annotations
@@ -105,6 +110,7 @@ def main() -> None:
     ap.add_argument("--numba", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--startup", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--startup-runs", type=int, default=3)
+    ap.add_argument("--coded", action="store_true", help="time the row-delta coded result into a table slot")
     args = ap.parse_args()
 
     from prepack.engine.resize import native
@@ -133,6 +139,20 @@ def main() -> None:
             print(f"the numba kernel is off here ({resizer.reason})")
     if not kernels:
         sys.exit("no kernel is on here: nothing to compare")
+    reference = pillow_resize
+    if args.coded:  # each way as Resizer.resize_coded runs it, into one reused slot
+        slot = np.empty(max(ow * oh * 3 for _, _, ow, oh in SIZES), np.uint8)
+
+        def coding(resize):
+            def run(img, ow, oh):
+                out = slot[: ow * oh * 3].reshape(oh, ow, 3)
+                Resizer(resize, "bench").resize_coded(img, ow, oh, out)
+                return out
+            return run
+
+        kernels = {name: coding(kernel) for name, kernel in kernels.items()}
+        reference = coding(None)
+        print("timing the coded result into a table slot (resize_coded)")
     rng = np.random.default_rng(0)
     medians: dict[str, list[float]] = {name: [] for name in kernels}
     bests: dict[str, list[float]] = {name: [] for name in kernels}
@@ -140,12 +160,13 @@ def main() -> None:
     for w, h, ow, oh in SIZES[: args.sizes]:
         img = photo_like(w, h, rng)
         for name, resize in kernels.items():
-            if not np.array_equal(resize(img, ow, oh), pillow_resize(img, ow, oh)):
+            want = reference(img, ow, oh).copy()
+            if not np.array_equal(resize(img, ow, oh), want):
                 sys.exit(f"{w}x{h} -> {ow}x{oh}: the {name} kernel differs from Pillow")
         # alternate them, so a busy spell on the machine hits all
         times: dict[str, list[float]] = {"pillow": [], **{name: [] for name in kernels}}
         for _ in range(args.reps):
-            times["pillow"].append(cpu_ms(lambda: pillow_resize(img, ow, oh)))
+            times["pillow"].append(cpu_ms(lambda: reference(img, ow, oh)))
             for name, resize in kernels.items():
                 times[name].append(cpu_ms(lambda: resize(img, ow, oh)))
         row = f"{w:>5}x{h:<5} -> {ow:>4}x{oh:<4} Pillow {statistics.median(times['pillow']):6.2f}"

@@ -253,7 +253,7 @@ class SequenceBuilder:
         """The compact batch; pixels are resized here (once per distinct picture).  ``alloc``: where
         the pixel table goes (``image_table``)."""
         k = self.knobs
-        table = image_table([img.table_pixels() for img in self.images], alloc)
+        table = image_table(self.images, alloc)  # each image resized (or taken) straight into its slot
         cat = lambda parts: np.concatenate(parts).astype(np.int32) if parts else np.zeros(0, np.int32)  # noqa: E731
         return PackedBatch(
             use_flex=k.use_flex,

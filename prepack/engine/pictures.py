@@ -115,6 +115,13 @@ class Picture:
     def resized(self, width: int, height: int) -> "np.ndarray | StoredImage":
         """The resize's (height, width, 3) uint8 pixels, or an earlier table's (``StoredImage``) when
         they are provably these."""
+        got = self.earlier(width, height)
+        return got if got is not None else resize_pixels(self.image(), width, height)
+
+    def earlier(self, width: int, height: int) -> StoredImage | None:
+        """One resize to (width, height) asked for (counted): an earlier table's pixels when they
+        are provably these, else None, and the caller resizes ``image()`` (``resized``, or
+        ``SampleImage.code_into`` straight into its table slot)."""
         store = self._store
         store.counts.images += 1
         if store.provider is not None:
@@ -123,7 +130,7 @@ class Picture:
                 store.counts.reused += 1
                 store.counts.frames_passed += got.frame is not None
                 return got
-        return resize_pixels(self.image(), width, height)
+        return None
 
 
 class PictureStore:

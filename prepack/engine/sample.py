@@ -4,8 +4,9 @@ A sample is what the reference's per-dataset iterators yield, in our own types. 
 source picture (``prepack.engine.pictures.Picture``, or a decoded video frame) and their target
 size; the bicubic resize runs only when the sample is actually packed (or checkpointed), and once
 per (picture, size) even when the plan uses the same picture twice (an edit frame that is both a
-VAE target and a VAE condition).  An image remembers its picture's identity (``source``) after
-the resize, for the shard's pixel index.
+VAE target and a VAE condition).  The packed table takes each image through ``code_into``:
+resized straight into its slot, row-delta coded as it is made.  An image remembers its picture's
+identity (``source``) after the resize, for the shard's pixel index.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import numpy as np
 from PIL import Image
 
 from prepack.engine.pictures import Picture
-from prepack.engine.resize import resize_pixels
+from prepack.engine.resize import resize_coded, resize_pixels
 from schemas.config import TransformArgs
 from schemas.pixel_index import PictureSource
-from schemas.pixel_table import StoredImage, decode_rows
+from schemas.pixel_table import StoredImage, decode_rows, encode_rows
 from schemas.record import SampleOrigin
 
 
@@ -57,6 +58,35 @@ class SampleImage:
     @classmethod
     def from_transform(cls, picture: "Picture | Image.Image", target: tuple[int, int], args: TransformArgs) -> "SampleImage":
         return cls(picture, target[0], target[1], tuple(args.image_mean) + tuple(args.image_std))
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(height, width, 3): the image's shape in the pixel table."""
+        return (self.height, self.width, 3)
+
+    def code_into(self, out: np.ndarray) -> "StoredImage | None":
+        """Put this image into its pixel-table slot ``out`` ((h, w, 3) uint8), row-delta coded
+        (``schemas.pixel_table.CodesItself``): resized now straight into it (the C kernel codes as
+        it resizes: no plain pixels are made), coded from pixels made earlier (``pixels()``), or
+        None written and an earlier table's ``StoredImage`` returned for the table to take.
+
+        A picture resized here keeps its decoded image, not its pixels (the slot is the packer's
+        table buffer, rewritten by the next batch): a later ``pixels()`` resizes it again."""
+        if self._pixels is not None:
+            if isinstance(self._pixels, StoredImage):
+                return self._pixels
+            encode_rows(self._pixels, out=out)
+            return None
+        picture = self.picture
+        if isinstance(picture, Picture):
+            got = picture.earlier(self.width, self.height)
+            if got is not None:
+                self._pixels, self.picture = got, None
+                return got
+            picture = picture.image()
+        resize_coded(picture, self.width, self.height, out)
+        self.picture = picture  # the decoded image only: a resize of it asks no provider and counts nothing
+        return None
 
     def table_pixels(self) -> "np.ndarray | StoredImage":
         """What goes into the record's pixel table: the resized (h, w, 3) uint8 pixels, or an earlier

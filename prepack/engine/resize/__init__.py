@@ -12,7 +12,9 @@ from prepack.engine.resize.router import (
     Resizer,
     default_resizer,
     pillow_resize,
+    resize_coded,
     resize_pixels,
 )
 
-__all__ = ["ENV_SWITCH", "PINNED_PILLOW", "Resizer", "default_resizer", "pillow_resize", "resize_pixels"]
+__all__ = ["ENV_SWITCH", "PINNED_PILLOW", "Resizer", "default_resizer", "pillow_resize", "resize_coded",
+           "resize_pixels"]

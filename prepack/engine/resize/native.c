@@ -17,7 +17,9 @@
  * Layout: pixels are 4 bytes (R, G, B, X: Pillow's own storage of an RGB image).  The vertical
  * pass runs 64 lanes (16 pixels) of one output row in registers over its taps; the horizontal pass
  * holds 16 rows transposed (one input column is 64 contiguous bytes) and runs the same loop per
- * output column, then transposes the result back.
+ * output column, then transposes the result back.  The last pass writes each finished row as RGB,
+ * plain or row-delta coded as the record's pixel table stores it (the _coded entry points), while
+ * the row is still in L1.
  */
 #include <math.h>
 #include <stdint.h>
@@ -233,17 +235,27 @@ static inline void taps64(const uint8_t *base, size_t stride, const int32_t *k, 
 }
 #endif
 
-/* n RGBX pixels -> n RGB pixels (dst may not overlap src). */
-static void rgbx_to_rgb(const uint8_t *src, uint8_t *dst, size_t n) {
+/* n RGBX pixels -> n RGB pixels (dst may not overlap src); row-delta coded when `coded`: each byte
+ * minus the same channel of the pixel before it, mod 256, the first pixel as is (PNG's "Sub"
+ * filter: schemas/pixel_table.py's encode_rows, which the record's pixel table stores).  Coding
+ * here, on the row the pass just made (in L1), spares the table a pass over the picture. */
+static void store_rgb(const uint8_t *src, uint8_t *dst, size_t n, int coded) {
     size_t i = 0;
+    if (coded && n) { /* the first pixel as is; every later one less its left neighbour */
+        dst[0] = src[0];
+        dst[1] = src[1];
+        dst[2] = src[2];
+        i = 1;
+    }
 #if defined(__AVX512VBMI__)
     static const uint8_t order[64] = {0,  1,  2,  4,  5,  6,  8,  9,  10, 12, 13, 14, 16, 17, 18, 20,
                                       21, 22, 24, 25, 26, 28, 29, 30, 32, 33, 34, 36, 37, 38, 40, 41,
                                       42, 44, 45, 46, 48, 49, 50, 52, 53, 54, 56, 57, 58, 60, 61, 62};
     __m512i perm = _mm512_loadu_si512(order);
     for (; i + 16 <= n; i += 16) {
-        __m512i px = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(src + 4 * i));
-        _mm512_mask_storeu_epi8(dst + 3 * i, 0xffffffffffffULL, px);
+        __m512i px = _mm512_loadu_si512(src + 4 * i);
+        if (coded) px = _mm512_sub_epi8(px, _mm512_loadu_si512(src + 4 * i - 4));
+        _mm512_mask_storeu_epi8(dst + 3 * i, 0xffffffffffffULL, _mm512_permutexvar_epi8(perm, px));
     }
 #elif defined(__AVX2__)
     /* per 128-bit lane the 12 RGB bytes of its 4 pixels first, then the two lanes' 24 bytes joined */
@@ -251,8 +263,9 @@ static void rgbx_to_rgb(const uint8_t *src, uint8_t *dst, size_t n) {
                                           0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, -1, -1, -1, -1);
     const __m256i join = _mm256_setr_epi32(0, 1, 2, 4, 5, 6, 3, 7);
     for (; i + 8 <= n; i += 8) {
-        __m256i px = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(src + 4 * i)), pick);
-        px = _mm256_permutevar8x32_epi32(px, join);
+        __m256i px = _mm256_loadu_si256((const __m256i *)(src + 4 * i));
+        if (coded) px = _mm256_sub_epi8(px, _mm256_loadu_si256((const __m256i *)(src + 4 * i - 4)));
+        px = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(px, pick), join);
         _mm_storeu_si128((__m128i *)(dst + 3 * i), _mm256_castsi256_si128(px));
         _mm_storel_epi64((__m128i *)(dst + 3 * i + 16), _mm256_extracti128_si256(px, 1));
     }
@@ -260,14 +273,16 @@ static void rgbx_to_rgb(const uint8_t *src, uint8_t *dst, size_t n) {
     for (; i + 16 <= n; i += 16) {
         uint8x16x4_t px = vld4q_u8(src + 4 * i);
         uint8x16x3_t rgb = {{px.val[0], px.val[1], px.val[2]}};
+        if (coded) {
+            uint8x16x4_t left = vld4q_u8(src + 4 * i - 4);
+            for (int c = 0; c < 3; c++) rgb.val[c] = vsubq_u8(rgb.val[c], left.val[c]);
+        }
         vst3q_u8(dst + 3 * i, rgb);
     }
 #endif
-    for (; i < n; i++) {
-        dst[3 * i] = src[4 * i];
-        dst[3 * i + 1] = src[4 * i + 1];
-        dst[3 * i + 2] = src[4 * i + 2];
-    }
+    for (; i < n; i++)
+        for (int c = 0; c < 3; c++)
+            dst[3 * i + c] = (uint8_t)(src[4 * i + c] - (coded && i ? src[4 * i - 4 + c] : 0));
 }
 
 /* dst[c * dst_stride + r] = src[r * src_stride + c] for a TB x TB block of 32-bit pixels. */
@@ -353,11 +368,24 @@ static void transpose(const uint32_t *src, size_t src_stride, size_t rows, size_
         for (size_t c = 0; c < cols; c++) dst[c * dst_stride + r] = src[r * src_stride + c];
 }
 
-/* (rows, in_w) RGBX -> (rows, out_w) with `channels` bytes per output pixel (4: RGBX, 3: RGB).
- * Sixteen rows at a time are held transposed (a column of 16 pixels is 64 contiguous bytes), so
- * each output column is the same register-blocked sum over taps as the vertical pass. */
+/* What a pass writes: the RGBX picture between the passes, or the result as RGB bytes, plain or
+ * row-delta coded (store_rgb). */
+typedef enum { OUT_RGBX, OUT_RGB, OUT_CODED } out_kind;
+
+/* A finished RGBX row of n pixels into dst as `kind` asks. */
+static inline void store_row(const uint8_t *row, uint8_t *dst, size_t n, out_kind kind) {
+    if (kind == OUT_RGBX)
+        memcpy(dst, row, n * 4);
+    else
+        store_rgb(row, dst, n, kind == OUT_CODED);
+}
+
+/* (rows, in_w) RGBX -> (rows, out_w), written as `kind` asks.  Sixteen rows at a time are held
+ * transposed (a column of 16 pixels is 64 contiguous bytes), so each output column is the same
+ * register-blocked sum over taps as the vertical pass. */
 static int horizontal(const uint8_t *src, int in_w, int rows, const axis_t *ax, int out_w,
-                      uint8_t *dst, int channels) {
+                      uint8_t *dst, out_kind kind) {
+    size_t out_line = (size_t)out_w * (kind == OUT_RGBX ? 4 : 3);
     uint32_t *tile = malloc((size_t)in_w * 16 * 4); /* [x][r] */
     uint32_t *res = malloc((size_t)out_w * 16 * 4); /* [xx][r] */
     uint32_t *back = malloc((size_t)out_w * 16 * 4); /* [r][xx] */
@@ -372,13 +400,8 @@ static int horizontal(const uint8_t *src, int in_w, int rows, const axis_t *ax, 
             taps64((const uint8_t *)(tile + (size_t)ax->first[xx] * 16), 64, ax->weight + (size_t)xx * ax->ksize,
                    ax->count[xx], (uint8_t *)(res + (size_t)xx * 16));
         transpose(res, 16, out_w, n_rows, back, out_w);
-        for (int r = 0; r < n_rows; r++) {
-            uint8_t *out = dst + (size_t)(y0 + r) * out_w * channels;
-            if (channels == 4)
-                memcpy(out, back + (size_t)r * out_w, (size_t)out_w * 4);
-            else
-                rgbx_to_rgb((const uint8_t *)(back + (size_t)r * out_w), out, out_w);
-        }
+        for (int r = 0; r < n_rows; r++)
+            store_row((const uint8_t *)(back + (size_t)r * out_w), dst + (size_t)(y0 + r) * out_line, out_w, kind);
     }
     rc = 0;
 done:
@@ -388,9 +411,9 @@ done:
     return rc;
 }
 
-/* (in_h, width) RGBX -> (out_h, width) with `channels` bytes per output pixel. */
+/* (in_h, width) RGBX -> (out_h, width), written as `kind` asks. */
 static int vertical(const uint8_t *src, int width, const axis_t *ax, int out_h, uint8_t *dst,
-                    int channels) {
+                    out_kind kind) {
     size_t lanes = (size_t)width * 4;
     uint8_t *line = malloc(lanes);
     if (!line) return -1;
@@ -398,7 +421,7 @@ static int vertical(const uint8_t *src, int width, const axis_t *ax, int out_h, 
         const int32_t *k = ax->weight + (size_t)yy * ax->ksize;
         const uint8_t *base = src + (size_t)ax->first[yy] * lanes;
         int n = ax->count[yy];
-        uint8_t *out = channels == 4 ? dst + (size_t)yy * lanes : line;
+        uint8_t *out = kind == OUT_RGBX ? dst + (size_t)yy * lanes : line;
         size_t j = 0;
         for (; j + 64 <= lanes; j += 64) taps64(base + j, lanes, k, n, out + j);
         for (; j < lanes; j++) {
@@ -406,23 +429,25 @@ static int vertical(const uint8_t *src, int width, const axis_t *ax, int out_h, 
             for (int t = 0; t < n; t++) a += base[(size_t)t * lanes + j] * k[t];
             out[j] = clip8(HALF + a);
         }
-        if (channels == 3) rgbx_to_rgb(line, dst + (size_t)yy * width * 3, width);
+        if (kind != OUT_RGBX) store_rgb(line, dst + (size_t)yy * width * 3, width, kind == OUT_CODED);
     }
     free(line);
     return 0;
 }
 
 /* Pillow 13.0.0's Image.resize((out_w, out_h), BICUBIC) of an RGB picture given as RGBX bytes,
- * written as out_h * out_w * 3 RGB bytes.  0 on success, -1 when memory ran out. */
-int prepack_resize_rgbx(const uint8_t *src, int in_w, int in_h, uint8_t *dst, int out_w,
-                        int out_h, int vertical_first) {
+ * written as out_h * out_w * 3 RGB bytes (kind: plain or coded).  0 on success, -1 when memory
+ * ran out. */
+static int resize_rgbx(const uint8_t *src, int in_w, int in_h, uint8_t *dst, int out_w, int out_h,
+                       int vertical_first, out_kind kind) {
     axis_t ah = {0}, av = {0};
     uint8_t *mid = NULL;
     int rc = -1;
     int need_h = out_w != in_w, need_v = out_h != in_h;
     if (in_w <= 0 || in_h <= 0 || out_w <= 0 || out_h <= 0) return -1;
     if (!need_h && !need_v) {
-        rgbx_to_rgb(src, dst, (size_t)in_w * in_h);
+        for (int y = 0; y < in_h; y++)
+            store_rgb(src + (size_t)y * in_w * 4, dst + (size_t)y * in_w * 3, in_w, kind == OUT_CODED);
         return 0;
     }
     if (need_h && make_axis(&ah, in_w, out_w)) goto done;
@@ -430,17 +455,17 @@ int prepack_resize_rgbx(const uint8_t *src, int in_w, int in_h, uint8_t *dst, in
     if (need_h && need_v) {
         if (vertical_first) {
             mid = malloc((size_t)in_w * out_h * 4);
-            if (!mid || vertical(src, in_w, &av, out_h, mid, 4)) goto done;
-            rc = horizontal(mid, in_w, out_h, &ah, out_w, dst, 3);
+            if (!mid || vertical(src, in_w, &av, out_h, mid, OUT_RGBX)) goto done;
+            rc = horizontal(mid, in_w, out_h, &ah, out_w, dst, kind);
         } else {
             mid = malloc((size_t)out_w * in_h * 4);
-            if (!mid || horizontal(src, in_w, in_h, &ah, out_w, mid, 4)) goto done;
-            rc = vertical(mid, out_w, &av, out_h, dst, 3);
+            if (!mid || horizontal(src, in_w, in_h, &ah, out_w, mid, OUT_RGBX)) goto done;
+            rc = vertical(mid, out_w, &av, out_h, dst, kind);
         }
     } else if (need_h) {
-        rc = horizontal(src, in_w, in_h, &ah, out_w, dst, 3);
+        rc = horizontal(src, in_w, in_h, &ah, out_w, dst, kind);
     } else {
-        rc = vertical(src, in_w, &av, out_h, dst, 3);
+        rc = vertical(src, in_w, &av, out_h, dst, kind);
     }
 done:
     free(mid);
@@ -452,17 +477,39 @@ done:
 /* The same, reading the picture in place from its row pointers (Pillow's image32 rows, 4 bytes a
  * pixel): where the rows lie end to end (one Pillow memory block, the usual case) they are the
  * RGBX picture itself, else they are gathered into one first. */
-int prepack_resize_rows(const uint8_t *const *rows, int in_w, int in_h, uint8_t *dst, int out_w, int out_h,
-                        int vertical_first) {
+static int resize_rows(const uint8_t *const *rows, int in_w, int in_h, uint8_t *dst, int out_w, int out_h,
+                       int vertical_first, out_kind kind) {
     size_t line = (size_t)in_w * 4;
     int contiguous = in_w > 0 && in_h > 0;
     for (int y = 1; y < in_h && contiguous; y++) contiguous = rows[y] == rows[0] + (size_t)y * line;
     if (contiguous || in_w <= 0 || in_h <= 0)
-        return prepack_resize_rgbx(in_h > 0 ? rows[0] : NULL, in_w, in_h, dst, out_w, out_h, vertical_first);
+        return resize_rgbx(in_h > 0 ? rows[0] : NULL, in_w, in_h, dst, out_w, out_h, vertical_first, kind);
     uint8_t *src = malloc(line * in_h);
     if (!src) return -1;
     for (int y = 0; y < in_h; y++) memcpy(src + y * line, rows[y], line);
-    int rc = prepack_resize_rgbx(src, in_w, in_h, dst, out_w, out_h, vertical_first);
+    int rc = resize_rgbx(src, in_w, in_h, dst, out_w, out_h, vertical_first, kind);
     free(src);
     return rc;
+}
+
+/* The entry points: from the RGBX picture or from its row pointers, writing the RGB result plain
+ * or row-delta coded (the record's pixel table, straight into its slot). */
+int prepack_resize_rgbx(const uint8_t *src, int in_w, int in_h, uint8_t *dst, int out_w, int out_h,
+                        int vertical_first) {
+    return resize_rgbx(src, in_w, in_h, dst, out_w, out_h, vertical_first, OUT_RGB);
+}
+
+int prepack_resize_rgbx_coded(const uint8_t *src, int in_w, int in_h, uint8_t *dst, int out_w, int out_h,
+                              int vertical_first) {
+    return resize_rgbx(src, in_w, in_h, dst, out_w, out_h, vertical_first, OUT_CODED);
+}
+
+int prepack_resize_rows(const uint8_t *const *rows, int in_w, int in_h, uint8_t *dst, int out_w, int out_h,
+                        int vertical_first) {
+    return resize_rows(rows, in_w, in_h, dst, out_w, out_h, vertical_first, OUT_RGB);
+}
+
+int prepack_resize_rows_coded(const uint8_t *const *rows, int in_w, int in_h, uint8_t *dst, int out_w,
+                              int out_h, int vertical_first) {
+    return resize_rows(rows, in_w, in_h, dst, out_w, out_h, vertical_first, OUT_CODED);
 }

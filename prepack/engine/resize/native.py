@@ -38,7 +38,8 @@ EXTRA_FLAGS_ENV = "PREPACK_KERNEL_CFLAGS"
 BUILD_TIMEOUT_S = 120
 
 # int prepack_resize_rgbx(const uint8_t *src, int in_w, int in_h, uint8_t *dst, int out_w, int out_h,
-#                         int vertical_first)  (and prepack_resize_rows, with const uint8_t *const *rows)
+#                         int vertical_first)  (and prepack_resize_rows, with const uint8_t *const *rows;
+# the _coded variants of both write the result row-delta coded, as the record's pixel table stores it)
 ResizeFn = Callable[[int, int, int, int, int, int, int], int]
 
 
@@ -151,7 +152,8 @@ def isa(lib: ctypes.CDLL) -> str:
 def load(env: Mapping[str, str] | None = None, flags: tuple[str, ...] = FLAGS,
          entry: str = "prepack_resize_rgbx") -> ResizeFn:
     """The kernel's entry point (see ``library``): ``prepack_resize_rgbx`` takes the RGBX picture,
-    ``prepack_resize_rows`` a table of its row pointers (Pillow's own, read in place)."""
+    ``prepack_resize_rows`` a table of its row pointers (Pillow's own, read in place); their
+    ``_coded`` variants write the result row-delta coded (``schemas.pixel_table.encode_rows``)."""
     fn = getattr(library(env, flags), entry)
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
                    ctypes.c_int]

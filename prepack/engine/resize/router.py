@@ -27,7 +27,7 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 import PIL
@@ -35,16 +35,26 @@ from PIL import Image
 
 from prepack.engine.images import raw_pixels, rgb_array
 from prepack.engine.resize import selftest
+from schemas.pixel_table import encode_rows
 
 log = logging.getLogger(__name__)
 
 PINNED_PILLOW = "13.0.0"  # the release whose Resample.c arithmetic the kernel mirrors (pyproject pins it)
 ENV_SWITCH = "PREPACK_FAST_RESIZE"
 
-Kernel = Callable[[Image.Image, int, int], np.ndarray]
+Kernel = Callable[[Image.Image, int, int], np.ndarray]  # may also code as it resizes: see ``CodingKernel``
 Timer = Callable[[Mapping[str, Kernel]], Mapping[str, float]]  # kernels -> seconds (selftest.timings)
 CHOICE_VERSION = 1  # of the cached choice's format and rule
 TIE = 0.05  # a candidate this close to a faster later one is kept: it starts cheaper (C loads in ms, numba imports in ~1 s)
+
+
+class CodingKernel(Protocol):
+    """A kernel that also writes its resize row-delta coded into a given array (the C kernel):
+    the self-test proves both, and ``Resizer.resize_coded`` uses ``coded`` where it exists."""
+
+    def __call__(self, img: Image.Image, width: int, height: int) -> np.ndarray: ...
+
+    def coded(self, img: Image.Image, width: int, height: int, out: np.ndarray) -> None: ...
 
 
 def pillow_resize(img: Image.Image, width: int, height: int) -> np.ndarray:
@@ -74,32 +84,57 @@ def _import_kernel():
     return kernel
 
 
-def native_kernel(env: Mapping[str, str] | None = None, flags: tuple[str, ...] | None = None,
-                  in_place: bool = True) -> Kernel:
-    """The C kernel as the packer calls it: an RGB picture in, (h, w, 3) uint8 out.  It reads
-    Pillow's rows in place where ``inplace`` finds them as expected (``in_place``), else a copy of
-    the picture.  ``flags``: another build, for the bench."""
-    from prepack.engine.resize import inplace, native
+class NativeKernel:
+    """The C kernel as the packer calls it: an RGB picture in, (h, w, 3) uint8 out (``__call__``),
+    or the same pixels row-delta coded straight into a given array (``coded``: the record's
+    pixel-table slot, so no plain pixels are made and the table does not code them again).  It
+    reads Pillow's rows in place where ``inplace`` finds them as expected (``in_place``), else a
+    copy of the picture.  ``flags``: another build, for the bench and the tests."""
 
-    flags = native.FLAGS if flags is None else flags
-    fn = native.load(env, flags)
-    fn_rows = native.load(env, flags, "prepack_resize_rows") if in_place and inplace.probe() else None
+    def __init__(self, env: Mapping[str, str] | None = None, flags: tuple[str, ...] | None = None,
+                 in_place: bool = True):
+        from prepack.engine.resize import inplace, native
 
-    def resize(img: Image.Image, width: int, height: int) -> np.ndarray:
-        in_w, in_h = img.size
+        flags = native.FLAGS if flags is None else flags
+        def entries(name: str) -> dict[bool, native.ResizeFn]:  # by coded
+            return {False: native.load(env, flags, name), True: native.load(env, flags, f"{name}_coded")}
+
+        self._from_copy = entries("prepack_resize_rgbx")  # the RGBX copy
+        self._from_rows = entries("prepack_resize_rows") if in_place and inplace.probe() else None  # Pillow's rows
+
+    def __call__(self, img: Image.Image, width: int, height: int) -> np.ndarray:
         out = np.empty((height, width, 3), np.uint8)
-        vfirst = int(vertical_first(in_w, in_h, width, height))
-        held = inplace.rows(img) if fn_rows is not None else None  # the capsule keeps the rows alive
-        if held is not None:
-            rc = fn_rows(held[1], in_w, in_h, out.ctypes.data, width, height, vfirst)
-        else:
-            src = raw_pixels(img, "RGBX", 4)  # held: only its address goes to C
-            rc = fn(src.ctypes.data, in_w, in_h, out.ctypes.data, width, height, vfirst)
-        if rc:
-            raise MemoryError(f"resize {in_w}x{in_h} -> {width}x{height}: out of memory")
+        self._run(img, width, height, out, False)
         return out
 
-    return resize
+    def coded(self, img: Image.Image, width: int, height: int, out: np.ndarray) -> None:
+        """``encode_rows`` of this resize, written into ``out`` (a C-contiguous, writable
+        (height, width, 3) uint8 array)."""
+        if (out.shape != (height, width, 3) or out.dtype != np.uint8 or not out.flags.c_contiguous
+                or not out.flags.writeable):
+            raise ValueError(f"coded resize to {width}x{height}: out must be a writable C-contiguous "
+                             f"({height}, {width}, 3) uint8 array, not {out.dtype} {out.shape}")
+        self._run(img, width, height, out, True)
+
+    def _run(self, img: Image.Image, width: int, height: int, out: np.ndarray, coded: bool) -> None:
+        from prepack.engine.resize import inplace
+
+        in_w, in_h = img.size
+        vfirst = int(vertical_first(in_w, in_h, width, height))
+        held = inplace.rows(img) if self._from_rows is not None else None  # the capsule keeps the rows alive
+        if held is not None:
+            rc = self._from_rows[coded](held[1], in_w, in_h, out.ctypes.data, width, height, vfirst)
+        else:
+            src = raw_pixels(img, "RGBX", 4)  # held: only its address goes to C
+            rc = self._from_copy[coded](src.ctypes.data, in_w, in_h, out.ctypes.data, width, height, vfirst)
+        if rc:
+            raise MemoryError(f"resize {in_w}x{in_h} -> {width}x{height}: out of memory")
+
+
+def native_kernel(env: Mapping[str, str] | None = None, flags: tuple[str, ...] | None = None,
+                  in_place: bool = True) -> NativeKernel:
+    """The C kernel as the packer calls it (``NativeKernel``)."""
+    return NativeKernel(env, flags, in_place)
 
 
 def numba_kernel() -> Kernel:
@@ -228,10 +263,23 @@ class Resizer:
     def fast(self) -> bool:
         return self.kernel is not None
 
+    def _applies(self, img: Image.Image, width: int, height: int) -> bool:
+        return self.kernel is not None and img.mode == "RGB" and width > 0 and height > 0 and img.width > 0 and img.height > 0
+
     def resize(self, img: Image.Image, width: int, height: int) -> np.ndarray:
-        if self.kernel is not None and img.mode == "RGB" and width > 0 and height > 0 and img.width and img.height:
+        if self._applies(img, width, height):
             return self.kernel(img, width, height)
         return pillow_resize(img, width, height)
+
+    def resize_coded(self, img: Image.Image, width: int, height: int, out: np.ndarray) -> None:
+        """``resize``, row-delta coded (``encode_rows``) into ``out``, a (height, width, 3) uint8
+        array (a pixel-table slot): coded by the kernel as it resizes where it can (the C kernel),
+        else coded here from the resized pixels."""
+        coded = getattr(self.kernel, "coded", None)
+        if coded is not None and self._applies(img, width, height):
+            coded(img, width, height, out)
+        else:
+            encode_rows(self.resize(img, width, height), out=out)
 
     @classmethod
     def create(cls, env: Mapping[str, str] | None = None, pillow_version: str | None = None,
@@ -345,3 +393,8 @@ def default_resizer() -> Resizer:
 def resize_pixels(img: Image.Image, width: int, height: int) -> np.ndarray:
     """Pillow's bicubic resize of an RGB picture -> (h, w, 3) uint8, through this process's resizer."""
     return default_resizer().resize(img, width, height)
+
+
+def resize_coded(img: Image.Image, width: int, height: int, out: np.ndarray) -> None:
+    """``resize_pixels``, row-delta coded into ``out`` ((h, w, 3) uint8), through this process's resizer."""
+    default_resizer().resize_coded(img, width, height, out)

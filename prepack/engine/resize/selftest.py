@@ -3,7 +3,8 @@
 The cases cover what the arithmetic distinguishes: both pass orders (Pillow runs the vertical pass
 first when the height shrinks by more than twice the width's shrink), down- and up-scaling on
 each axis, one axis unchanged, 1-pixel inputs and outputs, a filter wider than the picture, and
-contents that saturate the clip (a 0/255 checkerboard rings past both ends).
+contents that saturate the clip (a 0/255 checkerboard rings past both ends).  A kernel that
+also writes its result row-delta coded (the C kernel's ``coded``) is checked in both forms.
 
 The same pictures, with two photograph-sized ones, time the candidates once per machine
 (``timings``): the router uses the fastest exact one.
@@ -16,6 +17,8 @@ from typing import Callable, Iterator, Mapping
 
 import numpy as np
 from PIL import Image
+
+from schemas.pixel_table import encode_rows
 
 # (in_w, in_h, out_w, out_h)
 CASES: tuple[tuple[int, int, int, int], ...] = (
@@ -66,9 +69,25 @@ def timings(kernels: Mapping[str, Callable[[Image.Image, int, int], np.ndarray]]
     return best
 
 
+GUARD = 64  # bytes either side of a coded result's slot that the kernel must leave as they were
+
+
+def _coded_mismatch(coded: Callable[[Image.Image, int, int, np.ndarray], None], picture: Image.Image, ow: int,
+                    oh: int, want: np.ndarray) -> bool:
+    """Whether ``coded`` writes other bytes than ``encode_rows(want)`` into a slot of a larger
+    buffer, or writes outside it."""
+    buf = np.full(want.size + 2 * GUARD, 0xA5, np.uint8)
+    coded(picture, ow, oh, buf[GUARD:GUARD + want.size].reshape(want.shape))
+    return (not np.array_equal(buf[GUARD:GUARD + want.size], encode_rows(want).reshape(-1))
+            or bool((buf[:GUARD] != 0xA5).any() or (buf[GUARD + want.size:] != 0xA5).any()))
+
+
 def mismatches(kernel: Callable[[Image.Image, int, int], np.ndarray]) -> list[str]:
-    """The cases where ``kernel`` differs from Pillow's ``Image.resize(..., BICUBIC)`` (empty: none)."""
+    """The cases where ``kernel`` differs from Pillow's ``Image.resize(..., BICUBIC)`` (empty: none);
+    for a kernel that also codes as it resizes (``coded``), also those where its coded result
+    differs from ``encode_rows`` of Pillow's."""
     rng = np.random.default_rng(20260101)
+    coded = getattr(kernel, "coded", None)
     found = []
     for w, h, ow, oh in CASES:
         for i, picture in enumerate(_pictures(w, h, rng)):
@@ -76,4 +95,6 @@ def mismatches(kernel: Callable[[Image.Image, int, int], np.ndarray]) -> list[st
             got = kernel(picture, ow, oh)
             if got.shape != want.shape or got.dtype != want.dtype or not np.array_equal(got, want):
                 found.append(f"{w}x{h}->{ow}x{oh} picture {i}")
+            if coded is not None and _coded_mismatch(coded, picture, ow, oh, want):
+                found.append(f"{w}x{h}->{ow}x{oh} picture {i} coded")
     return found

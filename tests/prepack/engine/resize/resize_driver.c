@@ -4,8 +4,9 @@
  * Input file: int32 count, then per case int32 in_w, in_h, out_w, out_h, vertical_first, the
  * RGBX input (in_w * in_h * 4 bytes) and Pillow's RGB output (out_w * out_h * 3 bytes).
  * Each case runs twice: from the contiguous picture, and from a table of rows that do not lie end
- * to end (prepack_resize_rows' gathering path).  Prints the build's path ("isa NAME"), one line
- * per differing run, and "checked N". */
+ * to end (prepack_resize_rows' gathering path); and twice more through the _coded entry points,
+ * against Pillow's bytes row-delta coded here (schemas/pixel_table.py's encode_rows).  Prints the
+ * build's path ("isa NAME"), one line per differing run, and "checked N". */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,6 +16,10 @@ int prepack_resize_rgbx(const uint8_t *src, int in_w, int in_h, uint8_t *dst, in
                         int vertical_first);
 int prepack_resize_rows(const uint8_t *const *rows, int in_w, int in_h, uint8_t *dst, int out_w, int out_h,
                         int vertical_first);
+int prepack_resize_rgbx_coded(const uint8_t *src, int in_w, int in_h, uint8_t *dst, int out_w, int out_h,
+                              int vertical_first);
+int prepack_resize_rows_coded(const uint8_t *const *rows, int in_w, int in_h, uint8_t *dst, int out_w,
+                              int out_h, int vertical_first);
 
 static void compare(int i, const char *how, const int32_t *h, int rc, const uint8_t *got, const uint8_t *want,
                     size_t n_out) {
@@ -51,6 +56,13 @@ int main(int argc, char **argv) {
         }
         memset(got, 0, n_out);
         compare(i, "rows", h, prepack_resize_rows(rows, h[0], h[1], got, h[2], h[3], h[4]), got, want, n_out);
+        for (size_t j = n_out; j-- > 0;) /* in place, from the end: each byte less its left neighbour's */
+            if (j % ((size_t)h[2] * 3) >= 3) want[j] = (uint8_t)(want[j] - want[j - 3]);
+        memset(got, 0, n_out);
+        compare(i, "coded", h, prepack_resize_rgbx_coded(src, h[0], h[1], got, h[2], h[3], h[4]), got, want, n_out);
+        memset(got, 0, n_out);
+        compare(i, "rows coded", h, prepack_resize_rows_coded(rows, h[0], h[1], got, h[2], h[3], h[4]), got, want,
+                n_out);
         free(spread);
         free(rows);
         free(src);

@@ -5,7 +5,9 @@ The C kernel is checked as this machine builds it and, on x86, also built withou
 AVX2 path, and its opt-in 16-bit multiply-add variant) and without AVX2 (the portable loops), so
 each of its x86 code paths is proven here, not only the one this CPU happens to take
 (test_cross.py runs the aarch64 ones under qemu).  The numba kernel is the fallback for machines
-with no C compiler.
+with no C compiler.  Each C build's coded entry points (the result row-delta coded, as the record's
+pixel table stores it) are checked against ``encode_rows`` of Pillow's bytes the same ways, from
+the RGBX copy and from a table of rows that do not lie end to end.
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+import ctypes
+
 from prepack.engine.images import raw_pixels
 from prepack.engine.resize import PINNED_PILLOW
 from prepack.engine.resize.router import vertical_first
 from tests.helpers import datagen as dg
 from tests.helpers.pictures import KINDS
+from schemas.pixel_table import encode_rows
 from tests.helpers.pictures import picture as _picture
 
 pytestmark = pytest.mark.skipif(Image.__version__ != PINNED_PILLOW, reason="the kernel mirrors the pinned Pillow")
@@ -36,7 +41,8 @@ NARROWER_X86 = {"native-avx2": (("-mno-avx512f",), "avx2"), "native-portable": (
                 "native-avx2-madd": (("-mno-avx512f", "-DPREPACK_RESIZE_MADD"), "avx2-madd")}
 
 
-def _native(name: str) -> Raw:
+def _native_flags(name: str) -> tuple[str, ...]:
+    """The build's flags, proven to take its vector path (skips where it cannot be built here)."""
     from prepack.engine.resize import native
 
     extra, isa = NARROWER_X86.get(name, ((), None))
@@ -46,8 +52,14 @@ def _native(name: str) -> Raw:
         native.compiler(os.environ)
     except native.BuildError as exc:
         pytest.skip(f"no C kernel on this machine: {exc}")
-    fn = native.load(flags=native.FLAGS + extra)
     assert isa is None or native.isa(native.library(flags=native.FLAGS + extra)) == isa  # the path it is to prove
+    return native.FLAGS + extra
+
+
+def _native(name: str) -> Raw:
+    from prepack.engine.resize import native
+
+    fn = native.load(flags=_native_flags(name))
 
     def raw(img: Image.Image, ow: int, oh: int, vfirst: bool) -> np.ndarray:
         out = np.empty((oh, ow, 3), np.uint8)
@@ -56,6 +68,40 @@ def _native(name: str) -> Raw:
         return out
 
     return raw
+
+
+# (picture, out_w, out_h, vertical_first, from_rows) -> the (out_h, out_w, 3) result row-delta coded
+Coded = Callable[[Image.Image, int, int, bool, bool], np.ndarray]
+
+
+def _native_coded(name: str) -> Coded:
+    """A build's coded entry points: from the RGBX copy, or (``from_rows``) from a table of row
+    pointers laid out bottom row first, 64 bytes apart (the gathering path); the result is written
+    between guard bytes that must stay as they were."""
+    from prepack.engine.resize import native
+
+    flags = _native_flags(name)
+    from_copy = native.load(flags=flags, entry="prepack_resize_rgbx_coded")
+    from_rows = native.load(flags=flags, entry="prepack_resize_rows_coded")
+
+    def coded(img: Image.Image, ow: int, oh: int, vfirst: bool, rows: bool) -> np.ndarray:
+        src = raw_pixels(img, "RGBX", 4)
+        buf = np.full(oh * ow * 3 + 128, 0x5A, np.uint8)
+        out = buf[64:-64]
+        if rows:
+            line = img.width * 4
+            spread = np.zeros((img.height, line + 64), np.uint8)
+            spread[::-1, :line] = src.reshape(img.height, line)
+            table = (ctypes.c_void_p * img.height)(*(spread.ctypes.data + (img.height - 1 - y) * (line + 64)
+                                                     for y in range(img.height)))
+            rc = from_rows(ctypes.addressof(table), img.width, img.height, out.ctypes.data, ow, oh, int(vfirst))
+        else:
+            rc = from_copy(src.ctypes.data, img.width, img.height, out.ctypes.data, ow, oh, int(vfirst))
+        assert rc == 0
+        assert (buf[:64] == 0x5A).all() and (buf[-64:] == 0x5A).all(), "written outside the result"
+        return out.reshape(oh, ow, 3)
+
+    return coded
 
 
 def _numba() -> Raw:
@@ -163,3 +209,53 @@ def test_sweep_large_sizes_equal_pillow(default_kernel, w, h, ow, oh, kind, seed
     if w * h > 1_500_000:  # keep one example under ~50 ms
         w, h = w // 2 + 1, h // 2 + 1
     _check(default_kernel, _picture(kind, w, h, seed), ow, oh)
+
+
+@pytest.fixture(scope="module", params=["native", "native-avx2", "native-avx2-madd", "native-portable"])
+def coded(request) -> Coded:
+    return _native_coded(request.param)
+
+
+def _check_coded(coded: Coded, img: Image.Image, ow: int, oh: int, rows: bool = False) -> None:
+    want = encode_rows(np.asarray(img.resize((ow, oh), Image.Resampling.BICUBIC)))
+    got = coded(img, ow, oh, vertical_first(img.width, img.height, ow, oh), rows)
+    if not np.array_equal(got, want):
+        bad = np.argwhere(got != want)
+        pytest.fail(f"{img.size} -> {(ow, oh)} coded{' from rows' if rows else ''}: {len(bad)} values differ, "
+                    f"first at {bad[0].tolist()}")
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w=sides, h=sides, ow=sides, oh=sides, kind=kinds, seed=st.integers(0, 2**32 - 1), rows=st.booleans())
+def test_every_build_codes_as_encode_rows_of_pillow(coded, w, h, ow, oh, kind, seed, rows):
+    _check_coded(coded, _picture(kind, w, h, seed), ow, oh, rows)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(w=sides, h=sides, ow=sides, oh=sides, seed=st.integers(0, 2**32 - 1))
+def test_coding_follows_either_pass_order(coded, w, h, ow, oh, seed):
+    """The coded result is ``encode_rows`` of the plain one in both pass orders (the plain one is
+    Pillow's in Pillow's order: the tests above), so coding is independent of the last pass."""
+    img = _picture("noise", w, h, seed)
+    raw = _native("native")
+    for vfirst in (True, False):
+        np.testing.assert_array_equal(coded(img, ow, oh, vfirst, False), encode_rows(raw(img, ow, oh, vfirst)))
+
+
+@pytest.mark.parametrize("size", [(1, 1, 1, 1), (1, 1, 9, 7), (9, 7, 1, 1), (1, 50, 1, 3), (50, 1, 3, 1),
+                                  (2, 2, 1, 1), (1, 2, 3, 1), (640, 480, 640, 480), (5, 400, 3, 2),
+                                  (17, 33, 17, 5), (33, 17, 5, 17), (16, 16, 17, 17), (18, 9, 16, 8)])
+def test_every_build_codes_edge_sizes(coded, size):
+    w, h, ow, oh = size
+    for kind in ("noise", "checker", "extremes"):
+        for rows in (False, True):
+            _check_coded(coded, _picture(kind, w, h, 7), ow, oh, rows)
+
+
+@pytest.mark.parametrize("size", [(1024, 768, 512, 384), (700, 1200, 504, 868), (1200, 700, 980, 574),
+                                  (300, 900, 224, 672)])
+def test_every_build_codes_photographs_at_packer_sizes(coded, size):
+    w, h, ow, oh = size
+    img = dg.photo(3, np.random.RandomState(5), min(w, h), max(w, h)).resize((w, h))
+    _check_coded(coded, img, ow, oh)
+    _check_coded(coded, img, ow, oh, rows=True)

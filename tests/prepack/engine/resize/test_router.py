@@ -17,6 +17,7 @@ from PIL import Image
 from prepack.engine.resize import router, selftest
 from prepack.engine.resize.router import (ENV_SWITCH, PINNED_PILLOW, Candidate, Resizer, choose, default_resizer,
                                           pillow_resize)
+from schemas.pixel_table import encode_rows
 
 ON_PINNED = Image.__version__ == PINNED_PILLOW
 
@@ -364,3 +365,59 @@ def test_no_writable_numba_cache_falls_back_to_a_temporary_folder(tmp_path):
     assert out.stdout.split() == ["True", "self-tested"]
     cached = list((tmp_path / f"prepack-numba-{os.getuid()}").rglob("*.nbi"))
     assert cached, "no numba cache index written in the fallback folder"
+
+
+class _CodingSpy:
+    """An exact kernel that also codes (as the C kernel does), recording which way it was asked."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def __call__(self, img, w, h):
+        self.calls.append("plain")
+        return pillow_resize(img, w, h)
+
+    def coded(self, img, w, h, out):
+        self.calls.append("coded")
+        encode_rows(pillow_resize(img, w, h), out=out)
+
+
+def test_resize_coded_codes_in_the_kernel_where_it_can_and_here_otherwise():
+    img, grey = _noise(50, 40), Image.fromarray(np.arange(64, dtype=np.uint8).reshape(8, 8)).convert("L")
+    want = encode_rows(pillow_resize(img, 21, 13))
+    spy = _CodingSpy()
+    for resizer in (Resizer(spy, "test"), Resizer(pillow_resize, "test"), Resizer(None, "test")):
+        out = np.zeros((13, 21, 3), np.uint8)
+        resizer.resize_coded(img, 21, 13, out)
+        np.testing.assert_array_equal(out, want)
+    assert spy.calls == ["coded"]
+    out = np.zeros((4, 4), np.uint8)  # not RGB: Pillow's resize, coded here (as encode_rows codes any shape)
+    Resizer(spy, "test").resize_coded(grey, 4, 4, out)
+    want_grey = np.asarray(grey.resize((4, 4), Image.Resampling.BICUBIC))
+    np.testing.assert_array_equal(out, encode_rows(want_grey))
+    assert spy.calls == ["coded"]
+
+
+@pytest.mark.skipif(not ON_PINNED, reason="the kernel mirrors the pinned Pillow")
+@pytest.mark.skipif(not (shutil.which("cc") or shutil.which("gcc")), reason="no C compiler on this machine")
+def test_the_c_kernel_codes_into_a_slot_and_refuses_another_array():
+    kernel = router.native_kernel()
+    img = _noise(90, 70, 3)
+    table = np.full(5 + 33 * 41 * 3 + 5, 0xA5, np.uint8)
+    kernel.coded(img, 41, 33, table[5:-5].reshape(33, 41, 3))
+    np.testing.assert_array_equal(table[5:-5], encode_rows(pillow_resize(img, 41, 33)).reshape(-1))
+    assert (table[:5] == 0xA5).all() and (table[-5:] == 0xA5).all()
+    read_only = np.zeros((33, 41, 3), np.uint8)
+    read_only.flags.writeable = False
+    for bad in (np.zeros((33, 40, 3), np.uint8), np.zeros((33, 41, 3), np.int16),
+                np.asfortranarray(np.zeros((33, 41, 3), np.uint8)), np.zeros((33, 82, 3), np.uint8)[:, ::2], read_only):
+        with pytest.raises(ValueError, match="C-contiguous"):
+            kernel.coded(img, 41, 33, bad)
+
+
+def test_the_module_level_resize_coded_goes_through_the_router(monkeypatch):
+    spy = _CodingSpy()
+    monkeypatch.setattr(router, "default_resizer", lambda: Resizer(spy, "spy"))
+    out = np.empty((16, 32, 3), np.uint8)
+    router.resize_coded(_noise(50, 40), 32, 16, out)
+    assert spy.calls == ["coded"]
