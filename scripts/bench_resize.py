@@ -11,7 +11,7 @@ the candidates are timed; an empty NUMBA_CACHE_DIR for numba: it is JIT-compiled
 against the same process with ``PREPACK_FAST_RESIZE=0``.
 
     python scripts/bench_resize.py                      # sizes the packer makes from ~0.8 MP photographs
-    python scripts/bench_resize.py --no-startup --isa native,avx2,portable   # each x86 build
+    python scripts/bench_resize.py --no-startup --isa native,avx512,avx2,avx2-plain,portable   # each x86 build
     python scripts/bench_resize.py --no-startup --flags=-mno-avx512f --no-numba
     python scripts/bench_resize.py --no-startup --coded   # the packer's form: row-delta coded into a table slot
 
@@ -66,7 +66,9 @@ def startup(env_extra: dict[str, str]) -> tuple[float, str]:
 
 
 # --isa: the C kernel's builds by the vector path they take (x86 flags narrow -march=native)
-ISA_FLAGS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx2", "-mno-avx512f")}
+# (on a CPU with AVX-512 VNNI, native takes avx512-vnni, and avx2 takes avx2-vnni where it has AVX-VNNI)
+ISA_FLAGS = {"native": (), "avx512": ("-mno-avx512vnni",), "avx2": ("-mno-avx512f",),
+             "avx2-plain": ("-mno-avx512f", "-mno-avxvnni"), "portable": ("-mno-avx2", "-mno-avx512f")}
 
 
 def cpu() -> tuple[str, str]:
@@ -105,7 +107,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--sizes", type=int, default=len(SIZES), help="measure only the first N sizes")
     ap.add_argument("--isa", default="native", help=f"comma-separated C builds to time: {', '.join(ISA_FLAGS)} "
-                    "(avx2, portable: x86 only)")
+                    "(all but native: x86 only)")
     ap.add_argument("--flags", default="", help="one more C build: these flags added to native.py's")
     ap.add_argument("--numba", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--startup", action=argparse.BooleanOptionalAction, default=True)

@@ -143,7 +143,8 @@ def library(env: Mapping[str, str] | None = None, flags: tuple[str, ...] = FLAGS
 
 
 def isa(lib: ctypes.CDLL) -> str:
-    """The vector path the build took: "avx512", "avx2", "neon" or "portable"."""
+    """The vector path the build took: "avx512-vnni", "avx512", "avx2-vnni", "avx2" ("avx2-madd"
+    with -DPREPACK_RESIZE_MADD), "neon" or "portable"."""
     fn = lib.prepack_resize_isa
     fn.restype = ctypes.c_char_p
     return fn().decode()

@@ -1,9 +1,11 @@
 """Every kernel against the installed Pillow, value for value: random sizes and contents, tall,
 wide and 1-pixel pictures, both pass orders, photographs at the packer's target sizes.
 
-The C kernel is checked as this machine builds it and, on x86, also built without AVX-512 (the
-AVX2 path, and its opt-in 16-bit multiply-add variant) and without AVX2 (the portable loops), so
-each of its x86 code paths is proven here, not only the one this CPU happens to take
+The C kernel is checked as this machine builds it and, on x86, also built without AVX-512 VNNI
+(the AVX-512 path of 32-bit multiplies), without AVX-512 (the AVX2 path: with AVX-VNNI where the
+CPU has it, and without, and its opt-in 16-bit multiply-add variant) and without AVX2 (the
+portable loops), so each of its x86 code paths this CPU can run is proven here, not only the one it
+happens to take
 (test_cross.py runs the aarch64 ones under qemu).  The numba kernel is the fallback for machines
 with no C compiler.  Each C build's coded entry points (the result row-delta coded, as the record's
 pixel table stores it) are checked against ``encode_rows`` of Pillow's bytes the same ways, from
@@ -36,18 +38,28 @@ pytestmark = pytest.mark.skipif(Image.__version__ != PINNED_PILLOW, reason="the 
 
 # (picture, out_w, out_h, vertical_first) -> (out_h, out_w, 3) uint8, with the pass order forced
 Raw = Callable[[Image.Image, int, int, bool], np.ndarray]
-# build -> (its extra flags, the vector path it must take)
-NARROWER_X86 = {"native-avx2": (("-mno-avx512f",), "avx2"), "native-portable": (("-mno-avx2", "-mno-avx512f"), "portable"),
-                "native-avx2-madd": (("-mno-avx512f", "-DPREPACK_RESIZE_MADD"), "avx2-madd")}
+# build -> (its extra flags, the vector path it must take, the CPU features it needs); the VNNI
+# paths are what -march=native takes where the CPU has them, so the other ones are built without
+NARROWER_X86 = {
+    "native-avx512": (("-mno-avx512vnni",), "avx512", {"avx512f", "avx512bw"}),
+    "native-avx2": (("-mno-avx512f",), "avx2-vnni", {"avx2", "avx_vnni"}),
+    "native-avx2-plain": (("-mno-avx512f", "-mno-avxvnni"), "avx2", {"avx2"}),
+    "native-avx2-madd": (("-mno-avx512f", "-mno-avxvnni", "-DPREPACK_RESIZE_MADD"), "avx2-madd", {"avx2"}),
+    "native-portable": (("-mno-avx2", "-mno-avx512f"), "portable", set()),
+}
+BUILDS = ["native", *NARROWER_X86]
 
 
 def _native_flags(name: str) -> tuple[str, ...]:
     """The build's flags, proven to take its vector path (skips where it cannot be built here)."""
     from prepack.engine.resize import native
 
-    extra, isa = NARROWER_X86.get(name, ((), None))
+    extra, isa, needs = NARROWER_X86.get(name, ((), None, set()))
     if extra and platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the narrower builds are x86 flags")
+    missing = needs - set(native.machine_features().split()[1:])
+    if missing:
+        pytest.skip(f"this CPU has no {', '.join(sorted(missing))}: not the {isa} path")
     try:
         native.compiler(os.environ)
     except native.BuildError as exc:
@@ -120,7 +132,7 @@ def _raw(name: str) -> Raw:
     return _numba() if name == "numba" else _native(name)
 
 
-@pytest.fixture(scope="module", params=["native", "native-avx2", "native-avx2-madd", "native-portable", "numba"])
+@pytest.fixture(scope="module", params=[*BUILDS, "numba"])
 def raw(request) -> Raw:
     return _raw(request.param)
 
@@ -211,7 +223,7 @@ def test_sweep_large_sizes_equal_pillow(default_kernel, w, h, ow, oh, kind, seed
     _check(default_kernel, _picture(kind, w, h, seed), ow, oh)
 
 
-@pytest.fixture(scope="module", params=["native", "native-avx2", "native-avx2-madd", "native-portable"])
+@pytest.fixture(scope="module", params=BUILDS)
 def coded(request) -> Coded:
     return _native_coded(request.param)
 
