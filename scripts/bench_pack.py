@@ -146,10 +146,11 @@ def stream_records(out: str, stream: int) -> list:
     return [rec for _, rec in iter_records(Pack.open(out), stream)]
 
 # cProfile's names of the C calls the output bytes are defined by (the resize is the router's
-# wrapper: a ctypes call is not a profiled function, and the wrapper around it is a few lines)
+# functions that call a kernel: a ctypes or numba call is not a profiled function, and the Python
+# around it is a few lines; the C kernel runs in NativeKernel._run, coding as it resizes)
 _FLOOR_PARTS = {
     "JPEG decode": lambda file, name: name == "<method 'decode' of 'ImagingDecoder' objects>",
-    "resize": lambda file, name: (file.endswith(os.path.join("resize", "router.py")) and name == "resize")
+    "resize": lambda file, name: (file.endswith(os.path.join("resize", "router.py")) and name in ("_run", "resize"))
     or name == "<method 'resize' of 'ImagingCore' objects>",
     "zstd": lambda file, name: "ZstdCompressor" in name,
 }
