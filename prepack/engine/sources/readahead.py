@@ -40,6 +40,7 @@ import io
 import logging
 import os
 import threading
+import time
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import Any, Callable, Generator, Hashable, Iterator
@@ -182,9 +183,14 @@ class _Fetch(Future):
         self._owner = owner
 
     def result(self, timeout=None):
-        if not self.done() and threading.current_thread() is not self._owner._thread:  # not a plan awaiting a footer
-            self._owner._late()
-        return super().result(timeout)
+        if self.done() or threading.current_thread() is self._owner._thread:  # done, or a plan awaiting a footer
+            return super().result(timeout)
+        self._owner._late()
+        t = time.perf_counter()
+        try:
+            return super().result(timeout)
+        finally:
+            self._owner._waited(time.perf_counter() - t)
 
 
 class ReadAheadOutOfStep(RuntimeError):
@@ -228,6 +234,8 @@ class ReadAhead:
         self._fetched = 0  # fetches done so far and the bytes they returned: the estimate for unsized ones
         self._fetched_bytes = 0
         self._window = min(depth, INITIAL_WINDOW)  # objects ahead allowed now: grows while the source waits
+        self.waits = 0  # times the source waited for an object, and for how long (seconds): logged at close
+        self.waited_s = 0.0
         self._closed = False
         self._planner_error: BaseException | None = None
         self._planner_done = False
@@ -249,6 +257,11 @@ class ReadAhead:
             if self._window < self.depth:
                 self._window = min(self.depth, 2 * self._window)
                 self._cond.notify_all()
+
+    def _waited(self, seconds: float) -> None:
+        self.waits += 1  # the source's thread only
+        self.waited_s += seconds
+        log.debug("%s: the source waited %.1f ms (window %d)", self._thread.name, seconds * 1e3, self._window)
 
     @property
     def outstanding(self) -> int:
@@ -343,6 +356,8 @@ class ReadAhead:
             self._cond.notify_all()
         for entry in pending:
             entry[1].cancel()
+        log.debug("%s: %d objects taken, %d waits (%.3f s), window %d at the end", self._thread.name,
+                  self._taken, self.waits, self.waited_s, self._window)
         self._pool._forget(self)
         self._thread.join(timeout=60)
         if self._thread.is_alive():  # waiting on a fetch that hangs; it is a daemon and ends with the fetch
