@@ -45,11 +45,12 @@ def _load_parquet_info(paths: list[str], base: str) -> dict:
 COLUMNS = ("image_list", "instruction_list")
 
 
-def _read_row_group(path: str, rg: int, handles: RecentHandles):
-    """One row group's edit columns.  A local file is opened (its footer read) per row group, as the
-    reference does; a file on a store once while it is among the last ones read (``handles``)."""
+def _fetch_row_group(path: str, rg: int, handles: RecentHandles):
+    """One row group's edit columns, fetched (the walk decodes them, on the packing thread).  A local
+    file is opened (its footer read) per row group, as the reference does; a file on a store once
+    while it is among the last ones read (``handles``)."""
     handle = handles.open(path) if files.is_uri(path) else open_parquet(path)
-    return handle.read_row_group(rg, COLUMNS)
+    return handle.fetch_row_group(rg, COLUMNS)
 
 
 class EditSource(Source):
@@ -108,7 +109,7 @@ class EditSource(Source):
         while True:
             while gpos < len(self.row_groups):
                 path, rg, _ = self.row_groups[gpos]
-                yield Read(("row_group", gpos), partial(_read_row_group, path, rg, handles))
+                yield Read(("row_group", gpos), partial(_fetch_row_group, path, rg, handles))
                 gpos += 1
             yield Read(("pass",))
             gpos = 0
@@ -122,7 +123,7 @@ class EditSource(Source):
             gpos = read.key[1]
             path, rg, dataset = self.row_groups[gpos]
             try:
-                table = fetched.result()
+                table = fetched.result().table()
             except Exception as e:  # the reference drops the row group (or crashes on a missing file)
                 self._failed(Drop.PARQUET_ROW_GROUP_PARSE, f"{path} rg {rg}: {e}")
                 self.pos = [gpos + 1, 0]

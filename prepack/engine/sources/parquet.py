@@ -40,7 +40,7 @@ class _Spans(SeekableView):
             return b""
         for at, data in self._spans:
             if at <= start and end <= at + len(data):
-                return data[start - at:end - at]
+                return memoryview(data)[start - at:end - at]  # pyarrow takes any buffer: no copy
         return self._objects.get_range(self._key, start, end)
 
 
@@ -87,15 +87,38 @@ class ParquetHandle:
         """What reading row group ``rg`` holds in memory, as the footer gives it."""
         return self.metadata.row_group(rg).total_byte_size
 
-    def read_row_group(self, rg: int, columns: Sequence[str]) -> pa.Table:
-        """Row group ``rg``'s ``columns`` (those the file has), on one thread."""
+    def fetch_row_group(self, rg: int, columns: Sequence[str]) -> "RowGroup":
+        """What decoding row group ``rg``'s ``columns`` needs: on a store, the bytes of its column
+        chunks (one ranged GET); locally nothing yet (the file is read where it is decoded)."""
         columns = [c for c in columns if c in self.names]
         if self._local is not None:
-            return self._local.read_row_group(rg, columns=columns, use_threads=False)  # a thread pool costs ~2x the CPU here
+            return RowGroup(self, rg, columns, None)
         span = _chunk_span(self.metadata, rg, columns)
-        extra = [] if span is None else [(span[0], self._objects.get_range(self._key, *span))]
-        reader = pq.ParquetFile(pa.PythonFile(self._view(*extra), mode="r"), metadata=self.metadata)
+        return RowGroup(self, rg, columns, None if span is None else (span[0], self._objects.get_range(self._key, *span)))
+
+    def read_row_group(self, rg: int, columns: Sequence[str]) -> pa.Table:
+        """Row group ``rg``'s ``columns`` (those the file has), on one thread."""
+        return self.fetch_row_group(rg, columns).table()
+
+    def _decode(self, rg: int, columns: list[str], span: "tuple[int, bytes] | None") -> pa.Table:
+        if self._local is not None:
+            return self._local.read_row_group(rg, columns=columns, use_threads=False)  # a thread pool costs ~2x the CPU here
+        reader = pq.ParquetFile(pa.PythonFile(self._view(*([span] if span else [])), mode="r"), metadata=self.metadata)
         return reader.read_row_group(rg, columns=columns, use_threads=False)
+
+
+class RowGroup:
+    """A fetched row group: ``table()`` decodes it (each call anew); ``nbytes`` is what it holds."""
+
+    def __init__(self, handle: ParquetHandle, rg: int, columns: list[str], span: "tuple[int, bytes] | None"):
+        self.handle = handle
+        self.rg = rg
+        self.columns = columns
+        self._span = span
+        self.nbytes = len(span[1]) if span else 0
+
+    def table(self) -> pa.Table:
+        return self.handle._decode(self.rg, self.columns, self._span)
 
 
 def open_parquet(path: str) -> ParquetHandle:

@@ -201,8 +201,8 @@ def nbytes(value: Any) -> int:
     """What a fetched value holds in memory, for the byte bound (0 for small metadata)."""
     if isinstance(value, (bytes, bytearray, memoryview)):
         return len(value)
-    if isinstance(value, (pa.Table, pa.RecordBatch)):
-        return value.nbytes
+    if isinstance(value, (pa.Table, pa.RecordBatch)) or isinstance(getattr(value, "nbytes", None), int):
+        return value.nbytes  # a table, or a fetched object that says what it holds (a parquet RowGroup)
     if isinstance(value, dict):
         return sum(nbytes(v) for v in value.values())
     if isinstance(value, (list, tuple)):

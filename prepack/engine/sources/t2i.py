@@ -27,8 +27,8 @@ from schemas.record import SampleOrigin
 COLUMNS = ("image", "captions")
 
 
-def _read_row_group(handle: ParquetHandle, rg: int):
-    return handle.read_row_group(rg, COLUMNS)
+def _fetch_row_group(handle: ParquetHandle, rg: int):
+    return handle.fetch_row_group(rg, COLUMNS)  # decoded by the walk, on the packing thread
 
 
 class T2ISource(Source):
@@ -75,7 +75,7 @@ class T2ISource(Source):
                 except Exception:  # the walk drops the file
                     num_groups = 0
                 for rg in range(rg0, num_groups):
-                    yield Read(("row_group", fpos, rg), partial(_read_row_group, handle, rg), handle.row_group_bytes(rg))
+                    yield Read(("row_group", fpos, rg), partial(_fetch_row_group, handle, rg), handle.row_group_bytes(rg))
                 fpos, rg0 = fpos + 1, 0
             yield Read(("pass",))
             fpos = 0
@@ -99,7 +99,7 @@ class T2ISource(Source):
                 continue
             rg = read.key[2]
             try:
-                table = fetched.result()
+                table = fetched.result().table()
             except Exception as e:  # the reference crashes here; we drop the row group
                 self._failed(Drop.PARQUET_ROW_GROUP_UNREADABLE, f"{path} rg {rg}: {e}")
                 self.pos = [fpos, rg + 1, 0]

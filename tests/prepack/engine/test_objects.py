@@ -175,6 +175,10 @@ def test_a_parquet_file_on_s3_reads_the_same_tables_with_one_request_per_row_gro
             del counting.calls[:]
             assert remote.read_row_group(rg, columns).equals(near.read_row_group(rg, columns)), (columns, rg)
             assert counting.calls == ["range"], (columns, rg, counting.calls)
+            fetched = remote.fetch_row_group(rg, columns)  # on an I/O thread: the request; the decode is the packer's
+            assert counting.calls == ["range"] * 2 and fetched.nbytes > 0
+            assert fetched.table().equals(near.fetch_row_group(rg, columns).table())
+            assert counting.calls == ["range"] * 2, (columns, rg, counting.calls)  # decoding asks the store nothing
 
 
 def test_reads_outside_the_fetched_spans_are_fetched_not_guessed(s3):
