@@ -3,8 +3,8 @@
 On a store every source object (a parquet footer or row group, a JSONL row's image or video) is a
 request of tens of milliseconds, and the packer would wait for each in turn.  A source on a URI
 instead gets a ``ReadAhead``: a planner thread walks the objects the source will read next, in
-exactly the order it reads them, and hands each fetch to the stream's small I/O thread pool
-(``IOPool``); the source takes the results back in that order.  What the source computes is
+exactly the order it reads them, and hands each fetch to the stream's I/O threads (``IOPool``,
+started as fetches wait for one, at most 32); the source takes the results back in that order.  What the source computes is
 unchanged: the same calls fetch the same bytes, and a fetch that failed re-raises its own
 exception where the source would have made the call, so a missing or damaged object is counted
 and dropped by the same rule at the same point.  Nothing of it is state: a resumed source starts
@@ -61,7 +61,7 @@ class ReadAheadSettings:
 
     depth: int = 64  # objects fetched or in flight per source (a frame folder row alone can be 31, the next row behind it)
     max_bytes: int = 64 << 20  # no new fetch while a source's objects ahead (held or in flight) reach this
-    threads: int = 8  # I/O threads per stream, shared by its sources (they wait on the store, not the CPU)
+    threads: int = 32  # at most this many I/O threads per stream, shared by its sources, started as fetches queue
 
     @classmethod
     def from_env(cls, env: "dict[str, str] | None" = None) -> "ReadAheadSettings":
@@ -76,7 +76,13 @@ class ReadAheadSettings:
 
 
 class IOPool:
-    """One stream's I/O threads, shared by its remote sources, started with the first read-ahead.
+    """One stream's I/O threads, shared by its remote sources, started as fetches wait for one.
+
+    A blocking fetch holds its thread for the store's whole latency, so the threads bound the
+    requests in flight: 8 of them behind 30 ms fetch at most ~250 objects a second, fewer than a
+    stream packing ~6 objects a batch at 15 ms a batch needs.  So a thread is started whenever a
+    fetch is queued and every thread is busy, up to ``settings.threads``: a near store needs few,
+    a far one as many as its latency asks for (they wait on the network, not the CPU).
 
     Fair between sources: a free thread takes the waiting fetch that is nearest to being needed —
     fewest objects ahead of what its source has taken — so one source's deep window never queues
@@ -89,21 +95,24 @@ class IOPool:
         self._cond = threading.Condition()
         self._sources: list[ReadAhead] = []
         self._threads: list[threading.Thread] = []
+        self._free = 0  # threads not in a fetch (a thread just started counts as free)
+        self._epoch = 0  # a close ends the threads of its epoch; a read-ahead after it starts new ones
         self._closed = False
 
     @property
     def enabled(self) -> bool:
         return self.settings.depth > 0
 
+    @property
+    def threads(self) -> int:
+        """I/O threads started so far (since the last close)."""
+        with self._cond:
+            return len(self._threads)
+
     def read_ahead(self, plan: Callable[[Submit], None], name: str) -> "ReadAhead":
         """Start reading ahead along ``plan`` (see ``ReadAhead``)."""
         with self._cond:
             self._closed = False
-            self._threads = [t for t in self._threads if t.is_alive()]
-            while len(self._threads) < self.settings.threads:
-                t = threading.Thread(target=self._work, name=f"{self.name}_{len(self._threads)}", daemon=True)
-                t.start()
-                self._threads.append(t)
             ra = ReadAhead(self, plan, depth=self.settings.depth, max_bytes=self.settings.max_bytes,
                            name=f"{self.name}-{name}")
             self._sources.append(ra)
@@ -116,6 +125,12 @@ class IOPool:
             if self._closed:
                 raise _Closed
             ra._pending.append((seq, fut, fetch, fetched))
+            if len(self._threads) < self.settings.threads and self._free < sum(len(r._pending) for r in self._sources):
+                t = threading.Thread(target=self._work, args=(self._epoch,), name=f"{self.name}_{len(self._threads)}",
+                                     daemon=True)
+                self._threads.append(t)
+                self._free += 1
+                t.start()
             self._cond.notify()
 
     def _forget(self, ra: "ReadAhead") -> None:
@@ -123,34 +138,43 @@ class IOPool:
             if ra in self._sources:
                 self._sources.remove(ra)
 
-    def _next_job(self):
+    def _next_job(self, epoch: int):
         """(future, fetch, fetched) nearest to being needed, or None once the pool is closed."""
         with self._cond:
             while True:
-                if self._closed:
+                if self._closed or epoch != self._epoch:
                     return None
                 ready = [ra for ra in self._sources if ra._pending]
                 if ready:
                     ra = min(ready, key=lambda r: r._pending[0][0] - r._taken)
+                    self._free -= 1
                     return ra._pending.popleft()[1:]
                 self._cond.wait()
 
-    def _work(self) -> None:
+    def _work(self, epoch: int) -> None:
         while True:
-            job = self._next_job()
+            job = self._next_job(epoch)
             if job is None:
                 return
             fut, fetch, fetched = job
             if not fut.set_running_or_notify_cancel():  # cancelled while it waited
+                self._freed(epoch)
                 continue
             try:
                 value = fetch()
             except BaseException as e:  # delivered to the source where it reads this object
                 fetched(None)
+                self._freed(epoch)
                 fut.set_exception(e)
             else:
                 fetched(value)  # the window's byte count is right before anyone sees the future done
+                self._freed(epoch)  # and this thread free: the next fetch the source makes room for needs no new one
                 fut.set_result(value)
+
+    def _freed(self, epoch: int) -> None:
+        with self._cond:
+            if epoch == self._epoch:
+                self._free += 1
 
     def close(self) -> None:
         """Stop every read-ahead and end the threads once their fetch in flight returns."""
@@ -160,8 +184,10 @@ class IOPool:
             ra.close()
         with self._cond:
             self._closed = True
-            threads, self._threads = self._threads, []
+            self._epoch += 1
+            threads, self._threads, self._free = self._threads, [], 0
             self._cond.notify_all()
+        log.debug("%s: %d I/O threads", self.name, len(threads))
         for t in threads:
             t.join(timeout=60)
             if t.is_alive():

@@ -61,6 +61,34 @@ def test_values_come_in_plan_order_whatever_order_fetches_finish():
         pool.close()
 
 
+def test_threads_start_as_fetches_wait_for_one_up_to_the_setting():
+    release = threading.Event()
+    pool = IOPool(ReadAheadSettings(depth=INITIAL_WINDOW, threads=5), name="ra-grow")
+    try:
+        assert pool.threads == 0  # none before a fetch is queued
+        ra = pool.read_ahead(_keys_in_order(lambda k: release.wait(10) and k), "slow")
+        _wait_for(lambda: ra.outstanding == INITIAL_WINDOW)  # every fetch blocks: one thread each, up to 5
+        _wait_for(lambda: len(_io_threads("ra-grow_")) == 5)
+        time.sleep(0.1)
+        assert pool.threads == 5
+        release.set()
+        assert [ra.take(k).result() for k in range(30)] == list(range(30))
+        assert pool.threads == 5
+    finally:
+        pool.close()
+    assert _io_threads("ra-grow_") == []
+    quick = IOPool(ReadAheadSettings(depth=INITIAL_WINDOW, threads=32), name="ra-few")
+    try:
+        ra = quick.read_ahead(_keys_in_order(lambda k: k), "quick")
+        for k in range(200):
+            fut = ra.take(k)
+            _wait_for(fut.done)
+            assert fut.result() == k
+        assert 1 <= quick.threads <= 2 * INITIAL_WINDOW  # instant fetches: about as many threads as fetches queue at once, not 32
+    finally:
+        quick.close()
+
+
 def test_never_more_than_depth_objects_outstanding():
     depth = 3
     pool = IOPool(ReadAheadSettings(depth=depth, threads=2), name="ra-depth")
