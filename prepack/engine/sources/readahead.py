@@ -18,7 +18,8 @@ footer or else by the mean size of the source's fetches so far.  So a source hol
 the packer takes all of a JSONL row's objects at once, as decoding the row needs them.  Within
 that bound the window is only as deep as the store needs: it starts at 8 objects and doubles
 each time the source has to wait for an object, so a near store is not read far ahead (a stream's
-end wastes fewer fetches) and a far one is after three waits, once per stream.  Settings come
+end wastes fewer fetches) and a far one is after three waits, once per stream.  A full window
+takes new fetches again once a quarter of it is free, so the planner wakes once for several.  Settings come
 from the environment of the packing process (``PREPACK_READ_AHEAD``, ``PREPACK_READ_AHEAD_MB``,
 ``PREPACK_IO_THREADS``): they change no byte of the output, so they are not part of the config.
 
@@ -263,6 +264,8 @@ class ReadAhead:
         self.waits = 0  # times the source waited for an object, and for how long (seconds): logged at close
         self.waited_s = 0.0
         self._closed = False
+        self._refilling = False  # the planner found the window full: it waits for a quarter of it free
+        self._planner_waiting = False
         self._planner_error: BaseException | None = None
         self._planner_done = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -276,6 +279,21 @@ class ReadAhead:
     def window(self) -> int:
         """How many objects may be ahead now (``INITIAL_WINDOW`` up to ``depth``)."""
         return self._window
+
+    def _room(self) -> bool:
+        """Whether the planner may submit the next fetch (under the lock).  A window that was full
+        takes new fetches again once a quarter of it is free, so the planner wakes once for several
+        objects, not once per object taken (each wake-up takes the GIL from the packer); and no new
+        fetch while the objects ahead hold ``max_bytes``."""
+        n = len(self._queue)
+        if self._refilling and n > self._window - max(1, self._window // 4):
+            return False
+        return not (n and self._ahead >= self.max_bytes)
+
+    def _wake_planner(self) -> None:
+        """Under the lock, after the queue or its bytes went down: wake the planner only if it may go on."""
+        if self._planner_waiting and self._room():
+            self._cond.notify_all()
 
     def _late(self) -> None:
         """The source waits for an object: the window was too short for the store's latency."""
@@ -309,6 +327,7 @@ class ReadAhead:
             if entry[3]:  # still in the window
                 self._ahead += size - entry[2]
                 entry[2] = size
+                self._wake_planner()  # a smaller object than its estimate may free the byte bound
 
     def _submit(self, key: Hashable, fetch: "Callable[[], Any] | None", size: "int | None" = None) -> Future:
         """Queue ``fetch`` (None: a mark that fetches nothing, e.g. the end of a row).
@@ -318,9 +337,11 @@ class ReadAhead:
         is fetched.
         """
         with self._cond:
-            while not self._closed and (len(self._queue) >= self._window
-                                        or (self._queue and self._ahead >= self.max_bytes)):
+            self._refilling = len(self._queue) >= self._window  # full: go on once a quarter of it is free
+            while not self._closed and not self._room():
+                self._planner_waiting = True
                 self._cond.wait()
+            self._planner_waiting = False
             if self._closed:
                 raise _Closed
             fut = _Fetch(self)
@@ -368,7 +389,7 @@ class ReadAhead:
             entry[3] = False
             self._ahead -= counted
             self._taken += 1
-            self._cond.notify_all()
+            self._wake_planner()
         return key, fut
 
     def close(self) -> None:

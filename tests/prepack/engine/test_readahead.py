@@ -184,6 +184,58 @@ def test_no_fetch_starts_while_max_bytes_are_held():
         pool.close()
 
 
+def test_a_full_window_takes_new_fetches_once_a_quarter_of_it_is_free():
+    pool = IOPool(ReadAheadSettings(depth=INITIAL_WINDOW, threads=2), name="ra-refill")
+    submitted = []
+
+    def plan(submit):
+        k = 0
+        while True:
+            submit(k, lambda k=k: k)
+            submitted.append(k)
+            k += 1
+
+    try:
+        ra = pool.read_ahead(plan, "t")
+        _wait_for(lambda: len(submitted) == INITIAL_WINDOW)
+        quarter = INITIAL_WINDOW // 4
+        for k in range(quarter - 1):  # the planner sleeps on while less than a quarter is free
+            assert ra.take(k).result() == k
+        time.sleep(0.2)
+        assert len(submitted) == INITIAL_WINDOW
+        assert ra.take(quarter - 1).result() == quarter - 1
+        _wait_for(lambda: len(submitted) == INITIAL_WINDOW + quarter)  # then it fills the window again
+        time.sleep(0.2)
+        assert len(submitted) == INITIAL_WINDOW + quarter and ra.outstanding == INITIAL_WINDOW
+    finally:
+        pool.close()
+
+
+def test_a_fetch_smaller_than_its_estimate_frees_the_byte_bound_without_a_take():
+    mb = 1 << 20
+    pool = IOPool(ReadAheadSettings(depth=100, max_bytes=3 * mb, threads=4), name="ra-estimate")
+    release = threading.Event()
+    submitted = []
+
+    def plan(submit):
+        k = 0
+        while True:
+            submit(k, lambda k=k: release.wait(10) and b"x", size=2 * mb)  # the footer said 2 MiB; it holds 1 byte
+            submitted.append(k)
+            k += 1
+
+    try:
+        ra = pool.read_ahead(plan, "t")
+        _wait_for(lambda: len(submitted) == 2)  # 4 MiB estimated ahead: the third waits
+        time.sleep(0.2)
+        assert len(submitted) == 2
+        release.set()  # the fetches come back small: the planner goes on with nothing taken
+        _wait_for(lambda: len(submitted) >= 3)
+        assert [ra.take(k).result() for k in range(3)] == [b"x"] * 3
+    finally:
+        pool.close()
+
+
 def test_a_failed_fetch_raises_where_its_object_is_taken_and_the_rest_still_come():
     pool = IOPool(ReadAheadSettings(depth=4, threads=2), name="ra-err")
 
