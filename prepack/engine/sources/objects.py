@@ -26,13 +26,15 @@ import errno
 import logging
 import os
 import threading
-from typing import Protocol
+from typing import Any, Protocol
 
 import pyarrow.fs as pafs
 
 from schemas.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+Buffer = Any  # an object with the buffer protocol (obstore's ``Bytes``): what parquet's ranged reads hand pyarrow
 
 CLIENT_ENV = "PREPACK_OBJECT_CLIENT"
 CLIENTS = ("auto", "obstore", "pyarrow")
@@ -45,10 +47,10 @@ class ObjectClient(Protocol):
 
     def get(self, key: str) -> bytes: ...
 
-    def get_range(self, key: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` (fewer only at the object's end)."""
+    def get_range(self, key: str, start: int, end: int) -> "bytes | Buffer":
+        """Bytes ``[start, end)`` (fewer only at the object's end); a buffer, not always ``bytes``."""
 
-    def tail(self, key: str, n: int) -> tuple[bytes, int]:
+    def tail(self, key: str, n: int) -> "tuple[bytes | Buffer, int]":
         """The last ``n`` bytes (all of a smaller object) and the object's size, in one request where the store allows."""
 
 
@@ -121,14 +123,14 @@ class ObstoreObjects:
     def get(self, key: str) -> bytes:
         return bytes(self._call(key).bytes())
 
-    def get_range(self, key: str, start: int, end: int) -> bytes:
+    def get_range(self, key: str, start: int, end: int) -> "bytes | Buffer":
         if end <= start:
             return b""
-        return bytes(self._call(key, range=(start, end)).bytes())
+        return self._call(key, range=(start, end)).bytes()  # obstore's buffer: pyarrow reads it without a copy
 
-    def tail(self, key: str, n: int) -> tuple[bytes, int]:
+    def tail(self, key: str, n: int) -> "tuple[bytes | Buffer, int]":
         result = self._call(key, range={"suffix": n})
-        return bytes(result.bytes()), int(result.meta["size"])
+        return result.bytes(), int(result.meta["size"])
 
 
 def _first_line(e: BaseException) -> str:
