@@ -55,7 +55,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
 from tests.helpers import s3server  # noqa: E402
 from tests.helpers.latency_proxy import ProxyProcess  # noqa: E402
@@ -75,8 +75,10 @@ class ThreadCPU:
     def __init__(self):
         self.totals: collections.Counter = collections.Counter()  # group -> CPU seconds, steady windows only
         self.queued: collections.Counter = collections.Counter()  # group -> seconds runnable, waiting for a core
+        self.sleeps = 0  # the packer's voluntary context switches (a lock, the GIL, a read): steady windows only
         self._first: dict[int, tuple[str, float, float]] = {}
         self._last: dict[int, tuple[float, float]] = {}
+        self._sleeps: list[int] = []
 
     @staticmethod
     def _group(tid: int, names: dict[int, str]) -> str:
@@ -108,6 +110,8 @@ class ThreadCPU:
             if tid not in self._first:
                 self._first[tid] = (self._group(tid, names), run_ns / 1e9, wait_ns / 1e9)
             self._last[tid] = (run_ns / 1e9, wait_ns / 1e9)
+        with open(f"/proc/self/task/{threading.main_thread().native_id}/status") as f:
+            self._sleeps.append(next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches")))
 
     def end_window(self) -> None:
         """Add the window since the first sample to the totals; start afresh."""
@@ -115,7 +119,8 @@ class ThreadCPU:
             run, wait = self._last[tid]
             self.totals[group] += run - run0
             self.queued[group] += wait - wait0
-        self._first, self._last = {}, {}
+        self.sleeps += self._sleeps[-1] - self._sleeps[0] if self._sleeps else 0
+        self._first, self._last, self._sleeps = {}, {}, []
 
 
 class Waits(logging.Handler):
@@ -215,7 +220,13 @@ def main() -> None:
     ap.add_argument("--store-cache", choices=("on", "off"), default="on",
                     help="the proxy answers repeated GETs of the source data itself (off: SeaweedFS serves every one)")
     ap.add_argument("--load", type=int, default=0, help="CPU-burning processes (nice 0) running for the whole measurement")
+    ap.add_argument("--data", choices=("demo", "photos"), default="demo",
+                    help="demo: the demo dataset (small pictures, ~15 ms of CPU a batch: the store's per-request cost "
+                         "weighs most); photos: bench_pack.py's camera-sized photographs under NeMo's pretrain knobs "
+                         "(~125 ms a batch, what a user's pack costs)")
     ap.add_argument("--threads", action="store_true", help="CPU per batch by thread, and the packer's waits for objects")
+    ap.add_argument("--sources-only", action="store_true", help="only the source reads, local vs S3 (no run without "
+                    "read-ahead, no whole packs, no loader reads): the line to repeat on a busy machine")
     args = ap.parse_args()
     from prepack.engine.tokenizer import load_tokenizer, special_token_ids
 
@@ -241,8 +252,16 @@ def main() -> None:
 
 
 def _measure(args, root: str, server, proxy: ProxyProcess, prefix: str, tok) -> None:
-    config = variant(make_demo(root), "bench.yaml", batches_per_stream=args.batches, shard_bytes=16 << 20)
-    data = os.path.join(root, "demo-data")
+    if args.data == "photos":
+        from bench_pack import NEMO_PRETRAIN_KNOBS, make_data
+
+        ds = make_data(os.path.join(root, "photo-data"))
+        config = ds.config(knobs=NEMO_PRETRAIN_KNOBS, num_workers=2,
+                           prepack={"batches_per_stream": args.batches, "shard_bytes": 16 << 20})
+        data = ds.root
+    else:
+        config = variant(make_demo(root), "bench.yaml", batches_per_stream=args.batches, shard_bytes=16 << 20)
+        data = os.path.join(root, "demo-data")
     server.upload(data, f"{prefix}/data")  # direct, not through the proxy
     s3_config = s3server.config_on_s3(config, data, f"{prefix}/data", server)
     n = 2 * args.batches
@@ -271,7 +290,8 @@ def _measure(args, root: str, server, proxy: ProxyProcess, prefix: str, tok) -> 
                 steady_batches = n - 2  # from each stream's first batch to its last
                 cpu_by_thread.setdefault(label, []).append(
                     {**{g: t / steady_batches * 1e3 for g, t in threads.totals.items()},
-                     "packer waiting for a core": threads.queued["packer"] / steady_batches * 1e3})
+                     "packer waiting for a core": threads.queued["packer"] / steady_batches * 1e3,
+                     "packer sleeps (count)": threads.sleeps / steady_batches})
         finally:
             for k, v in saved.items():
                 os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
@@ -282,7 +302,32 @@ def _measure(args, root: str, server, proxy: ProxyProcess, prefix: str, tok) -> 
     for _ in range(args.repeat):  # alternate, so a busy moment hits both sides
         pack("local data -> local pack", config, local_out)
         pack("S3 data    -> local pack", s3_config, s3data_out)
-    pack("S3 data    -> local pack, no read-ahead", s3_config, s3data_out, {"PREPACK_READ_AHEAD": "0"})
+    if not args.sources_only:
+        pack("S3 data    -> local pack, no read-ahead", s3_config, s3data_out, {"PREPACK_READ_AHEAD": "0"})
+    for label, rs in runs.items():
+        if label != "warm-up":
+            _print_runs(label, rs, cpu_by_thread.get(label), args.latency_ms)
+    if not args.sources_only:
+        _whole_packs_and_reuse(args, root, config, prefix, proxy, tok, pack, runs, cpu_by_thread)
+    near, far = runs["local data -> local pack"], runs["S3 data    -> local pack"]
+    local, remote = [r.wall_ms for r in near], [r.wall_ms for r in far]
+    pairs = sorted(s / lo for lo, s in zip(local, remote))  # each S3 run against the local run just before it
+    loaded = f", {args.load} busy processes" if args.load else ""
+    cpu_near, cpu_far = _median([r.cpu_ms for r in near]), _median([r.cpu_ms for r in far])
+    print(f"s3 sources CPU (median of runs): local {cpu_near:.1f} ms/batch, s3 {cpu_far:.1f} ms/batch of the packing "
+          f"process (ratio {cpu_far / cpu_near:.2f}), and the store's {_median([r.store_cpu_ms for r in far]):.1f} ms/batch")
+    print(f"s3 sources: local {min(local):.0f} ms/batch, s3+{args.latency_ms:g}ms {min(remote):.0f} ms/batch "
+          f"(ratio {min(remote) / min(local):.2f}; run by run {', '.join(f'{p:.2f}' for p in pairs)}){loaded}")
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    return (values[(len(values) - 1) // 2] + values[len(values) // 2]) / 2
+
+
+def _whole_packs_and_reuse(args, root: str, config: str, prefix: str, proxy: ProxyProcess, tok, pack, runs,
+                           cpu_by_thread) -> None:
+    n = 2 * args.batches
     written = []
     for label, out in (("local data -> local pack (prepack run --no-ray)", os.path.join(root, "whole-local")),
                        ("local data -> S3 pack    (prepack run --no-ray)", f"{prefix}/whole")):
@@ -291,9 +336,6 @@ def _measure(args, root: str, server, proxy: ProxyProcess, prefix: str, tok) -> 
         written.append(out)
         print(f"pack  {label}: {(time.perf_counter() - t) / n * 1e3:6.0f} ms/batch with start-up; "
               f"{(proxy.requests - before) / n:5.1f} store requests/batch")
-    for label, rs in runs.items():
-        if label != "warm-up":
-            _print_runs(label, rs, cpu_by_thread.get(label), args.latency_ms)
     for label, out in zip(("local", "S3   "), written):
         best = min(_timed(read_all, out, 2) for _ in range(3))
         print(f"load  {label}: {best / n * 1e3:6.1f} ms/batch (open_stream, digest check on, best of 3)")
@@ -309,12 +351,6 @@ def _measure(args, root: str, server, proxy: ProxyProcess, prefix: str, tok) -> 
         print(f"s3 reuse: OLD local {best['reuse OLD local']:.0f} ms/batch, OLD on s3+{args.latency_ms:g}ms "
               f"{best['reuse OLD on S3']:.0f} ms/batch (ratio {best['reuse OLD on S3'] / best['reuse OLD local']:.2f}), "
               f"without read-ahead {best['reuse OLD on S3, no read-ahead']:.0f} ms/batch")
-    local = [r.wall_ms for r in runs["local data -> local pack"]]
-    remote = [r.wall_ms for r in runs["S3 data    -> local pack"]]
-    pairs = sorted(s / lo for lo, s in zip(local, remote))  # each S3 run against the local run just before it
-    loaded = f", {args.load} busy processes" if args.load else ""
-    print(f"s3 sources: local {min(local):.0f} ms/batch, s3+{args.latency_ms:g}ms {min(remote):.0f} ms/batch "
-          f"(ratio {min(remote) / min(local):.2f}; run by run {', '.join(f'{p:.2f}' for p in pairs)}){loaded}")
 
 
 def _print_runs(label: str, rs: "list[Timed]", by_thread: "list[dict[str, float]] | None", latency_ms: float) -> None:
