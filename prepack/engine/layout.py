@@ -48,6 +48,47 @@ def position_ids(height: int, width: int, patch: int, max_side: int, interpolate
     return fn(height // patch, width // patch, max_side)
 
 
+class _Runs:
+    """A sequence kept as runs: (first value, length, step 1 for a range or 0 for a repeat).
+
+    The layout appends ranges of token positions and repeated values (a rope id, a timestep, a
+    loss weight), tens of thousands of tokens a batch in a few hundred runs; appending them one
+    by one to Python lists and converting those cost a few ms a batch."""
+
+    __slots__ = ("_values", "_lens", "_steps")
+
+    def __init__(self):
+        self._values: list = []
+        self._lens: list[int] = []
+        self._steps: list[int] = []
+
+    def range(self, start: int, n: int) -> None:
+        """``start, start + 1, ..., start + n - 1``."""
+        self._values.append(start)
+        self._lens.append(n)
+        self._steps.append(1)
+
+    def repeat(self, value, n: int) -> None:
+        """``value`` ``n`` times."""
+        self._values.append(value)
+        self._lens.append(n)
+        self._steps.append(0)
+
+    def ints(self, dtype=np.int32) -> np.ndarray:
+        """The whole sequence as integers, ``np.asarray(list)`` of it element for element."""
+        if not self._values:
+            return np.zeros(0, dtype)
+        lens = np.asarray(self._lens, np.int64)
+        steps = np.repeat(np.asarray(self._steps, np.int64), lens)
+        offsets = np.cumsum(lens) - lens  # where each run starts in the output
+        starts = np.asarray(self._values, np.int64) - np.asarray(self._steps, np.int64) * offsets
+        return (np.repeat(starts, lens) + steps * np.arange(int(lens.sum()), dtype=np.int64)).astype(dtype)
+
+    def floats(self) -> np.ndarray:
+        """The whole sequence of repeats as float64 (each value as the Python float it was)."""
+        return np.repeat(np.asarray(self._values, np.float64), np.asarray(self._lens, np.int64))
+
+
 @dataclasses.dataclass
 class _Cursor:
     """Where one sample's layout stands: the running token position, the rope id, the open split's
@@ -81,23 +122,23 @@ class SequenceBuilder:
         self.split_lens: list[int] = []
         self.attn_modes: list[int] = []
         self.text_ids: list[int] = []
-        self.text_indexes: list[int] = []
-        self.position_ids: list[int] = []
+        self.text_indexes = _Runs()
+        self.position_ids = _Runs()
         self.label_ids: list[int] = []
-        self.ce_indexes: list[int] = []
-        self.ce_weights: list[float] = []
+        self.ce_indexes = _Runs()
+        self.ce_weights = _Runs()
         self.images: list[SampleImage] = []
         self._image_slot: dict[int, int] = {}
         self.vit_ids: list[int] = []
         self.vit_seqlens: list[int] = []
         self.vit_pos: list[np.ndarray] = []
-        self.vit_indexes: list[int] = []
+        self.vit_indexes = _Runs()
         self.vae_ids: list[int] = []
         self.vae_shapes: list[tuple[int, int]] = []
         self.latent_pos: list[np.ndarray] = []
-        self.vae_indexes: list[int] = []
-        self.timesteps: list[float] = []
-        self.mse_indexes: list[int] = []
+        self.vae_indexes = _Runs()
+        self.timesteps = _Runs()
+        self.mse_indexes = _Runs()
         self.origins: list[SampleOrigin] = []
 
     def _slot(self, image: SampleImage) -> int:
@@ -110,12 +151,12 @@ class SequenceBuilder:
     def _marker(self, token: int, pos: int) -> None:
         """A single text-stream token (BOS/EOS or an image start/end marker) at ``pos``."""
         self.text_ids.append(token)
-        self.text_indexes.append(pos)
+        self.text_indexes.range(pos, 1)
 
     def _special_loss(self, item, pos: int) -> None:
         if item.special_token_loss == 1:
-            self.ce_indexes.append(pos)
-            self.ce_weights.append(1.0)
+            self.ce_indexes.range(pos, 1)
+            self.ce_weights.repeat(1.0, 1)
             self.label_ids.append(item.special_token_label)
 
     def add(self, sample: Sample) -> None:
@@ -180,15 +221,15 @@ class SequenceBuilder:
         start = c.take(n)
         self.text_ids.append(sp.bos_token_id)
         self.text_ids.extend(ids)
-        self.text_indexes.extend(range(start, start + n))
+        self.text_indexes.range(start, n)
         if item.loss == 1:
-            self.ce_indexes.extend(range(start, start + n))
-            self.ce_weights.extend([1 / (n**0.5)] * n)
+            self.ce_indexes.range(start, n)
+            self.ce_weights.repeat(1 / (n**0.5), n)
             self.label_ids.extend(ids)
             self.label_ids.append(sp.eos_token_id)
         self._close(item, sp.eos_token_id, c)
         self.attn_modes.append(ATTN_MODE_CODES["causal"])
-        self.position_ids.extend(range(c.rope, c.rope + c.split_len))
+        self.position_ids.range(c.rope, c.split_len)
         c.rope += c.split_len
         return True
 
@@ -205,13 +246,13 @@ class SequenceBuilder:
             )
         n_tok = (image.height // p) * (image.width // p)
         start = c.take(n_tok)
-        self.vit_indexes.extend(range(start, start + n_tok))
+        self.vit_indexes.range(start, n_tok)
         self.vit_ids.append(self._slot(image))
         self.vit_seqlens.append(n_tok)
         self.vit_pos.append(position_ids(image.height, image.width, p, k.max_num_patch_per_side, k.interpolate_pos))
         self._close(item, self.special.end_of_image, c)
         self.attn_modes.append(ATTN_MODE_CODES["full"])
-        self.position_ids.extend([c.rope] * c.split_len)
+        self.position_ids.repeat(c.rope, c.split_len)
         c.rope += 1
         return True
 
@@ -228,21 +269,21 @@ class SequenceBuilder:
         self.vae_shapes.append((h, w))
         n_tok = h * w
         start = c.take(n_tok)
-        self.vae_indexes.extend(range(start, start + n_tok))
+        self.vae_indexes.range(start, n_tok)
         if item.loss == 1:
-            self.mse_indexes.extend(range(start, start + n_tok))
+            self.mse_indexes.range(start, n_tok)
             if item.split_start:
                 c.timestep = self.np_rng.randn()
             elif c.timestep is None:
                 raise PackingError("a continued VAE split with loss has no timestep (malformed video plan)")
         else:
             c.timestep = float("-inf")
-        self.timesteps.extend([c.timestep] * n_tok)
+        self.timesteps.repeat(c.timestep, n_tok)
         self._close(item, self.special.end_of_image, c)
         if item.split_start:
             noisy = item.loss == 1 and item.frame_delta is None
             self.attn_modes.append(ATTN_MODE_CODES["noise" if noisy else "full"])
-        self.position_ids.extend([c.rope] * (n_tok + 2))
+        self.position_ids.repeat(c.rope, n_tok + 2)
         if item.frame_delta is not None:
             c.rope += item.frame_delta
         elif item.loss == 0:
@@ -266,22 +307,22 @@ class SequenceBuilder:
             split_lens=np.asarray(self.split_lens, np.int32),
             attn_modes=np.asarray(self.attn_modes, np.uint8),
             packed_text_ids=np.asarray(self.text_ids, np.int32),
-            packed_text_indexes=np.asarray(self.text_indexes, np.int32),
-            packed_position_ids=np.asarray(self.position_ids, np.int32),
+            packed_text_indexes=self.text_indexes.ints(),
+            packed_position_ids=self.position_ids.ints(),
             packed_label_ids=np.asarray(self.label_ids, np.int32),
-            ce_loss_indexes=np.asarray(self.ce_indexes, np.int32),
-            ce_loss_weights=np.asarray(self.ce_weights, np.float64).astype(np.float32),
+            ce_loss_indexes=self.ce_indexes.ints(),
+            ce_loss_weights=self.ce_weights.floats().astype(np.float32),
             **table,
             image_norm=np.asarray([img.norm for img in self.images], np.float64).reshape(-1, 6),
             vit_image_ids=np.asarray(self.vit_ids, np.int32),
             vit_token_seqlens=np.asarray(self.vit_seqlens, np.int32),
             packed_vit_position_ids=cat(self.vit_pos),
-            packed_vit_token_indexes=np.asarray(self.vit_indexes, np.int32),
+            packed_vit_token_indexes=self.vit_indexes.ints(),
             vae_image_ids=np.asarray(self.vae_ids, np.int32),
             vae_latent_shapes=np.asarray(self.vae_shapes, np.int32).reshape(-1, 2),
             packed_latent_position_ids=cat(self.latent_pos),
-            packed_vae_token_indexes=np.asarray(self.vae_indexes, np.int32),
-            packed_timesteps=np.asarray(self.timesteps, np.float64).astype(np.float32),
-            mse_loss_indexes=np.asarray(self.mse_indexes, np.int32),
+            packed_vae_token_indexes=self.vae_indexes.ints(),
+            packed_timesteps=self.timesteps.floats().astype(np.float32),
+            mse_loss_indexes=self.mse_indexes.ints(),
             origins=list(self.origins),
         )
