@@ -374,14 +374,23 @@ class Resizer:
         if not tested:  # not cached: a failed build may be transient, and costs each process only its try
             log.warning("fast resize off: %s; Pillow resizes", failure)
             return cls(None, reason)
-        times = dict(timer({"pillow": pillow_resize, **tested}))
+        times = dict(timer({name: _as_packed(k) for name, k in {"pillow": pillow_resize, **tested}.items()}))
         choice = choose(times, list(tested))
         cache.write(choice, times)
-        log.info("fast resize: timed the resize candidates on this machine (CPU time over the self-test's "
+        log.info("fast resize: timed the resize candidates on this machine (CPU time to resize and row-delta code the self-test's "
                  "pictures, best of %d): %s; %s resizes", selftest.TIMING_REPS, _times_text(times), choice)
         if choice == "pillow":
             return cls(None, "timed: pillow fastest")
         return cls(tested[choice], "self-tested, timed fastest", choice)
+
+
+def _as_packed(kernel: Kernel) -> Callable[[Image.Image, int, int], None]:
+    """What the packer asks of ``kernel`` (``Resizer.resize_coded``): the resize, row-delta coded
+    into a slot; so the timing weighs the C kernel's fused coding against the others' extra pass."""
+    coded = getattr(kernel, "coded", None)
+    if coded is not None:
+        return lambda img, w, h: coded(img, w, h, np.empty((h, w, 3), np.uint8))
+    return lambda img, w, h: encode_rows(kernel(img, w, h), out=np.empty((h, w, 3), np.uint8))
 
 
 @functools.lru_cache(maxsize=1)

@@ -123,6 +123,43 @@ def test_the_fastest_exact_kernel_is_chosen(tmp_path):
     assert sorted(fakes.made) == ["native", "numba", "third"] and fakes.timed == 1
 
 
+class _CodesItself:
+    """An exact kernel that also codes as it resizes (as the C one does), counting each way it is asked."""
+
+    def __init__(self):
+        self.plain = self.coded_calls = 0
+
+    def __call__(self, img, width, height):
+        self.plain += 1
+        return pillow_resize(img, width, height)
+
+    def coded(self, img, width, height, out):
+        self.coded_calls += 1
+        assert out.shape == (height, width, 3) and out.dtype == np.uint8
+        out[...] = encode_rows(pillow_resize(img, width, height))
+
+
+def test_each_candidate_is_timed_at_what_the_packer_asks_of_it_a_coded_resize(tmp_path):
+    fused = _CodesItself()
+    seen = {}
+
+    def timer(kernels):
+        img = _noise(30, 20)
+        for name, run in kernels.items():
+            before = (fused.plain, fused.coded_calls)
+            run(img, 9, 5)
+            seen[name] = (fused.plain - before[0], fused.coded_calls - before[1])
+        return {"pillow": 2.0, "native": 1.0, "numba": 1.5}
+
+    candidates = [Candidate("native", lambda: fused, lambda: "native-build-1"),
+                  Candidate("numba", lambda: pillow_resize, lambda: "numba-build-1")]
+    resizer = Resizer.create(env={"PREPACK_CACHE_DIR": str(tmp_path)}, pillow_version=PINNED_PILLOW,
+                             candidates=candidates, timer=timer)
+    assert resizer.name == "native"
+    assert seen["native"][1] == 1 and seen["native"][0] == 0  # the fused coding, not a resize and a pass after
+    assert seen["pillow"] == (0, 0) and seen["numba"] == (0, 0)
+
+
 def test_a_kernel_that_fails_its_self_test_is_not_timed(tmp_path):
     fakes = _Fakes({"pillow": 10.0, "native": 1.0, "numba": 2.0}, broken=("native",))
     resizer = fakes.create(tmp_path)
