@@ -352,23 +352,24 @@ static void store_rgb(const uint8_t *src, uint8_t *dst, size_t n, int coded) {
             dst[3 * i + c] = (uint8_t)(src[4 * i + c] - (coded && i ? src[4 * i - 4 + c] : 0));
 }
 
-/* dst[c * dst_stride + r] = src[r * src_stride + c] for a TB x TB block of 32-bit pixels. */
+/* dst[c * dst_stride + r] = src[r * src_stride + c] for a TB x TB block of 32-bit pixels.  The loops
+ * are unrolled so the rows stay in registers (rolled, GCC kept r, a and b on the stack). */
 #if defined(__AVX512F__)
 #define TB 16
 static inline void transpose_block(const uint32_t *src, size_t src_stride, uint32_t *dst, size_t dst_stride) {
     __m512i r[16], a[16], b[16];
-    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(src + i * src_stride);
-    for (int i = 0; i < 8; i++) { /* per 128-bit lane: rows 2i, 2i+1 interleaved by 32 bits */
+    UNROLL for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(src + i * src_stride);
+    UNROLL for (int i = 0; i < 8; i++) { /* per 128-bit lane: rows 2i, 2i+1 interleaved by 32 bits */
         a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
         a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
     }
-    for (int i = 0; i < 4; i++) { /* b[4i + c], lane L: column 4L + c of rows 4i .. 4i + 3 */
+    UNROLL for (int i = 0; i < 4; i++) { /* b[4i + c], lane L: column 4L + c of rows 4i .. 4i + 3 */
         b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
         b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
         b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
         b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
     }
-    for (int c = 0; c < 4; c++) { /* a 4 x 4 transpose of 128-bit lanes */
+    UNROLL for (int c = 0; c < 4; c++) { /* a 4 x 4 transpose of 128-bit lanes */
         __m512i s0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x44);
         __m512i s1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xEE);
         __m512i s2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x44);
@@ -383,18 +384,18 @@ static inline void transpose_block(const uint32_t *src, size_t src_stride, uint3
 #define TB 8
 static inline void transpose_block(const uint32_t *src, size_t src_stride, uint32_t *dst, size_t dst_stride) {
     __m256i r[8], a[8], b[8];
-    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i *)(src + i * src_stride));
-    for (int i = 0; i < 4; i++) { /* per 128-bit lane: rows 2i, 2i+1 interleaved by 32 bits */
+    UNROLL for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i *)(src + i * src_stride));
+    UNROLL for (int i = 0; i < 4; i++) { /* per 128-bit lane: rows 2i, 2i+1 interleaved by 32 bits */
         a[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
         a[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
     }
-    for (int i = 0; i < 2; i++) { /* b[4i + c], lane L: column 4L + c of rows 4i .. 4i + 3 */
+    UNROLL for (int i = 0; i < 2; i++) { /* b[4i + c], lane L: column 4L + c of rows 4i .. 4i + 3 */
         b[4 * i] = _mm256_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
         b[4 * i + 1] = _mm256_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
         b[4 * i + 2] = _mm256_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
         b[4 * i + 3] = _mm256_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
     }
-    for (int c = 0; c < 4; c++) { /* rows 0-3 and 4-7 of columns c and 4 + c */
+    UNROLL for (int c = 0; c < 4; c++) { /* rows 0-3 and 4-7 of columns c and 4 + c */
         _mm256_storeu_si256((__m256i *)(dst + c * dst_stride), _mm256_permute2x128_si256(b[c], b[4 + c], 0x20));
         _mm256_storeu_si256((__m256i *)(dst + (4 + c) * dst_stride), _mm256_permute2x128_si256(b[c], b[4 + c], 0x31));
     }
