@@ -440,41 +440,41 @@ static void transpose(const uint32_t *src, size_t src_stride, size_t rows, size_
  * row-delta coded (store_rgb). */
 typedef enum { OUT_RGBX, OUT_RGB, OUT_CODED } out_kind;
 
-/* A finished RGBX row of n pixels into dst as `kind` asks. */
-static inline void store_row(const uint8_t *row, uint8_t *dst, size_t n, out_kind kind) {
-    if (kind == OUT_RGBX)
-        memcpy(dst, row, n * 4);
-    else
-        store_rgb(row, dst, n, kind == OUT_CODED);
-}
-
 /* (rows, in_w) RGBX -> (rows, out_w), written as `kind` asks.  Sixteen rows at a time are held
  * transposed (a column of 16 pixels is 64 contiguous bytes), so each output column is the same
- * register-blocked sum over taps as the vertical pass. */
+ * register-blocked sum over taps as the vertical pass.  Sixteen output columns at a time go to a
+ * 1 KB buffer that stays in L1 and are transposed from there straight into the RGBX rows (the
+ * picture between the passes), or into `back`, whose rows are then stored as RGB. */
 static int horizontal(const uint8_t *src, int in_w, int rows, const axis_t *ax, int out_w,
                       uint8_t *dst, out_kind kind) {
-    size_t out_line = (size_t)out_w * (kind == OUT_RGBX ? 4 : 3);
     uint32_t *tile = malloc((size_t)in_w * 16 * 4); /* [x][r] */
-    uint32_t *res = malloc((size_t)out_w * 16 * 4); /* [xx][r] */
-    uint32_t *back = malloc((size_t)out_w * 16 * 4); /* [r][xx] */
+    uint32_t res[16 * 16];                          /* [xx - xx0][r] */
+    uint32_t *back = kind == OUT_RGBX ? NULL : malloc((size_t)out_w * 16 * 4); /* [r][xx] */
     int rc = -1;
-    if (!tile || !res || !back) goto done;
+    if (!tile || (kind != OUT_RGBX && !back)) goto done;
     for (int y0 = 0; y0 < rows; y0 += 16) {
         int n_rows = rows - y0 < 16 ? rows - y0 : 16;
         const uint32_t *block = (const uint32_t *)(src + (size_t)y0 * in_w * 4);
+        uint32_t *out = back ? back : (uint32_t *)dst + (size_t)y0 * out_w;
         if (n_rows < 16) memset(tile, 0, (size_t)in_w * 16 * 4);
         transpose(block, in_w, n_rows, in_w, tile, 16);
-        for (int xx = 0; xx < out_w; xx++)
-            taps64((const uint8_t *)(tile + (size_t)ax->first[xx] * 16), 64, ax->weight + (size_t)xx * ax->ksize,
-                   ax->count[xx], (uint8_t *)(res + (size_t)xx * 16));
-        transpose(res, 16, out_w, n_rows, back, out_w);
-        for (int r = 0; r < n_rows; r++)
-            store_row((const uint8_t *)(back + (size_t)r * out_w), dst + (size_t)(y0 + r) * out_line, out_w, kind);
+        for (int xx0 = 0; xx0 < out_w; xx0 += 16) {
+            int n_cols = out_w - xx0 < 16 ? out_w - xx0 : 16;
+            for (int j = 0; j < n_cols; j++) {
+                int xx = xx0 + j;
+                taps64((const uint8_t *)(tile + (size_t)ax->first[xx] * 16), 64,
+                       ax->weight + (size_t)xx * ax->ksize, ax->count[xx], (uint8_t *)(res + 16 * j));
+            }
+            transpose(res, 16, n_cols, n_rows, out + xx0, out_w);
+        }
+        if (back)
+            for (int r = 0; r < n_rows; r++)
+                store_rgb((const uint8_t *)(back + (size_t)r * out_w), dst + (size_t)(y0 + r) * out_w * 3, out_w,
+                          kind == OUT_CODED);
     }
     rc = 0;
 done:
     free(tile);
-    free(res);
     free(back);
     return rc;
 }
