@@ -457,9 +457,16 @@ static int horizontal(const uint8_t *src, int in_w, int rows, const axis_t *ax, 
         const uint32_t *block = (const uint32_t *)(src + (size_t)y0 * in_w * 4);
         uint32_t *out = back ? back : (uint32_t *)dst + (size_t)y0 * out_w;
         if (n_rows < 16) memset(tile, 0, (size_t)in_w * 16 * 4);
-        transpose(block, in_w, n_rows, in_w, tile, 16);
+        int ready = 0; /* input columns transposed so far */
         for (int xx0 = 0; xx0 < out_w; xx0 += 16) {
-            int n_cols = out_w - xx0 < 16 ? out_w - xx0 : 16;
+            int n_cols = out_w - xx0 < 16 ? out_w - xx0 : 16, need = 0;
+            for (int j = 0; j < n_cols; j++)
+                if (ax->first[xx0 + j] + ax->count[xx0 + j] > need) need = ax->first[xx0 + j] + ax->count[xx0 + j];
+            /* the columns these outputs read, transposed just before (still in L1 when read) */
+            for (; ready < need; ready += 16) {
+                int n = in_w - ready < 16 ? in_w - ready : 16;
+                transpose(block + ready, in_w, n_rows, n, tile + (size_t)ready * 16, 16);
+            }
             for (int j = 0; j < n_cols; j++) {
                 int xx = xx0 + j;
                 taps64((const uint8_t *)(tile + (size_t)ax->first[xx] * 16), 64,
