@@ -188,9 +188,9 @@ static inline uint8_t clip8(int32_t v) {
     return (uint8_t)(v < 0 ? 0 : (v > 255 ? 255 : v));
 }
 
-/* o[i] = clip((HALF + a[i]) >> 22) for 64 lanes. */
+/* o[i] = clip(a[i] >> 22) for 64 lanes (a counts the rounding HALF already). */
 static inline void narrow64(uint8_t *o, vsi a[NV]) {
-    UNROLL for (int i = 0; i < NV; i++) a[i] = (a[i] + HALF) >> PRECISION_BITS;
+    UNROLL for (int i = 0; i < NV; i++) a[i] >>= PRECISION_BITS;
 #if defined(__AVX512F__)
     UNROLL for (int i = 0; i < NV; i++)
         _mm_storeu_si128((__m128i *)(o + 16 * i), _mm512_cvtusepi32_epi8(_mm512_max_epi32((__m512i)a[i], _mm512_setzero_si512())));
@@ -271,11 +271,12 @@ static inline void tap_pair(vacc h[4], vacc l[4], const uint8_t *p, const uint8_
 
 #if PAIRED
 /* h, l: the sums over taps t < n (rows base + t * stride) of the pixels times the weights' high and
- * low halves.  Full pairs in one loop, an odd last tap apart (paired with itself; its partner's
+ * low halves, l from HALF (the rounding, added here for free: the int32 sum wraps, so where it goes
+ * in cannot change a bit).  Full pairs in one loop, an odd last tap apart (paired with itself; its partner's
  * packed weight is 0): with the choice inside the loop, GCC copied the accumulators between
  * registers on every pair. */
 static inline void pair_sums(vacc h[4], vacc l[4], const uint8_t *base, size_t stride, const int32_t *kp, int n) {
-    UNROLL for (int i = 0; i < 4; i++) h[i] = l[i] = (vacc){0};
+    UNROLL for (int i = 0; i < 4; i++) h[i] = (vacc){0}, l[i] = (vacc)((vsi){0} + HALF);
     int t = 0;
     for (; t + 1 < n; t += 2) tap_pair(h, l, base + (size_t)t * stride, base + (size_t)(t + 1) * stride, kp + t);
     if (t < n) tap_pair(h, l, base + (size_t)t * stride, base + (size_t)t * stride, kp + t);
@@ -286,11 +287,9 @@ static inline void pair_sums(vacc h[4], vacc l[4], const uint8_t *base, size_t s
 static inline void taps64(const uint8_t *base, size_t stride, const int32_t *kp, int n, uint8_t *o) {
     vacc h[4], l[4];
     pair_sums(h, l, base, stride, kp, n);
-    const __m512i half = _mm512_set1_epi32(HALF);
     __m512i v[4];
     UNROLL for (int i = 0; i < 4; i++)
-        v[i] = _mm512_srai_epi32(_mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(h[i], 11), l[i]), half),
-                                 PRECISION_BITS);
+        v[i] = _mm512_srai_epi32(_mm512_add_epi32(_mm512_slli_epi32(h[i], 11), l[i]), PRECISION_BITS);
     /* the signed pack puts each 128-bit lane's 8 values back in order (lanes 0-31, 32-63); the
      * unsigned pack then interleaves the two halves by 8 bytes, which one qword permute undoes;
      * both saturate, which is clip8's clip */
@@ -301,8 +300,7 @@ static inline void taps64(const uint8_t *base, size_t stride, const int32_t *kp,
 static inline void taps32(const uint8_t *base, size_t stride, const int32_t *kp, int n, uint8_t *o) {
     vacc h[4], l[4];
     pair_sums(h, l, base, stride, kp, n);
-    const __m256i half = _mm256_set1_epi32(HALF);
-#define JOIN(i) _mm256_srai_epi32(_mm256_add_epi32(_mm256_add_epi32(_mm256_slli_epi32(h[i], 11), l[i]), half), PRECISION_BITS)
+#define JOIN(i) _mm256_srai_epi32(_mm256_add_epi32(_mm256_slli_epi32(h[i], 11), l[i]), PRECISION_BITS)
     /* the packs undo the unpacks' lane order within each 128-bit lane; one qword permute joins them */
     __m256i w = _mm256_packus_epi16(_mm256_packs_epi32(JOIN(0), JOIN(1)), _mm256_packs_epi32(JOIN(2), JOIN(3)));
 #undef JOIN
@@ -318,7 +316,7 @@ static inline void taps64(const uint8_t *base, size_t stride, const int32_t *kp,
  * neither the lanes nor the order of the taps can change a value. */
 static inline void taps64(const uint8_t *base, size_t stride, const int32_t *k, int n, uint8_t *o) {
     vsi acc[NV];
-    UNROLL for (int i = 0; i < NV; i++) acc[i] = (vsi){0};
+    UNROLL for (int i = 0; i < NV; i++) acc[i] = (vsi){0} + HALF; /* the rounding, as in pair_sums */
     for (int t = 0; t < n; t++) {
         vsi x[NV], kk = (vsi){0} + k[t];
         widen64(base + (size_t)t * stride, x);
