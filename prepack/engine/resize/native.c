@@ -243,10 +243,10 @@ static inline void tap_pair(vacc h[4], vacc l[4], const uint8_t *p, const uint8_
     }
 }
 #elif defined(MADD256)
-/* AVX2 with AVX-VNNI (vpdpwssd: the multiply-add and the accumulate in one instruction; ~7% faster
+/* AVX2 with AVX-VNNI (vpdpwssd: the multiply-add and the accumulate in one instruction; ~35% faster
  * than the 32-bit multiplies on a Sapphire Rapids), or with -DPREPACK_RESIZE_MADD (vpmaddwd and
- * vpaddd; not the default: there it was 0-10% slower than the 32-bit multiplies, a CPU with slow
- * vpmulld may differ): 16-bit multiply-adds, two taps per instruction, exactly.  A weight is 22-bit fixed point
+ * vpaddd; not the default: there it was 0-10% slower than the 32-bit multiplies while the weights
+ * were packed in the tap loop, ~12% faster since pack_pairs): 16-bit multiply-adds, two taps per instruction, exactly.  A weight is 22-bit fixed point
  * (|w| < 2^23), so w = hi * 2^11 + lo with hi = w >> 11 (|hi| < 2^12) and lo = w & 0x7ff both fit
  * int16, and sum(p * w) = 2^11 * sum(p * hi) + sum(p * lo) in int32 (wrapping, like Pillow's
  * own sum).  Pixels of taps t and t + 1 sit side by side in 16-bit lanes; an odd last tap is
