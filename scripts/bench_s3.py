@@ -38,6 +38,14 @@ the cores with them, and so does the store (which at nice 19 gets little of a bu
 answer time, first byte forwarded to first byte back, is printed per request).  ``--threads``
 prints where the packing process's CPU goes per batch, by thread (the packer, the I/O threads,
 the planners, obstore's runtime), and how often and how long the packer waited for an object.
+
+``--data photos`` packs ``bench_pack.py``'s camera-sized photographs under NeMo's pretrain knobs
+(~90-125 ms of CPU a batch) instead of the demo's small pictures (~15 ms): the store's cost per
+request is the same, so on the demo it weighs ~6x more than on a user's data.  ``--sources-only``
+measures only the source reads, local vs S3 (the line to repeat on a busy machine):
+
+    python scripts/bench_s3.py --latency-ms 30 --load 2 --sources-only --repeat 3
+    python scripts/bench_s3.py --latency-ms 30 --load 2 --sources-only --repeat 3 --data photos --batches 20
 """
 
 from __future__ import annotations
