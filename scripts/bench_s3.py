@@ -55,6 +55,7 @@ import collections
 import logging
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -321,16 +322,11 @@ def _measure(args, root: str, server, proxy: ProxyProcess, prefix: str, tok) -> 
     local, remote = [r.wall_ms for r in near], [r.wall_ms for r in far]
     pairs = sorted(s / lo for lo, s in zip(local, remote))  # each S3 run against the local run just before it
     loaded = f", {args.load} busy processes" if args.load else ""
-    cpu_near, cpu_far = _median([r.cpu_ms for r in near]), _median([r.cpu_ms for r in far])
+    cpu_near, cpu_far = statistics.median([r.cpu_ms for r in near]), statistics.median([r.cpu_ms for r in far])
     print(f"s3 sources CPU (median of runs): local {cpu_near:.1f} ms/batch, s3 {cpu_far:.1f} ms/batch of the packing "
-          f"process (ratio {cpu_far / cpu_near:.2f}), and the store's {_median([r.store_cpu_ms for r in far]):.1f} ms/batch")
+          f"process (ratio {cpu_far / cpu_near:.2f}), and the store's {statistics.median([r.store_cpu_ms for r in far]):.1f} ms/batch")
     print(f"s3 sources: local {min(local):.0f} ms/batch, s3+{args.latency_ms:g}ms {min(remote):.0f} ms/batch "
           f"(ratio {min(remote) / min(local):.2f}; run by run {', '.join(f'{p:.2f}' for p in pairs)}){loaded}")
-
-
-def _median(values: list[float]) -> float:
-    values = sorted(values)
-    return (values[(len(values) - 1) // 2] + values[len(values) // 2]) / 2
 
 
 def _whole_packs_and_reuse(args, root: str, config: str, prefix: str, proxy: ProxyProcess, tok, pack, runs,

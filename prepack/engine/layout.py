@@ -79,10 +79,11 @@ class _Runs:
         if not self._values:
             return np.zeros(0, dtype)
         lens = np.asarray(self._lens, np.int64)
-        steps = np.repeat(np.asarray(self._steps, np.int64), lens)
+        steps = np.asarray(self._steps, np.int64)
         offsets = np.cumsum(lens) - lens  # where each run starts in the output
-        starts = np.asarray(self._values, np.int64) - np.asarray(self._steps, np.int64) * offsets
-        return (np.repeat(starts, lens) + steps * np.arange(int(lens.sum()), dtype=np.int64)).astype(dtype)
+        starts = np.asarray(self._values, np.int64) - steps * offsets
+        ramp = np.repeat(steps, lens) * np.arange(int(lens.sum()), dtype=np.int64)
+        return (np.repeat(starts, lens) + ramp).astype(dtype)
 
     def floats(self) -> np.ndarray:
         """The whole sequence of repeats as float64 (each value as the Python float it was)."""

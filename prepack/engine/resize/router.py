@@ -385,12 +385,10 @@ class Resizer:
 
 
 def _as_packed(kernel: Kernel) -> Callable[[Image.Image, int, int], None]:
-    """What the packer asks of ``kernel`` (``Resizer.resize_coded``): the resize, row-delta coded
-    into a slot; so the timing weighs the C kernel's fused coding against the others' extra pass."""
-    coded = getattr(kernel, "coded", None)
-    if coded is not None:
-        return lambda img, w, h: coded(img, w, h, np.empty((h, w, 3), np.uint8))
-    return lambda img, w, h: encode_rows(kernel(img, w, h), out=np.empty((h, w, 3), np.uint8))
+    """What the packer asks of ``kernel``: ``Resizer.resize_coded``, the resize row-delta coded into
+    a slot; so the timing weighs the C kernel's fused coding against the others' extra pass."""
+    resizer = Resizer(kernel, "timed")
+    return lambda img, w, h: resizer.resize_coded(img, w, h, np.empty((h, w, 3), np.uint8))
 
 
 @functools.lru_cache(maxsize=1)
