@@ -109,9 +109,11 @@ def lease_file(holder: str) -> str:
     return LAYOUT[LEASE].format(holder=holder)
 
 
-def temporary(relpath: str) -> str:
-    """Where ``relpath`` is written until it is complete (local disks)."""
-    return relpath + TMP_SUFFIX
+def temporary(relpath: str, writer: str = "") -> str:
+    """Where ``relpath`` is written until it is complete (local disks).  ``writer`` tells apart
+    writers that may write the same file at once (two jobs starting on one new output both write
+    its ``pack.json``): each then renames its own complete file into place."""
+    return f"{relpath}.{writer}{TMP_SUFFIX}" if writer else relpath + TMP_SUFFIX
 
 
 def is_temporary(name: str) -> bool:

@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 from dataclasses import asdict, is_dataclass
 from typing import Any, Callable
 
@@ -124,13 +125,16 @@ class _AtomicFile:
     On object stores (atomic PUT, rename = copy) the final name is written directly: the object
     only appears once complete, and the stream index remains the commit marker.  ``direct``: a
     local file is written past the page cache (``DirectFile``; shard files, written once and
-    large).
+    large, and only ever by the stream's lease holder: under the layout's one temporary name).
+    Every other file may be written by several jobs at once (``pack.json``, the manifest), so each
+    writer's temporary name is its own: with one shared name, one job renamed the other's
+    half-written file, or found its own gone.
     """
 
     def __init__(self, loc: PackLocation, relpath: str, *, direct: bool = False):
         self.loc = loc
         self.final = loc.path(relpath)
-        self.tmp = self.final if loc.atomic_put else temporary(self.final)
+        self.tmp = self.final if loc.atomic_put else temporary(self.final, "" if direct else secrets.token_hex(6))
         if loc.is_local:
             os.makedirs(os.path.dirname(self.final), exist_ok=True)
             self.raw = DirectFile(self.tmp) if direct else open(self.tmp, "wb")

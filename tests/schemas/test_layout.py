@@ -45,3 +45,5 @@ def test_other_names_are_not_of_the_layout(name):
 
 def test_temporary_names():
     assert L.is_temporary(L.temporary(L.index_file(0))) and not L.is_temporary(L.index_file(0))
+    mine, theirs = L.temporary(L.PACK_INFO_NAME, "a1"), L.temporary(L.PACK_INFO_NAME, "b2")
+    assert mine != theirs and L.is_temporary(mine) and L.is_temporary(theirs)

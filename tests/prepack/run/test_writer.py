@@ -12,7 +12,7 @@ import pytest
 import xxhash
 from tests.helpers.fakepack import BatchSpec, make_batch, stream_batches
 
-from prepack.run.writer import Compression, StreamWriter, read_index, recover_stream, write_json_atomic
+from prepack.run.writer import Compression, StreamWriter, _AtomicFile, read_index, recover_stream, write_json_atomic
 from schemas.errors import DamagedFile
 from schemas.location import resolve_location
 from schemas.manifest import RecordEntry, ShardEntry, StreamIndex, chain_root, checkpoint_file, row_facts
@@ -301,3 +301,17 @@ def test_a_committing_writer_makes_the_whole_commit(tmp_path):
                       state=state) as w:
         assert w.finish() is None
     assert read_index(loc, 6) == empty and empty.ckpt0_json_sha256  # no record: the index still records ckpt-0
+
+
+def test_two_writers_of_one_small_file_at_once_each_publish_a_whole_file(tmp_path):
+    """Two jobs starting on one new output both write its pack.json: interleaved, each renames its
+    own complete file into place (with one shared temporary name the second found it gone)."""
+    loc = resolve_location(str(tmp_path))
+    first, second = _AtomicFile(loc, "pack.json"), _AtomicFile(loc, "pack.json")
+    first.raw.write(b'{"who": 1}')
+    second.raw.write(b'{"who": 2}')
+    first.commit()
+    assert json.loads((tmp_path / "pack.json").read_bytes()) == {"who": 1}
+    second.commit()
+    assert json.loads((tmp_path / "pack.json").read_bytes()) == {"who": 2}
+    assert os.listdir(tmp_path) == ["pack.json"]  # no temporary file left
