@@ -143,7 +143,9 @@ def test_a_killed_job_is_resumed_while_the_other_goes_on(dataset, tmp_path):
     index = os.path.join(out, "stream-00000", "index.arrow")
     deadline = time.monotonic() + 180
     while not os.path.exists(index):
-        assert a.poll() is None and time.monotonic() < deadline, "job a ended before its first commit"
+        if a.poll() is not None:
+            raise AssertionError(f"job a ended before its first commit (exit {a.returncode}): {finish(a)[2][-3000:]}")
+        assert time.monotonic() < deadline, "job a made no commit in 180 s"
         time.sleep(0.02)
     os.kill(a.pid, signal.SIGKILL)
     a.wait()
