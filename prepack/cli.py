@@ -133,7 +133,7 @@ def cmd_audit(args) -> int:
 
 def cmd_index(args) -> int:
     from prepack.run.catalog import build_catalog, catalog_is_current
-    from prepack.engine.old_packs import open_old_pack
+    from prepack.engine.reuse.earlier_packs import open_old_pack
 
     _require_pack(args.dir)
     if not args.force and catalog_is_current(*open_old_pack(args.dir)):

@@ -96,7 +96,7 @@ class StreamSummary(Document):
     elapsed_s: float = 0.0  # packing time of the last run (informational, not digested)
     cpu_s: float = 0.0  # CPU seconds of the packing process, all threads, worker start-up excluded (informational)
     # how the last run's resizes were served: images, reused, decodes_saved, fallbacks (informational;
-    # a reused pack's bytes are a fresh pack's, see prepack.engine.reuse)
+    # a reused pack's bytes are a fresh pack's, see prepack.engine.reuse.earlier_pixels)
     reuse: dict = field(default_factory=dict)
 
 

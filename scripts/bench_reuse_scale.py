@@ -43,8 +43,8 @@ def rss(key):
 """
 
 _LOOKUP = _PRELUDE + """import numpy as np
-from prepack.engine.pictures import ReuseCounts
-from prepack.engine.reuse import PixelReuse
+from prepack.engine.reuse.source_pictures import ReuseCounts
+from prepack.engine.reuse.earlier_pixels import PixelReuse
 from schemas.pixel_index import PictureSource
 keys = [bytes.fromhex(k) for k in json.load(open({keys!r}))]
 rng = np.random.default_rng(1)
@@ -91,7 +91,7 @@ def synthetic_catalog(out: str, pictures: int, sample: int, seed: int = 0) -> li
     """A catalog of ``pictures`` random pictures; returns ``sample`` of their keys (hex)."""
     import numpy as np
 
-    from prepack.engine.pictures import RESIZE_IMPL
+    from prepack.engine.reuse.source_pictures import RESIZE_IMPL
     from prepack.run.catalog import write_catalog
     from schemas.location import resolve_location
     from schemas.pixel_catalog import PARTS, ROW_DTYPE
@@ -130,7 +130,7 @@ def synthetic_shards(out: str, pictures: int, per_shard: int = 1000, streams: in
 
     import numpy as np
 
-    from prepack.engine.pictures import RESIZE_IMPL
+    from prepack.engine.reuse.source_pictures import RESIZE_IMPL
     from prepack.run.writer import write_bytes_atomic, write_index
     from schemas.location import resolve_location
     from schemas.manifest import RecordEntry, ShardEntry, StreamIndex, shard_pixels_file

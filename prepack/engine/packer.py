@@ -20,9 +20,9 @@ from typing import Iterator
 import numpy as np
 
 from prepack.engine.accounting import Counters, Drop, Warn
-from prepack.engine.images import ImagePolicy
-from prepack.engine.layout import PackingError, SequenceBuilder
-from prepack.engine.pictures import PictureStore, PixelProvider
+from prepack.engine.decode import ImagePolicy
+from prepack.engine.sequence import PackingError, SequenceBuilder
+from prepack.engine.reuse.source_pictures import PictureStore, PixelProvider
 from prepack.engine.sample import Sample
 from prepack.engine.sources import Source, StreamContext, make_source
 from prepack.engine.sources.readahead import IOPool, ReadAheadSettings
@@ -81,7 +81,7 @@ class StreamPacker:
     threads; a packer that reaches its budget stops them itself.
 
     ``pixels``: where earlier pixels of the same pictures can be taken from instead of decoding and
-    resizing (``prepack.engine.reuse``); it changes no byte either.  ``pictures.counts`` says how
+    resizing (``prepack.engine.reuse.earlier_pixels``); it changes no byte either.  ``pictures.counts`` says how
     the resizes were served.
     """
 

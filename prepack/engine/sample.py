@@ -1,7 +1,7 @@
 """One source sample before packing: its sequence plan, token ids and (lazily resized) images.
 
 A sample is what the reference's per-dataset iterators yield, in our own types.  Images keep the
-source picture (``prepack.engine.pictures.Picture``, or a decoded video frame) and their target
+source picture (``prepack.engine.reuse.source_pictures.Picture``, or a decoded video frame) and their target
 size; the bicubic resize runs only when the sample is actually packed (or checkpointed), and once
 per (picture, size) even when the plan uses the same picture twice (an edit frame that is both a
 VAE target and a VAE condition).  The packed table takes each image through ``code_into``:
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from prepack.engine.pictures import Picture
+from prepack.engine.reuse.source_pictures import Picture
 from prepack.engine.resize import resize_coded, resize_pixels
 from schemas.config import TransformArgs
 from schemas.pixel_index import PictureSource

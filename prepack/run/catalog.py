@@ -24,8 +24,8 @@ from typing import Callable, Iterable
 import numpy as np
 import pyarrow as pa
 
-from prepack.engine.pictures import RESIZE_IMPL
-from prepack.engine.old_packs import open_old_pack
+from prepack.engine.reuse.source_pictures import RESIZE_IMPL
+from prepack.engine.reuse.earlier_packs import open_old_pack
 from prepack.run.writer import write_bytes_atomic
 from schemas.errors import DamagedFile, PackFormatError
 from schemas.location import PackLocation

@@ -193,7 +193,7 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
 
     ``inline`` packs the streams one after another in this process, without Ray (debugging,
     tests); ``tokenizer`` is an already loaded ``(tokenizer, special)`` pair to use.  ``reuse``:
-    earlier packs whose pixels the streams may take (``prepack.engine.reuse``); the output is the
+    earlier packs whose pixels the streams may take (``prepack.engine.reuse.earlier_pixels``); the output is the
     same bytes with or without them, and pack.json does not name them.
     """
     from prepack.engine.tokenizer import load_tokenizer, special_token_ids, tokenizer_fingerprint
@@ -203,7 +203,7 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
     wanted = list(range(cfg.num_streams)) if streams is None else sorted(set(streams))
     for s in wanted:
         cfg.stream_rank_worker(s)  # range check with a clear message
-    from prepack.engine.old_packs import check_old_packs, read_old_pack
+    from prepack.engine.reuse.earlier_packs import check_old_packs, read_old_pack
     from prepack.run.catalog import ensure_catalog
 
     loc = resolve_location(out)

@@ -21,8 +21,8 @@ import pyarrow.parquet as pq
 from prepack.engine.accounting import Counters
 from prepack.engine.checkpoint import state_from_payload, state_to_payload
 from prepack.engine.packer import StreamPacker, StreamState
-from prepack.engine.old_packs import OldPack
-from prepack.engine.reuse import PixelReuse, own_reuse_on
+from prepack.engine.reuse.earlier_packs import OldPack
+from prepack.engine.reuse.earlier_pixels import PixelReuse, own_reuse_on
 from prepack.run.writer import StreamWriter, recover_stream, sha256_hex, write_bytes_atomic
 from schemas.checkpoint import CheckpointDoc
 from schemas.compression import Compression

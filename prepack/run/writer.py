@@ -38,7 +38,7 @@ import xxhash
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from prepack.engine.pictures import RESIZE_IMPL
+from prepack.engine.reuse.source_pictures import RESIZE_IMPL
 from prepack.run.direct_file import DirectFile
 from schemas.compression import Compression
 from schemas.location import PackLocation, resolve_location

@@ -337,8 +337,8 @@ def _reuse_provider(reuse: "tuple[str, ...] | list[str]", compression: Compressi
     are handed over as a run's writer would take them."""
     if not reuse:
         return None
-    from prepack.engine.old_packs import check_old_packs
-    from prepack.engine.reuse import PixelReuse
+    from prepack.engine.reuse.earlier_packs import check_old_packs
+    from prepack.engine.reuse.earlier_pixels import PixelReuse
 
     return PixelReuse(check_old_packs(reuse), frame_format=compression.frame_format)
 

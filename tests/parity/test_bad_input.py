@@ -221,7 +221,7 @@ def test_mandatory_samples_over_max_tokens_are_refused_not_packed_with_negative_
     cfg = load_config(ds.config(knobs=knobs, prepack={"batches_per_stream": 3}))
     tok, special = tokenizer_and_special
     p = StreamPacker(cfg, 0, tok, special)
-    from prepack.engine.layout import PackingError
+    from prepack.engine.sequence import PackingError
 
     with pytest.raises(PackingError, match="max_num_tokens"):
         for b in p:

@@ -18,7 +18,7 @@ import logging
 import numpy as np
 from PIL import Image
 
-from prepack.engine.images import raw_pixels
+from prepack.engine.decode import raw_pixels
 
 log = logging.getLogger(__name__)
 

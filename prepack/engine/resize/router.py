@@ -33,7 +33,7 @@ import numpy as np
 import PIL
 from PIL import Image
 
-from prepack.engine.images import raw_pixels, rgb_array
+from prepack.engine.decode import raw_pixels, rgb_array
 from prepack.engine.resize import selftest
 from schemas.pixel_table import encode_rows
 

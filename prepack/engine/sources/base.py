@@ -19,8 +19,8 @@ from typing import Any, Callable, ClassVar, Generator, Iterator
 import numpy as np
 
 from prepack.engine.accounting import Counters, Drop, Rejected, Warn
-from prepack.engine.images import ImagePolicy
-from prepack.engine.pictures import PictureStore
+from prepack.engine.decode import ImagePolicy
+from prepack.engine.reuse.source_pictures import PictureStore
 from prepack.engine.sources import files
 from prepack.engine.sources.readahead import IOPool, Read, ReadAhead, Reads, plan_of, read_along
 from prepack.engine.sample import Sample

@@ -16,8 +16,8 @@ import numpy as np
 from PIL import Image
 
 from prepack.engine.accounting import Drop, Rejected, Warn
-from prepack.engine.images import ImagePolicy, decode_plain_rgb
-from prepack.engine.pictures import Picture, PictureStore
+from prepack.engine.decode import ImagePolicy, decode_plain_rgb
+from prepack.engine.reuse.source_pictures import Picture, PictureStore
 from prepack.engine.sources import files
 from prepack.engine.sources.readahead import DIRECT, Prefetched
 from schemas.config import FrameSamplerArgs

@@ -13,7 +13,7 @@ from functools import partial
 from typing import Iterator
 
 from prepack.engine.accounting import Drop, Rejected, Warn
-from prepack.engine.images import navit_size
+from prepack.engine.decode import navit_size
 from prepack.engine.sample import PlanItem, Sample, SampleImage
 from prepack.engine.sources import files
 from prepack.engine.sources.base import Source, StreamContext, list_parquet_files, slice_for_stream

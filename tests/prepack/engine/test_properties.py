@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from prepack.engine.checkpoint import state_from_payload, state_to_payload
 from schemas.checkpoint import CheckpointDoc
-from prepack.engine.layout import SequenceBuilder
+from prepack.engine.sequence import SequenceBuilder
 from prepack.engine.packer import StreamPacker
 from prepack.engine.sample import PlanItem, Sample, SampleImage
 from schemas.config import PackingKnobs, load_config

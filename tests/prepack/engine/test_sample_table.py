@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from prepack.engine.images import ImagePolicy
-from prepack.engine.pictures import PictureStore, ReuseCounts
+from prepack.engine.decode import ImagePolicy
+from prepack.engine.reuse.source_pictures import PictureStore, ReuseCounts
 from prepack.engine.resize import PINNED_PILLOW, pillow_resize, router
 from prepack.engine.resize.router import Resizer
 from prepack.engine.sample import SampleImage

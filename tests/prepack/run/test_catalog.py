@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from prepack.cli import main
-from prepack.engine.pictures import ReuseCounts
-from prepack.engine.reuse import PixelReuse
+from prepack.engine.reuse.source_pictures import ReuseCounts
+from prepack.engine.reuse.earlier_pixels import PixelReuse
 from prepack.run.catalog import build_catalog, catalog_is_current, ensure_catalog
-from prepack.engine.old_packs import open_old_pack
+from prepack.engine.reuse.earlier_packs import open_old_pack
 from schemas.manifest import StreamIndex, index_file, shard_pixels_file
 from schemas.pixel_catalog import CATALOG_NAME, ROW_DTYPE, Catalog, part_file
 from schemas.pixel_index import PictureSource, read_pixel_index

@@ -17,7 +17,7 @@ import shutil
 import pytest
 import yaml
 
-from prepack.engine.reuse import OWN_SETTING
+from prepack.engine.reuse.earlier_pixels import OWN_SETTING
 from prepack.run.driver import run_pack
 from prepack.run.stream_job import pack_one_stream
 from schemas.config import load_config
@@ -362,8 +362,8 @@ def test_a_stream_given_old_as_the_driver_read_it_reads_no_stream_index(old, cat
     """The driver reads OLD's stream indexes once (``read_old_pack``) for every stream: with that
     snapshot a stream finds every picture of OLD with the indexes gone (through the catalog, or the
     shards' own pixel indexes the snapshot lists), and each picture's frame checks out."""
-    from prepack.engine.old_packs import read_old_pack
-    from prepack.engine.reuse import PixelReuse
+    from prepack.engine.reuse.earlier_packs import read_old_pack
+    from prepack.engine.reuse.earlier_pixels import PixelReuse
     from schemas.manifest import index_file
     from schemas.pixel_index import DecodeFacts, PictureSource
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from prepack.engine.images import raw_pixels
+from prepack.engine.decode import raw_pixels
 from prepack.engine.resize import PINNED_PILLOW, native, selftest
 from prepack.engine.resize.router import vertical_first
 from tests.helpers import datagen as dg

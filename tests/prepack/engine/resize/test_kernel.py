@@ -26,7 +26,7 @@ from PIL import Image
 
 import ctypes
 
-from prepack.engine.images import raw_pixels
+from prepack.engine.decode import raw_pixels
 from prepack.engine.resize import PINNED_PILLOW
 from prepack.engine.resize.router import vertical_first
 from tests.helpers import datagen as dg

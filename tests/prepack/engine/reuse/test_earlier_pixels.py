@@ -1,12 +1,12 @@
-"""``prepack.engine.reuse.PixelReuse`` on its own: what it refuses to replay."""
+"""``prepack.engine.reuse.earlier_pixels.PixelReuse`` on its own: what it refuses to replay."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from prepack.engine.images import ImagePolicy, decode_observed
-from prepack.engine.pictures import PictureStore
-from prepack.engine.reuse import PixelReuse, _Where
+from prepack.engine.decode import ImagePolicy, decode_observed
+from prepack.engine.reuse.source_pictures import PictureStore
+from prepack.engine.reuse.earlier_pixels import PixelReuse, _Where
 from schemas.pixel_index import DecodeFacts, content_key
 from tests.helpers import datagen as dg
 

@@ -1,4 +1,4 @@
-"""``prepack.engine.images``: the NaViT target size and bicubic resize against the reference's
+"""``prepack.engine.decode``: the NaViT target size and bicubic resize against the reference's
 own transform, and decoding under the per-run policy.
 
 Oracles (NeMo AutoModel 0.7.0, ``nemo_automodel/components/datasets/multimodal``):
@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from PIL import Image, ImageFile, PngImagePlugin
 
 from prepack.engine.accounting import Rejected
-from prepack.engine.images import ImagePolicy, decode_plain_rgb, decode_rgb, load_image, navit_size
+from prepack.engine.decode import ImagePolicy, decode_plain_rgb, decode_rgb, load_image, navit_size
 from prepack.engine.resize import resize_pixels
 from schemas.config import DEFAULT_MAX_IMAGE_PIXELS
 from tests.helpers import badgen as bg
@@ -418,7 +418,7 @@ def test_importing_the_engine_leaves_pil_alone():
 
     code = ("from PIL import Image, ImageFile, PngImagePlugin\n"
             "before = (Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES, PngImagePlugin.MAX_TEXT_CHUNK)\n"
-            "import prepack.engine.images, prepack.engine.sources\n"
+            "import prepack.engine.decode, prepack.engine.sources\n"
             "after = (Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES, PngImagePlugin.MAX_TEXT_CHUNK)\n"
             "assert before == after, (before, after)\n")
     env = dict(os.environ, PYTHONPATH=REPO)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from prepack.engine.accounting import Rejected
-from prepack.engine.images import ImagePolicy, decode_observed, decode_rgb
-from prepack.engine.pictures import PictureStore
+from prepack.engine.decode import ImagePolicy, decode_observed, decode_rgb
+from prepack.engine.reuse.source_pictures import PictureStore
 from prepack.engine.resize import pillow_resize
 from schemas.pixel_index import DecodeFacts, PictureSource
 from tests.helpers import badgen as bg
@@ -23,7 +23,7 @@ class _Known:
     """A provider that knows every picture's facts (as recorded by a decode) and no pixels."""
 
     def __init__(self):
-        from prepack.engine.pictures import ReuseCounts
+        from prepack.engine.reuse.source_pictures import ReuseCounts
 
         self.counts = ReuseCounts()
         self.table: dict = {}

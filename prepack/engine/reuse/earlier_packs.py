@@ -1,5 +1,5 @@
 """Earlier packs as reuse reads them: which shards are committed, whether their pixel catalog holds,
-and ranged reads of their files (``prepack.engine.reuse`` looks pictures up in what this finds).
+and ranged reads of their files (``prepack.engine.reuse.earlier_pixels`` looks pictures up in what this finds).
 
 Only committed shards are read (the ones a stream's ``index.arrow`` lists), so an earlier pack may
 still be packing.  ``read_old_pack`` does the reading of the stream indexes and the catalog check
@@ -20,7 +20,7 @@ from typing import Iterable
 import numpy as np
 import pyarrow as pa
 
-from prepack.engine.pictures import RESIZE_IMPL, ReuseCounts
+from prepack.engine.reuse.source_pictures import RESIZE_IMPL, ReuseCounts
 from schemas.errors import DamagedFile, PackFormatError, PackRefused
 from schemas.location import PackLocation, redact_uri, resolve_location
 from schemas.manifest import PACK_INFO_NAME, StreamIndex, check_format, index_file, load_checked

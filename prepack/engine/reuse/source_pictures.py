@@ -6,7 +6,7 @@ first part once per picture and remember its identity (``schemas.pixel_index.Pic
 XXH3-128 of its encoded bytes and how they are decoded), so the writer can index where its
 pixels land, and a later pack can take them instead of decoding and resizing again.
 
-With a reuse provider (``prepack.engine.reuse``), a picture whose decode facts are known is not
+With a reuse provider (``prepack.engine.reuse.earlier_pixels``), a picture whose decode facts are known is not
 decoded at all: the facts are replayed through the same policy as a fresh decode (same drops,
 same warnings, same order), and each resize target is first looked up; only a miss (or a reused
 frame that fails its check) decodes the kept bytes.  Nothing here changes a byte of the output.
@@ -22,7 +22,7 @@ import numpy as np
 import PIL
 from PIL import Image
 
-from prepack.engine.images import ImagePolicy, apply_facts, decode_observed, to_plain_rgb, to_rgb
+from prepack.engine.decode import ImagePolicy, apply_facts, decode_observed, to_plain_rgb, to_rgb
 from prepack.engine.resize import resize_pixels
 from schemas.pixel_index import DecodeFacts, PictureSource, content_key
 from schemas.pixel_table import StoredImage

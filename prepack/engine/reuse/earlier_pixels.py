@@ -9,7 +9,7 @@ read alone (one ranged read) and checked against the index before a byte is used
 stream's writer makes frames of the frame's exact format (``Compression.frame_format``) the frame
 is passed through untouched, checked by its own XXH3-64 (equal pixels, same deterministic
 compression: the bytes a fresh pack writes); otherwise it is decompressed and its pixels' XXH3-64
-checked.  A picture whose decode facts are known is not decoded at all (``prepack.engine.pictures``).
+checked.  A picture whose decode facts are known is not decoded at all (``prepack.engine.reuse.source_pictures``).
 Anything that does not hold — an index missing, damaged or of another resize, a shard file gone,
 short or changed, a frame that fails its digest — means decode and resize as usual, counted by
 reason: never a wrong byte, never a failed run.
@@ -36,8 +36,8 @@ import numpy as np
 import pyarrow as pa
 
 from prepack.engine.accounting import Warn
-from prepack.engine.old_packs import CatalogView, CommittedShard, OldPack, RangedFile, read_old_pack
-from prepack.engine.pictures import RESIZE_IMPL, ReuseCounts
+from prepack.engine.reuse.earlier_packs import CatalogView, CommittedShard, OldPack, RangedFile, read_old_pack
+from prepack.engine.reuse.source_pictures import RESIZE_IMPL, ReuseCounts
 from prepack.engine.sources.readahead import ReadAheadSettings
 from schemas.compression import decompress_frame, frame_codec
 from schemas.location import PackLocation, resolve_location

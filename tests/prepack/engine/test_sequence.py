@@ -6,7 +6,7 @@ import random
 
 import numpy as np
 
-from prepack.engine.layout import _Runs
+from prepack.engine.sequence import _Runs
 
 
 def test_runs_of_ranges_and_repeats_are_the_lists_they_stand_for():
