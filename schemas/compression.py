@@ -1,12 +1,12 @@
 """Record compression: the one parser of ``prepack.compression`` (config load and writer agree).
 
 What is compressed, and why there: nearly all of a record is its pixel table (~22 MB of uint8
-pixels per NeMo-sized batch against ~0.7 MB of token arrays), so the record encoder compresses
-that one buffer itself (``schemas.record``) and Arrow IPC stores every buffer as is.  Doing it
-ourselves lets zstd level 1 run with a small match-finder hash table (``hash_log`` 8 instead of
-13): on row-delta coded photographs it finds almost nothing with the big table anyway, and the
-small one makes compression ~1.7x faster for 2% more bytes (measured in ``scripts/bench_pack.py``
-end to end).  Arrow's IPC codec exposes only the level.  Any zstd or lz4 frame decompresses with
+pixels per NeMo-sized batch against ~0.7 MB of token arrays), so the record encoder compresses that
+one buffer itself (``schemas.record``) and Arrow IPC stores every buffer as is.  Doing it ourselves
+lets zstd level 1 run with a small match-finder hash table (``hash_log`` 8 instead of 13): on
+row-delta coded photographs it finds almost nothing with the big table anyway, and the small one
+makes compression much faster for a few more bytes (measured: docs/performance.md, "Earlier steps",
+"Compression").  Arrow's IPC codec exposes only the level.  Any zstd or lz4 frame decompresses with
 pyarrow's own codecs, so the loader needs nothing beyond pyarrow.
 """
 

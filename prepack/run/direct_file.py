@@ -1,12 +1,11 @@
 """A write-only local file that bypasses the page cache (``O_DIRECT``), for shard files.
 
-Why: a packing worker writes each record once (~10-15 MB per NeMo-sized batch) and never reads
-it back.  Through the page cache every record costs the kernel a copy into freshly allocated
-cache pages, then background writeback; the allocation alone was 3 ms a record on an idle
-machine here and up to 30 ms when the pages had to be faulted in again from the hypervisor
-(measured with ``scripts/bench_pack.py``; ``O_DIRECT`` costs ~1 ms either way).  Records are
-staged in a page-aligned buffer and written in aligned blocks; the final partial block is written
-padded and the file truncated to its true size, so the bytes on disk are exactly what was written.
+Why: a packing worker writes each record once (~10-15 MB per NeMo-sized batch) and never reads it
+back.  Through the page cache every record costs the kernel a copy into freshly allocated cache
+pages, then background writeback; written direct it costs neither (measured: docs/performance.md,
+"Earlier steps", "System time").  Records are staged in a page-aligned buffer and written in
+aligned blocks; the final partial block is written padded and the file truncated to its true size,
+so the bytes on disk are exactly what was written.
 
 Where ``O_DIRECT`` is unavailable (another OS, tmpfs or a FUSE mount that refuses it at open or
 at the first write) the same object writes through the page cache instead: same bytes, same

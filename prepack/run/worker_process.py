@@ -1,12 +1,12 @@
 """Process-level settings for a packing worker: cheaper garbage collection and allocations.
 
-Each cuts CPU that a packing process spends outside the packing itself (measured with
-``scripts/bench_pack.py``, end to end through ``prepack run``):
+Each cuts CPU that a packing process spends outside the packing itself (measured:
+docs/performance.md, "Earlier steps"):
 
 - ``gc.freeze()`` once start-up is over: a Ray worker holds ~270k GC-tracked objects from its
   imports (Ray, torch, transformers) and the tokenizer, none of which packing ever frees.  Without
-  the freeze, each full collection that packing's allocations trigger walks all of them (~0.14 s
-  each here); frozen, collections only see what packing itself allocates.
+  the freeze, each full collection that packing's allocations trigger walks all of them; frozen,
+  collections only see what packing itself allocates.
 - Arrow's system (malloc) memory pool instead of the default mimalloc: every record needs a fresh
   compression buffer of ~13 MB; mimalloc hands such blocks back to the OS within milliseconds,
   so each record faults them in again and the kernel zeroes the pages (system time), while

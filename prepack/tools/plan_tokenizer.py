@@ -3,11 +3,12 @@
 The packer's sources call one tokenizer method, ``encode(text) -> list[int]``.  For the built-in
 ``qwen2-offline`` tokenizer that is exactly the ``tokenizers`` backend's ``encode`` (its
 post-processor adds nothing), and the backend can be read straight from the cached
-``tokenizer.json``: ~0.7 s instead of the ~3 s transformers takes to import and wrap it.  BAGEL's
-four tokens are registered the way :func:`prepack.engine.tokenizer.special_token_ids` registers
-them (a token not named in the tokenizer config's special tokens is added again as a plain added
-token, keeping its id), so the backend ends up equal to the one ``prepack run`` packs with
-(``tests/prepack/tools/test_plan.py`` compares the two, and their encodings).
+``tokenizer.json``, without the seconds transformers takes to import and wrap it (measured:
+docs/performance.md, "``prepack plan``: how close it came").  BAGEL's four tokens are registered
+the way :func:`prepack.engine.tokenizer.special_token_ids` registers them (a token not named in the
+tokenizer config's special tokens is added again as a plain added token, keeping its id), so the
+backend ends up equal to the one ``prepack run`` packs with (``tests/prepack/tools/test_plan.py``
+compares the two, and their encodings).
 
 Any other tokenizer (a directory, a Hub snapshot, a mapping) is loaded by ``prepack run``'s own
 loader: only a tokenizer this project builds and verifies takes the shortcut.

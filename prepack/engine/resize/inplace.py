@@ -1,13 +1,14 @@
 """Pillow's own rows of an RGB picture, for the C kernel to read in place instead of a copy.
 
-Copying a decoded picture out of Pillow as RGBX (``images.raw_pixels``) was ~6% of a packing
-worker's CPU, and the kernel reads those same bytes: Pillow stores an RGB pixel in 4 bytes, one
-row pointer per line (``image32``).  ``Image.getim()`` hands out the image's memory as a capsule
-(which keeps it alive); its layout is Pillow's C struct ``ImagingMemoryInstance``, mirrored here
-for the pinned release only as far as the row pointers.  A picture is read in place only when the
-struct's own fields agree with the picture (size, bands, 4-byte pixels, the row table aliased as
-Pillow aliases it), and ``probe`` checks the bytes of real pictures at the kernel's load;
-anything else, and the caller copies as before.
+Copying a decoded picture out of Pillow as RGBX (``decode.raw_pixels``) cost a packing worker CPU
+for bytes the kernel can read where they are (measured: docs/performance.md, "Reading Pillow's rows
+in place"): Pillow stores an RGB pixel in 4 bytes, one row pointer per line (``image32``).
+``Image.getim()`` hands out the image's memory as a capsule (which keeps it alive); its layout is
+Pillow's C struct ``ImagingMemoryInstance``, mirrored here for the pinned release only as far as
+the row pointers.  A picture is read in place only when the struct's own fields agree with the
+picture (size, bands, 4-byte pixels, the row table aliased as Pillow aliases it), and ``probe``
+checks the bytes of real pictures at the kernel's load; anything else, and the caller copies as
+before.
 """
 
 from __future__ import annotations

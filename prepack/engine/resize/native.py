@@ -2,12 +2,13 @@
 
 Why compiled here and not shipped: ``-march=native`` lets the compiler use the vector units this
 CPU has (AVX-512 where present), and a packing worker's start-up stays at a library load (~ms)
-instead of a JIT (numba took 5-6 s cold per machine).  The shared library is cached under a key of
-everything that shapes it — the source, the compiler command, the flags and this CPU's
-architecture and features — so a cluster with a shared home and mixed CPUs keeps one build per
-kind of machine, and a changed source is rebuilt.  Concurrent workers build under a file lock,
-so one compiles and the others load its result.  Nothing here decides whether the kernel is used:
-the router self-tests whatever this module loads against Pillow first.
+instead of a JIT of several seconds (measured: docs/performance.md, "Why C and not numba").  The
+shared library is cached under a key of everything that shapes it — the source, the compiler
+command, the flags and this CPU's architecture and features — so a cluster with a shared home and
+mixed CPUs keeps one build per kind of machine, and a changed source is rebuilt.  Concurrent
+workers build under a file lock, so one compiles and the others load its result.  Nothing here
+decides whether the kernel is used: the router self-tests whatever this module loads against Pillow
+first.
 """
 
 from __future__ import annotations

@@ -2,17 +2,18 @@
 matched Pillow in this process.
 
 Two kernels do the same arithmetic: the C one (``native.c``, built once per machine with its C
-compiler: a library load at start-up) and the numba one (``kernel.py``: a JIT, ~1 s to import and
-a few seconds to compile the first time per machine).  Which is faster depends on the machine (the
-C kernel's vector paths differ per instruction set; on one AVX2-only machine it ran at 0.83x
-Pillow while numba ran at 3.5x), so the first process on a machine self-tests every candidate,
-times those that pass and Pillow on the self-test's pictures, and takes the fastest; a kernel
-slower than Pillow is never used.  The choice is cached beside the C kernel's build, keyed by what
-it depends on (CPU, kernel sources and builds, Pillow), so later processes time nothing and load
-only the chosen kernel, which still self-tests in each process.  Any doubt — another Pillow
-release than the one the kernels mirror, no kernel loading, one differing value — means Pillow,
-with one warning.  ``PREPACK_FAST_RESIZE``: ``0`` turns the kernels off, ``native`` or ``numba``
-asks for one of them (self-tested, not timed), anything else (the default) chooses as above.
+compiler: a library load at start-up) and the numba one (``kernel.py``: a JIT, ~1 s to import and a
+few seconds to compile the first time per machine).  Which is faster depends on the machine (the C
+kernel's vector paths differ per instruction set; one AVX2-only machine ran numba faster and the C
+kernel slower than Pillow: docs/performance.md, "Which kernel runs: timed, per machine"), so the
+first process on a machine self-tests every candidate, times those that pass and Pillow on the
+self-test's pictures, and takes the fastest; a kernel slower than Pillow is never used.  The choice
+is cached beside the C kernel's build, keyed by what it depends on (CPU, kernel sources and builds,
+Pillow), so later processes time nothing and load only the chosen kernel, which still self-tests in
+each process.  Any doubt — another Pillow release than the one the kernels mirror, no kernel
+loading, one differing value — means Pillow, with one warning.  ``PREPACK_FAST_RESIZE``: ``0``
+turns the kernels off, ``native`` or ``numba`` asks for one of them (self-tested, not timed),
+anything else (the default) chooses as above.
 """
 
 from __future__ import annotations

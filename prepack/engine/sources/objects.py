@@ -1,12 +1,12 @@
 """Who fetches a source object from a store: one client per (scheme, bucket) and process.
 
-Packing reads thousands of objects per stream (images, videos, parquet row groups), and on a
-store the client's own CPU per request is paid on the packing core.  pyarrow's S3 filesystem (the
-AWS C++ SDK) sends a HEAD before each GET and copies the body through its streams: measured here
-~2.6 ms of CPU for a 100 KB object and ~8 ms for 1 MB.  obstore (Rust ``object_store``) reads the
-same object with one GET for ~0.6-1.0 ms and ~2.5 ms (``scripts/bench_s3.py`` shows what that is
-per batch).  So source reads on ``s3://`` go through obstore when it can serve the bucket, and
-through pyarrow otherwise; listings, the pack's own output and the loader stay on pyarrow.
+Packing reads thousands of objects per stream (images, videos, parquet row groups), and on a store
+the client's own CPU per request is paid on the packing core.  pyarrow's S3 filesystem (the AWS C++
+SDK) sends a HEAD before each GET and copies the body through its streams; obstore (Rust
+``object_store``) reads the same object with one GET, for about a third of the CPU (measured:
+docs/performance.md, "Object stores (S3)").  So source reads on ``s3://`` go through obstore when
+it can serve the bucket, and through pyarrow otherwise; listings, the pack's own output and the
+loader stay on pyarrow.
 
 Both clients return the same bytes, and fail the same way for the sources: ``FileNotFoundError``
 for a missing object, ``PermissionError`` for a refused one, ``OSError`` for anything else, each
