@@ -4,7 +4,8 @@ Accepted unchanged from NeMo: ``seed``, ``tokenizer``, ``dataset`` (``grouped_da
 ``dataset_info[_path]`` and every packing knob of the reference ``BagelDatasetConfig`` with its
 default), ``dataloader.num_workers``.  Other recipe sections (model, optimizer, ...) are ignored.
 Relative paths resolve against the config file's folder.  Every mistake raises ``ConfigError``
-with one line that names the key and, for a typo, the closest valid name.
+with one line that names the key and, for a typo, the closest valid name.  Each section's dataclass
+parses itself (``parse``) and rebuilds itself from its stored ``to_dict()`` (``from_dict``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import difflib
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
 import yaml
@@ -46,6 +47,11 @@ def _typed(where: str, value: Any, typ: type | tuple, name: str) -> Any:
         tname = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
         raise ConfigError(f"{where}.{name} must be {tname}, got {value!r}")
     return value
+
+
+def _optional(cls: type, d: Mapping[str, Any] | None) -> Any:
+    """``cls.from_dict(d)`` for an optional section, None where it was not set."""
+    return None if d is None else cls.from_dict(d)
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,11 @@ class TransformArgs:
                 kw[k] = tuple(float(x) for x in v)
         return cls(**kw)
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "TransformArgs":
+        """The inverse of ``asdict`` after a JSON round trip (lists back to tuples); not re-validated."""
+        return cls(**{**d, "image_mean": tuple(d["image_mean"]), "image_std": tuple(d["image_std"])})
+
 
 @dataclass(frozen=True)
 class FrameSamplerArgs:
@@ -105,6 +116,10 @@ class FrameSamplerArgs:
             raise ConfigError(f"{where}.sample must be 'rand', 'middle' or 'fpsN', got {out.sample!r}")
         return out
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "FrameSamplerArgs":
+        return cls(**d)
+
 
 @dataclass(frozen=True)
 class DatasetInfo:
@@ -114,6 +129,37 @@ class DatasetInfo:
     data_dir: str
     jsonl_path: str | None = None
     parquet_info_path: str | None = None
+
+    @classmethod
+    def parse(cls, where: str, name: str, raw: Any, kind: SourceKind, base: str, check_files: bool) -> "DatasetInfo":
+        """Paths resolve against ``base`` (the config's folder); ``check_files`` also requires them to exist."""
+        if not isinstance(raw, Mapping) or "data_dir" not in raw:
+            raise ConfigError(f"{where} must be a mapping with 'data_dir'")
+        _check_keys(where, raw, list(kind.dataset_keys))
+        di = cls(
+            name=name,
+            data_dir=_resolve(base, raw["data_dir"], f"{where}.data_dir"),
+            jsonl_path=_resolve(base, raw["jsonl_path"], f"{where}.jsonl_path") if "jsonl_path" in raw else None,
+            parquet_info_path=(
+                _resolve(base, raw["parquet_info_path"], f"{where}.parquet_info_path")
+                if "parquet_info_path" in raw
+                else None
+            ),
+        )
+        for need in kind.dataset_needs:
+            if need.key not in raw:
+                raise ConfigError(need.missing(where))
+        if check_files:
+            if not _is_kind(di.data_dir, directory=True):
+                raise ConfigError(f"{where}.data_dir: directory not found: {di.data_dir}")
+            for label, p in (("jsonl_path", di.jsonl_path), ("parquet_info_path", di.parquet_info_path)):
+                if p is not None and not _is_kind(p, directory=False):
+                    raise ConfigError(f"{where}.{label}: file not found: {p}")
+        return di
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "DatasetInfo":
+        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -132,6 +178,81 @@ class GroupConfig:
     @property
     def kind(self) -> SourceKind:
         return KINDS[self.name]
+
+    @classmethod
+    def parse(cls, name: str, raw: Any, infos: Mapping, base: str, check_files: bool) -> "GroupConfig":
+        """One ``grouped_datasets`` entry, with its datasets looked up in ``infos`` (all of ``dataset_info``)."""
+        where = f"dataset.grouped_datasets.{name}"
+        kind = KINDS.get(name)
+        if kind is None:
+            raise ConfigError(f"unknown group name '{name}' in dataset.grouped_datasets{_closest(name, list(KINDS))}")
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{where} must be a mapping")
+        _check_keys(where, raw, list(kind.group_keys))
+        names = raw.get("dataset_names")
+        if not isinstance(names, list) or not names:
+            raise ConfigError(f"{where}.dataset_names must be a non-empty list")
+        used = raw.get("num_used_data")
+        if not isinstance(used, list) or len(used) != len(names):
+            raise ConfigError(f"{where}.num_used_data must be a list with one count per dataset name ({len(names)})")
+        for u in used:
+            if isinstance(u, bool) or not isinstance(u, int) or u <= 0:
+                raise ConfigError(f"{where}.num_used_data entries must be positive integers, got {u!r}")
+        group_infos = infos.get(name)
+        if not isinstance(group_infos, Mapping):
+            raise ConfigError(f"dataset.dataset_info has no entry for group '{name}'")
+        datasets = []
+        for ds in names:
+            if ds not in group_infos:
+                raise ConfigError(
+                    f"dataset.dataset_info.{name} has no dataset '{ds}'{_closest(str(ds), list(group_infos))}"
+                )
+            iw = f"dataset.dataset_info.{name}.{ds}"
+            datasets.append(DatasetInfo.parse(iw, str(ds), group_infos[ds], kind, base, check_files))
+        weight = _typed(where, raw.get("weight", 0.0), (int, float), "weight")
+        if weight < 0:
+            raise ConfigError(f"{where}.weight must be >= 0, got {weight!r}")
+        img = (
+            TransformArgs.parse(f"{where}.image_transform_args", raw["image_transform_args"])
+            if "image_transform_args" in raw
+            else None
+        )
+        vit = (
+            TransformArgs.parse(f"{where}.vit_image_transform_args", raw["vit_image_transform_args"])
+            if "vit_image_transform_args" in raw
+            else None
+        )
+        frames = (
+            FrameSamplerArgs.parse(f"{where}.frame_sampler_args", raw["frame_sampler_args"])
+            if "frame_sampler_args" in raw
+            else None
+        )
+        for need in kind.group_needs:
+            if need.key not in raw:
+                raise ConfigError(need.missing(where))
+        return cls(
+            name=name,
+            datasets=tuple(datasets),
+            num_used_data=tuple(int(u) for u in used),
+            weight=weight,
+            is_mandatory=bool(_typed(where, raw.get("is_mandatory", False), bool, "is_mandatory")),
+            image_transform=img,
+            vit_image_transform=vit,
+            frame_sampler=frames,
+            shuffle_lines=bool(_typed(where, raw.get("shuffle_lines", False), bool, "shuffle_lines")),
+            shuffle_seed=int(_typed(where, raw.get("shuffle_seed", 0), int, "shuffle_seed")),
+        )
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "GroupConfig":
+        return cls(**{
+            **d,
+            "datasets": tuple(DatasetInfo.from_dict(x) for x in d["datasets"]),
+            "num_used_data": tuple(d["num_used_data"]),
+            "image_transform": _optional(TransformArgs, d["image_transform"]),
+            "vit_image_transform": _optional(TransformArgs, d["vit_image_transform"]),
+            "frame_sampler": _optional(FrameSamplerArgs, d["frame_sampler"]),
+        })
 
 
 @dataclass(frozen=True)
@@ -154,6 +275,28 @@ class PackingKnobs:
     vit_patch_size: int = 14
     max_num_patch_per_side: int = 70
 
+    @classmethod
+    def parse(cls, where: str, raw: Mapping[str, Any]) -> "PackingKnobs":
+        """The knobs set in ``raw`` (the whole dataset block: the caller checks its keys), typed as their defaults."""
+        kw = {}
+        for f in fields(cls):
+            if f.name in raw:
+                typ = bool if isinstance(f.default, bool) else type(f.default)
+                kw[f.name] = _typed(where, raw[f.name], typ, f.name)
+        knobs = cls(**kw)
+        for k in ("text_cond_dropout_prob", "vit_cond_dropout_prob", "vae_cond_dropout_prob"):
+            if not 0.0 <= getattr(knobs, k) <= 1.0:
+                raise ConfigError(f"{where}.{k} must be in [0, 1], got {getattr(knobs, k)!r}")
+        for k in ("expected_num_tokens", "max_num_tokens", "max_num_tokens_per_sample", "vit_patch_size",
+                  "vae_image_downsample", "max_latent_size", "max_num_patch_per_side"):
+            if getattr(knobs, k) <= 0:
+                raise ConfigError(f"{where}.{k} must be positive, got {getattr(knobs, k)!r}")
+        return knobs
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "PackingKnobs":
+        return cls(**d)
+
 
 @dataclass(frozen=True)
 class PrepackSection:
@@ -170,6 +313,35 @@ class PrepackSection:
     def budget(self) -> dict[str, int]:
         """The stream budget as ``{key: value}`` for the keys that are set (see ``BUDGET_KEYS``)."""
         return {k: int(getattr(self, k)) for k in BUDGET_KEYS if getattr(self, k) is not None}
+
+    @classmethod
+    def parse(cls, where: str, raw: Any) -> "PrepackSection":
+        """The ``prepack:`` section; absent or empty means the defaults, which lack the budget it needs."""
+        raw = raw or {}
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{where} must be a mapping")
+        _check_keys(where, raw, [f.name for f in fields(cls)])
+        for k, v in raw.items():
+            if k in ("compression",):
+                _typed(where, v, str, k)
+            elif k == "strict":
+                _typed(where, v, bool, k)
+            elif v is not None:
+                _typed(where, v, int, k)
+                if v <= 0:
+                    raise ConfigError(f"{where}.{k} must be positive, got {v!r}")
+        section = cls(**raw)
+        try:
+            Compression.parse(section.compression)
+        except ValueError as e:
+            raise ConfigError(f"{where}.compression: {e}") from None
+        if section.batches_per_stream is None and section.tokens_per_stream is None and section.passes is None:
+            raise ConfigError(f"{where} needs a budget: batches_per_stream, tokens_per_stream or passes")
+        return section
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "PrepackSection":
+        return cls(**d)
 
 
 # Where a stream stops; a pack can be extended by raising these, so they are not part of its identity.
@@ -213,6 +385,21 @@ class PrepackConfig:
         d.pop("config_path")
         return d
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], config_path: str = "") -> "PrepackConfig":
+        """The inverse of ``to_dict``, also after a JSON round trip (as stored in a pack's pack.json).
+
+        Not re-validated and no paths re-resolved: it rebuilds what a pack was made with, whose files
+        may have moved since; check ``content_hash()`` against the stored hash.
+        """
+        return cls(**{
+            **d,
+            "groups": tuple(GroupConfig.from_dict(g) for g in d["groups"]),
+            "knobs": PackingKnobs.from_dict(d["knobs"]),
+            "prepack": PrepackSection.from_dict(d["prepack"]),
+            "config_path": config_path,
+        })
+
     def content_hash(self) -> str:
         """Hash of everything that shapes the output (paths included) except the budget, for refusing
         mismatched resumes; a larger budget extends a pack, since every stream is a prefix of an
@@ -226,7 +413,6 @@ class PrepackConfig:
 
 _KNOB_NAMES = list(PackingKnobs.__dataclass_fields__)
 _DATASET_KEYS = ["grouped_datasets", "grouped_datasets_path", "dataset_info", "dataset_info_path"] + _KNOB_NAMES
-_PREPACK_KEYS = list(PrepackSection.__dataclass_fields__)
 _OUR_TOP_KEYS = ["seed", "tokenizer", "dataset", "dataloader", "prepack"]
 
 
@@ -275,101 +461,8 @@ def _load_mapping(base: str, d: Mapping, key: str) -> dict:
     return dict(value)
 
 
-def _parse_group(name: str, g: Any, infos: Mapping, base: str, check_files: bool) -> GroupConfig:
-    where = f"dataset.grouped_datasets.{name}"
-    kind = KINDS.get(name)
-    if kind is None:
-        raise ConfigError(f"unknown group name '{name}' in dataset.grouped_datasets{_closest(name, list(KINDS))}")
-    if not isinstance(g, Mapping):
-        raise ConfigError(f"{where} must be a mapping")
-    _check_keys(where, g, list(kind.group_keys))
-    names = g.get("dataset_names")
-    if not isinstance(names, list) or not names:
-        raise ConfigError(f"{where}.dataset_names must be a non-empty list")
-    used = g.get("num_used_data")
-    if not isinstance(used, list) or len(used) != len(names):
-        raise ConfigError(f"{where}.num_used_data must be a list with one count per dataset name ({len(names)})")
-    for u in used:
-        if isinstance(u, bool) or not isinstance(u, int) or u <= 0:
-            raise ConfigError(f"{where}.num_used_data entries must be positive integers, got {u!r}")
-    group_infos = infos.get(name)
-    if not isinstance(group_infos, Mapping):
-        raise ConfigError(f"dataset.dataset_info has no entry for group '{name}'")
-    datasets = []
-    for ds in names:
-        if ds not in group_infos:
-            raise ConfigError(
-                f"dataset.dataset_info.{name} has no dataset '{ds}'{_closest(str(ds), list(group_infos))}"
-            )
-        info = group_infos[ds]
-        iw = f"dataset.dataset_info.{name}.{ds}"
-        if not isinstance(info, Mapping) or "data_dir" not in info:
-            raise ConfigError(f"{iw} must be a mapping with 'data_dir'")
-        _check_keys(iw, info, list(kind.dataset_keys))
-        di = DatasetInfo(
-            name=str(ds),
-            data_dir=_resolve(base, info["data_dir"], f"{iw}.data_dir"),
-            jsonl_path=_resolve(base, info["jsonl_path"], f"{iw}.jsonl_path") if "jsonl_path" in info else None,
-            parquet_info_path=(
-                _resolve(base, info["parquet_info_path"], f"{iw}.parquet_info_path")
-                if "parquet_info_path" in info
-                else None
-            ),
-        )
-        for need in kind.dataset_needs:
-            if need.key not in info:
-                raise ConfigError(need.missing(iw))
-        if check_files:
-            if not _is_kind(di.data_dir, directory=True):
-                raise ConfigError(f"{iw}.data_dir: directory not found: {di.data_dir}")
-            for label, p in (("jsonl_path", di.jsonl_path), ("parquet_info_path", di.parquet_info_path)):
-                if p is not None and not _is_kind(p, directory=False):
-                    raise ConfigError(f"{iw}.{label}: file not found: {p}")
-        datasets.append(di)
-    weight = _typed(where, g.get("weight", 0.0), (int, float), "weight")
-    if weight < 0:
-        raise ConfigError(f"{where}.weight must be >= 0, got {weight!r}")
-    img = TransformArgs.parse(f"{where}.image_transform_args", g["image_transform_args"]) if "image_transform_args" in g else None
-    vit = (
-        TransformArgs.parse(f"{where}.vit_image_transform_args", g["vit_image_transform_args"])
-        if "vit_image_transform_args" in g
-        else None
-    )
-    frames = (
-        FrameSamplerArgs.parse(f"{where}.frame_sampler_args", g["frame_sampler_args"])
-        if "frame_sampler_args" in g
-        else None
-    )
-    for need in kind.group_needs:
-        if need.key not in g:
-            raise ConfigError(need.missing(where))
-    return GroupConfig(
-        name=name,
-        datasets=tuple(datasets),
-        num_used_data=tuple(int(u) for u in used),
-        weight=weight,
-        is_mandatory=bool(_typed(where, g.get("is_mandatory", False), bool, "is_mandatory")),
-        image_transform=img,
-        vit_image_transform=vit,
-        frame_sampler=frames,
-        shuffle_lines=bool(_typed(where, g.get("shuffle_lines", False), bool, "shuffle_lines")),
-        shuffle_seed=int(_typed(where, g.get("shuffle_seed", 0), int, "shuffle_seed")),
-    )
-
-
-def parse_config(raw: Mapping[str, Any], base_dir: str, *, config_path: str = "", check_files: bool = True) -> PrepackConfig:
-    """Validate a config mapping (as loaded from YAML) into a ``PrepackConfig``."""
-    if not isinstance(raw, Mapping):
-        raise ConfigError("the config must be a YAML mapping")
-    for key in raw:
-        if key not in _OUR_TOP_KEYS:
-            close = difflib.get_close_matches(str(key), _OUR_TOP_KEYS, n=1, cutoff=0.75)
-            if close:  # other recipe sections are fine; a near-miss of ours is a typo
-                raise ConfigError(f"unknown key '{key}' at top level; did you mean '{close[0]}'?")
-    seed = raw.get("seed", 42)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError(f"seed must be an integer, got {seed!r}")
-    tok = raw.get("tokenizer", "qwen2-offline")
+def _parse_tokenizer(tok: Any, base_dir: str) -> str | dict:
+    """A tokenizer name, path or mapping; what looks like a local path resolves against the config's folder."""
     if isinstance(tok, Mapping):
         if "pretrained_model_name_or_path" not in tok:
             raise ConfigError("tokenizer mapping needs 'pretrained_model_name_or_path'")
@@ -382,37 +475,20 @@ def parse_config(raw: Mapping[str, Any], base_dir: str, *, config_path: str = ""
             tok = _resolve(base_dir, tok, "tokenizer")
     else:
         raise ConfigError(f"tokenizer must be a path, a mapping or 'qwen2-offline', got {tok!r}")
+    return tok
 
-    dl = raw.get("dataloader") or {}
+
+def _parse_num_workers(dl: Any) -> int:
     if not isinstance(dl, Mapping):
         raise ConfigError("dataloader must be a mapping")
     num_workers = dl.get("num_workers", 1)
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
         raise ConfigError(f"dataloader.num_workers must be an integer >= 0, got {num_workers!r}")
+    return num_workers
 
-    pp = raw.get("prepack") or {}
-    if not isinstance(pp, Mapping):
-        raise ConfigError("prepack must be a mapping")
-    _check_keys("prepack", pp, _PREPACK_KEYS)
-    pkw = dict(pp)
-    for k, v in pkw.items():
-        if k in ("compression",):
-            _typed("prepack", v, str, k)
-        elif k == "strict":
-            _typed("prepack", v, bool, k)
-        elif v is not None:
-            _typed("prepack", v, int, k)
-            if v <= 0:
-                raise ConfigError(f"prepack.{k} must be positive, got {v!r}")
-    section = PrepackSection(**pkw)
-    try:
-        Compression.parse(section.compression)
-    except ValueError as e:
-        raise ConfigError(f"prepack.compression: {e}") from None
-    if section.batches_per_stream is None and section.tokens_per_stream is None and section.passes is None:
-        raise ConfigError("prepack needs a budget: batches_per_stream, tokens_per_stream or passes")
 
-    ds = raw.get("dataset")
+def _parse_dataset(ds: Any, base_dir: str, check_files: bool) -> tuple[tuple[GroupConfig, ...], PackingKnobs]:
+    """The NeMo dataset block: its groups (each with its ``dataset_info``) and the packing knobs beside them."""
     if not isinstance(ds, Mapping):
         raise ConfigError("the config needs a 'dataset' mapping (the NeMo dataset block)")
     _check_keys("dataset", ds, _DATASET_KEYS)
@@ -420,25 +496,34 @@ def parse_config(raw: Mapping[str, Any], base_dir: str, *, config_path: str = ""
     infos = _load_mapping(base_dir, ds, "dataset_info")
     if not grouped:
         raise ConfigError("dataset.grouped_datasets is empty")
-    groups = tuple(_parse_group(str(n), g, infos, base_dir, check_files) for n, g in grouped.items())
-    knob_kw = {}
-    for k in _KNOB_NAMES:
-        if k in ds:
-            default = PackingKnobs.__dataclass_fields__[k].default
-            knob_kw[k] = _typed("dataset", ds[k], bool if isinstance(default, bool) else type(default), k)
-    knobs = PackingKnobs(**knob_kw)
-    for k in ("text_cond_dropout_prob", "vit_cond_dropout_prob", "vae_cond_dropout_prob"):
-        if not 0.0 <= getattr(knobs, k) <= 1.0:
-            raise ConfigError(f"dataset.{k} must be in [0, 1], got {getattr(knobs, k)!r}")
-    for k in ("expected_num_tokens", "max_num_tokens", "max_num_tokens_per_sample", "vit_patch_size",
-              "vae_image_downsample", "max_latent_size", "max_num_patch_per_side"):
-        if getattr(knobs, k) <= 0:
-            raise ConfigError(f"dataset.{k} must be positive, got {getattr(knobs, k)!r}")
+    groups = tuple(GroupConfig.parse(str(n), g, infos, base_dir, check_files) for n, g in grouped.items())
+    knobs = PackingKnobs.parse("dataset", ds)
     if sum(g.weight for g in groups) <= 0:
         raise ConfigError("all group weights are zero: set a positive 'weight' on at least one group")
+    return groups, knobs
 
-    streams_per_rank = max(1, num_workers)
-    need = section.world_size * streams_per_rank
+
+def parse_config(raw: Mapping[str, Any], base_dir: str, *, config_path: str = "", check_files: bool = True) -> PrepackConfig:
+    """Validate a config mapping (as loaded from YAML) into a ``PrepackConfig``.
+
+    Each section parses itself (``PrepackSection.parse``, ``GroupConfig.parse``, ...); the order of the
+    calls decides which of several mistakes is reported, so keep it.
+    """
+    if not isinstance(raw, Mapping):
+        raise ConfigError("the config must be a YAML mapping")
+    for key in raw:
+        if key not in _OUR_TOP_KEYS:
+            close = difflib.get_close_matches(str(key), _OUR_TOP_KEYS, n=1, cutoff=0.75)
+            if close:  # other recipe sections are fine; a near-miss of ours is a typo
+                raise ConfigError(f"unknown key '{key}' at top level; did you mean '{close[0]}'?")
+    seed = raw.get("seed", 42)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"seed must be an integer, got {seed!r}")
+    tok = _parse_tokenizer(raw.get("tokenizer", "qwen2-offline"), base_dir)
+    num_workers = _parse_num_workers(raw.get("dataloader") or {})
+    section = PrepackSection.parse("prepack", raw.get("prepack"))
+    groups, knobs = _parse_dataset(raw.get("dataset"), base_dir, check_files)
+    need = section.world_size * max(1, num_workers)
     for g in groups:
         if sum(g.num_used_data) < need:
             raise ConfigError(

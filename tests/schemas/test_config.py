@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 
 import pytest
 import yaml
 
-from schemas.config import ConfigError, load_config
+from schemas.config import BUDGET_KEYS, ConfigError, PrepackConfig, load_config
 
 from tests.helpers.paths import REPO
 
@@ -158,3 +160,81 @@ def test_every_kind_is_declared_once_with_the_keys_it_accepts():
         assert kind.name == name and GroupConfig(name, (), ()).kind is kind
         assert {n.key for n in kind.group_needs} <= set(kind.group_keys)
         assert {n.key for n in kind.dataset_needs} <= set(kind.dataset_keys)
+
+
+def _json_round_trip(cfg) -> dict:
+    """``to_dict()`` as pack.json keeps it: tuples come back as lists."""
+    return json.loads(json.dumps(cfg.to_dict()))
+
+
+def _rebuilt_with_constructors(d: dict, config_path: str):
+    """The former ``prepack.run.identity.config_from_identity``, kept here as the reference that
+    ``PrepackConfig.from_dict`` replaced: built with the dataclass constructors only."""
+    from schemas.config import (DatasetInfo, FrameSamplerArgs, GroupConfig, PackingKnobs, PrepackConfig,
+                                PrepackSection, TransformArgs)
+
+    def transform(t):
+        return None if t is None else TransformArgs(**{**t, "image_mean": tuple(t["image_mean"]),
+                                                          "image_std": tuple(t["image_std"])})
+
+    groups = tuple(GroupConfig(**{
+        **g,
+        "datasets": tuple(DatasetInfo(**x) for x in g["datasets"]),
+        "num_used_data": tuple(g["num_used_data"]),
+        "image_transform": transform(g["image_transform"]),
+        "vit_image_transform": transform(g["vit_image_transform"]),
+        "frame_sampler": FrameSamplerArgs(**g["frame_sampler"]) if g["frame_sampler"] else None,
+    }) for g in d["groups"])
+    return PrepackConfig(**{**d, "groups": groups, "knobs": PackingKnobs(**d["knobs"]),
+                            "prepack": PrepackSection(**d["prepack"]), "config_path": config_path})
+
+
+def test_demo_config_hash_is_the_one_its_stored_dict_gives():
+    """A pack stores ``config_hash`` and ``to_dict()``; the demo config read now, and rebuilt from its
+    stored dict the way packs were always read back, must hash alike (no hash is hard-coded)."""
+    c = load_config(os.path.join(REPO, "configs", "demo.yaml"), check_files=False)
+    d = _json_round_trip(c)
+    reference = _rebuilt_with_constructors(d, c.config_path)
+    assert reference == c and reference.content_hash() == c.content_hash()
+    assert PrepackConfig.from_dict(d, c.config_path).content_hash() == c.content_hash()
+    for k in BUDGET_KEYS:  # the stored formula: sorted JSON of everything but the budget
+        d["prepack"].pop(k)
+    assert c.content_hash() == hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+
+
+def test_from_dict_rebuilds_the_demo_config():
+    c = load_config(os.path.join(REPO, "configs", "demo.yaml"), check_files=False)
+    back = PrepackConfig.from_dict(_json_round_trip(c), c.config_path)
+    assert back == c and back.content_hash() == c.content_hash() and back.config_path == c.config_path
+    assert PrepackConfig.from_dict(_json_round_trip(c)).config_path == ""
+
+
+@pytest.mark.parametrize("budget", [
+    {"batches_per_stream": 10},
+    {"tokens_per_stream": 50_000},
+    {"passes": 2},
+    {"batches_per_stream": 10, "tokens_per_stream": 50_000, "passes": 2},
+])
+def test_from_dict_rebuilds_every_optional_section(base, budget):
+    tmp, cfg = base
+    _with_edit(tmp, cfg, parquet_info_path="data/edit/info.json")
+    groups = cfg["dataset"]["grouped_datasets"]
+    groups["unified_edit"]["vit_image_transform_args"] = {
+        "image_stride": 14, "max_image_size": 980, "min_image_size": 224, "max_pixels": 100_000,
+        "image_mean": [0.1, 0.2, 0.3], "image_std": [1, 2, 3]}
+    groups["vlm_sft"].update(shuffle_lines=True, shuffle_seed=5, weight=0.5,
+                             frame_sampler_args={"max_num_frames": 4, "min_num_frames": 2, "sample": "fps2"})
+    cfg["dataset"].update(expected_num_tokens=1000, max_num_tokens_per_sample=900, max_num_tokens=1200,
+                          prefer_buffer_before=800, max_buffer_size=5, interpolate_pos=True, data_seed=3,
+                          text_cond_dropout_prob=0, vit_cond_dropout_prob=0.5, vae_cond_dropout_prob=1,
+                          vae_image_downsample=8, max_latent_size=16, vit_patch_size=16, max_num_patch_per_side=35)
+    cfg["prepack"] = {"world_size": 2, "shard_bytes": 1 << 20, "compression": "zstd:3", "strict": True,
+                      "max_image_pixels": 10**6, "max_consecutive_failures": 3, **budget}
+    c = load_config(write(tmp, cfg))
+    by_name = {g.name: g for g in c.groups}
+    assert by_name["unified_edit"].vit_image_transform.image_std == (1.0, 2.0, 3.0)
+    assert by_name["vlm_sft"].frame_sampler.sample == "fps2" and c.knobs.interpolate_pos
+    back = PrepackConfig.from_dict(_json_round_trip(c), c.config_path)
+    assert back == c  # dataclass equality: lists are back to tuples, every section to its class
+    assert back.content_hash() == c.content_hash() and back.prepack.budget() == budget
+    assert back == _rebuilt_with_constructors(_json_round_trip(c), c.config_path)
