@@ -38,6 +38,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from loader.dataloader import build_dataloader
 from loader.dataset import PackedShardDataset
 from schemas.errors import ConfigError
+from schemas.pack_info import PackInfo
 
 log = logging.getLogger(__name__)
 
@@ -101,17 +102,17 @@ class PackedBagelDataloaderConfig:
             prefetch=self.prefetch,
         )
         dataset: PackedShardDataset = loader.dataset
-        _check_identity(dataset.pack.identity, special_tokens, global_seed)
+        _check_identity(dataset.pack.info, special_tokens, global_seed)
         return PackedDataloaderBuild(dataloader=loader, dataset=dataset)
 
 
-def _check_identity(identity: Mapping[str, Any], special_tokens: Mapping[str, object], global_seed: int) -> None:
-    packed = identity.get("special_tokens") or {}
+def _check_identity(info: PackInfo, special_tokens: Mapping[str, object], global_seed: int) -> None:
+    packed = info.special_tokens or {}
     wrong = {k: (v, packed[k]) for k, v in dict(special_tokens).items() if k in packed and int(v) != int(packed[k])}
     if wrong:
         detail = ", ".join(f"{k}: tokenizer {a}, pack {b}" for k, (a, b) in sorted(wrong.items()))
         raise ConfigError(f"the tokenizer's special token ids differ from the pack's ({detail})")
-    seed = (identity.get("config") or {}).get("seed")
+    seed = (info.config or {}).get("seed")
     if seed is not None and int(seed) != int(global_seed):
         log.warning(
             "pack was made with seed %s, the recipe's seed is %s: data differs from the online pipeline's",

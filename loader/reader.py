@@ -17,8 +17,6 @@ the next commit (polling) until the stream's ``done.json`` says it has ended.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
 from collections.abc import Iterator
@@ -28,7 +26,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import xxhash
 
-from schemas.errors import DamagedFile, FollowTimeout, NotAPack, PackIntegrityError, UsageError
+from schemas.errors import DamagedFile, FollowTimeout, PackIntegrityError, UsageError
 from schemas.location import PackLocation, resolve_location
 from schemas.views import SeekableView
 from schemas.layout import (
@@ -42,16 +40,9 @@ from schemas.layout import (
     stream_dir,
     stream_lineage_file,
 )
-from schemas.manifest import (
-    PackSummary,
-    ShardEntry,
-    StreamIndex,
-    StreamSummary,
-    check_format,
-    expected_shard_metadata,
-    load_checked,
-)
-from schemas.record import RECORD_SCHEMA, RECORD_SCHEMA_VERSION, record_digest
+from schemas.manifest import PackSummary, ShardEntry, StreamIndex, StreamSummary, expected_shard_metadata
+from schemas.pack_info import PackInfo
+from schemas.record import RECORD_SCHEMA, record_digest
 
 _READ_OPTIONS = pa.ipc.IpcReadOptions(use_threads=False)  # one core per reader; parallelism comes from streams
 REMOTE_BLOCK = 16 << 20  # what one request of a shard on a store fetches ahead
@@ -105,51 +96,42 @@ class Follow:
     timeout_s: float | None = None
 
 
-def identity_fingerprint(identity: dict) -> str:
-    """What a loader state is tied to: the pack's content identity, not its budget (an extended
-    pack keeps every record, so a state taken before the extension still applies)."""
-    keys = ("format_version", "config_hash", "tokenizer_fingerprint", "world_size", "num_workers", "stream_seeds")
-    blob = json.dumps({k: identity.get(k) for k in keys}, sort_keys=True, default=str)
-    return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
-
-
 @dataclass
 class Pack:
     """An opened pack: where it is, its identity (pack.json) and the indexes of the streams read so far."""
 
     location: PackLocation
-    identity: dict
+    info: PackInfo
     _indexes: dict[int, StreamIndex] = field(default_factory=dict, repr=False)
     _done: dict[int, StreamSummary | None] = field(default_factory=dict, repr=False)
 
     @classmethod
     def open(cls, path: "str | os.PathLike | PackLocation", filesystem: pafs.FileSystem | None = None) -> "Pack":
         loc = resolve_location(path, filesystem)
-        try:
-            raw = loc.read_bytes(PACK_INFO_NAME)
-        except FileNotFoundError:
-            raise NotAPack(f"{loc.path('')} is not a pack (no {PACK_INFO_NAME}); pack into it with 'prepack run'") from None
-        identity = check_format(load_checked(raw, loc.path(PACK_INFO_NAME)), loc.path(PACK_INFO_NAME))
-        if identity.get("record_schema_version") != RECORD_SCHEMA_VERSION:
-            raise DamagedFile(f"{loc.path(PACK_INFO_NAME)}: record schema version "
-                              f"{identity.get('record_schema_version')}, this reader reads {RECORD_SCHEMA_VERSION}")
-        return cls(loc, identity)
+        info = PackInfo.open(loc)
+        info.check_record_schema(loc.path(PACK_INFO_NAME))
+        return cls(loc, info)
+
+    @property
+    def identity(self) -> dict:
+        """pack.json as plain data (what the manifest stores); typed: ``info``."""
+        return self.info.to_dict()
 
     @property
     def num_streams(self) -> int:
-        return int(self.identity["num_streams"])
+        return self.info.num_streams
 
     @property
     def world_size(self) -> int:
-        return int(self.identity["world_size"])
+        return self.info.world_size
 
     @property
     def num_workers(self) -> int:
-        return int(self.identity["num_workers"])
+        return self.info.num_workers
 
     @property
     def fingerprint(self) -> str:
-        return identity_fingerprint(self.identity)
+        return self.info.fingerprint
 
     def check_stream(self, stream: int) -> None:
         if not 0 <= stream < self.num_streams:
@@ -165,15 +147,12 @@ class Pack:
             self.check_stream(stream)
             summary = self._read_done(stream)  # before the index: done.json is written after the last commit
             path = self.location.path(index_file(stream))
-            try:
-                data = self.location.read_bytes(index_file(stream))
-            except FileNotFoundError:
+            index = StreamIndex.read(self.location, stream)
+            if index is None:
                 evidence = self._evidence_of_records(stream, summary)
                 if evidence:
-                    raise DamagedFile(f"{path}: missing, but {evidence}") from None
+                    raise DamagedFile(f"{path}: missing, but {evidence}")
                 index = StreamIndex(stream, [])
-            else:
-                index = StreamIndex.from_bytes(data, stream, path)
             if summary is not None:
                 _check_index_covers(index, summary, path, self.location.path(done_file(stream)))
             old = self._indexes.get(stream)
@@ -184,12 +163,7 @@ class Pack:
 
     def _read_done(self, stream: int) -> StreamSummary | None:
         """The stream's done.json, whatever budget it finished (None when absent)."""
-        try:
-            data = self.location.read_bytes(done_file(stream))
-        except FileNotFoundError:
-            summary = None
-        else:
-            summary = StreamSummary.from_json(data, self.location.path(done_file(stream)))
+        summary = StreamSummary.read(self.location, stream)
         self._done[stream] = summary
         return summary
 
@@ -209,11 +183,9 @@ class Pack:
                 return f"{stream_dir(stream)}/{info.base_name} exists (written only after the stream's first commit)"
         if loc.fs.get_file_info(loc.path(stream_lineage_file(stream))).type == pafs.FileType.File:
             return f"{stream_lineage_file(stream)} exists (written when the stream finished)"
-        try:
-            raw = loc.read_bytes(MANIFEST_NAME)
-        except FileNotFoundError:
+        summary_of_pack = PackSummary.read(loc)
+        if summary_of_pack is None:
             return ""
-        summary_of_pack = PackSummary.from_json(raw, loc.path(MANIFEST_NAME))
         listed = [s for s in summary_of_pack.streams if s.stream == stream and s.num_records > 0]
         return f"{MANIFEST_NAME} says the stream has {listed[0].num_records} records" if listed else ""
 
@@ -236,7 +208,7 @@ class Pack:
         if stream not in self._done:
             self.index(stream, refresh=True)
         summary = self._done.get(stream)
-        if summary is None or summary.budget != self.identity.get("budget"):
+        if summary is None or summary.budget != self.info.budget:
             return None  # not finished, or finished an earlier, smaller budget: being extended
         return summary
 
@@ -337,7 +309,7 @@ def read_shard(
         if verify:
             meta = {k.decode(): v.decode() for k, v in (reader.schema.metadata or {}).items()}
             wrong = [f"{k}={meta.get(k)!r} (expected {v!r})"
-                     for k, v in expected_shard_metadata(pack.identity, shard).items() if meta.get(k) != v]
+                     for k, v in expected_shard_metadata(pack.info, shard).items() if meta.get(k) != v]
             expected = RECORD_SCHEMA if columns is None else pa.schema([RECORD_SCHEMA.field(c) for c in columns])
             if reader.schema.remove_metadata() != expected:
                 wrong.append("its columns differ from this reader's record schema")

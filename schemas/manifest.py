@@ -1,5 +1,7 @@
-"""The pack's documents, declared once and checked when read: pack.json's format, the stream
-index, done.json, the manifest, and the identity stamped into every shard file.
+"""The pack's documents, declared once and each read in one place, checked: the stream index
+(``StreamIndex.read``), done.json (``StreamSummary.read``), the manifest (``PackSummary.read``) and
+the identity stamped into every shard file.  ``pack.json`` is ``schemas.pack_info``; a checkpoint's
+files are read and written by ``prepack.run.checkpoints``.
 
 Where each file lies is ``schemas.layout``; in what order a shard is committed, and why the stream
 index is the commit marker, is ``prepack.run.writer`` (its module doc).  A reader needs
@@ -17,7 +19,7 @@ import bisect
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -38,12 +40,12 @@ from schemas.layout import (  # noqa: F401  (re-exported: the tools and tests ta
     stream_dir,
     stream_lineage_file,
 )
+from schemas.pack_info import FORMAT_VERSION, SHARD_KEYS, PackInfo  # noqa: F401  (FORMAT_VERSION re-exported)
 from schemas.record import RECORD_SCHEMA_VERSION
 
-# of the whole layout (schemas.layout); pack.json names it (3: stream indexes are sealed; 4: one
-# pixel frame per image and a pixel index per shard, for reuse; 5: record digests by image, frame
-# formats and frame digests in the pixel index, so a later pack passes frames through)
-FORMAT_VERSION = 5
+if TYPE_CHECKING:
+    from schemas.location import PackLocation
+
 
 
 def chain_root(previous: str, digests: "Sequence[str] | bytes", facts: bytes = b"") -> str:
@@ -99,28 +101,32 @@ class StreamSummary(Document):
     # a reused pack's bytes are a fresh pack's, see prepack.engine.reuse.earlier_pixels)
     reuse: dict = field(default_factory=dict)
 
+    @classmethod
+    def read(cls, loc: "PackLocation", stream: int) -> "StreamSummary | None":
+        """The stream's ``done.json``, or None while it is not finished."""
+        try:
+            data = loc.read_bytes(done_file(stream))
+        except FileNotFoundError:
+            return None
+        return cls.from_json(data, loc.path(done_file(stream)))
+
 
 @dataclass
 class PackSummary(Document):
     """``manifest.json``: written once every stream is done; O(streams), never O(records)."""
 
     format_version: int
-    identity: dict[str, Any]
+    identity: dict[str, Any]  # pack.json's content (PackInfo.to_dict)
     streams: list[StreamSummary]
 
-
-def check_format(identity: Any, where: str) -> dict:
-    """``identity`` (pack.json) if this code reads its format; else one line saying what to do."""
-    if not isinstance(identity, dict):
-        raise DamagedFile(f"{where}: not a JSON object")
-    version = identity.get("format_version")
-    if version != FORMAT_VERSION:
-        old = version if version is not None else f"1 (manifest_version {identity.get('manifest_version')})"
-        raise PackFormatError(
-            f"{where}: this pack has on-disk format {old}; this bagel-prepack reads format {FORMAT_VERSION}. "
-            "Re-pack it with 'prepack run' into a new --out (or read it with the bagel-prepack that wrote it)"
-        )
-    return identity
+    @classmethod
+    def read(cls, loc: "PackLocation") -> "PackSummary | None":
+        """The pack's ``manifest.json``, or None while some stream is not finished."""
+        try:
+            data = loc.read_bytes(MANIFEST_NAME)
+        except FileNotFoundError:
+            return None
+        return cls.from_json(data, loc.path(MANIFEST_NAME))
 
 
 # -- the per-stream index -------------------------------------------------------------------------
@@ -189,15 +195,7 @@ class ShardEntry:
 
 
 # -- the identity a shard file carries in its schema metadata --------------------------------------
-# (metadata key, pack.json field): the pack's part of it, the same in every shard of the pack
-_PACK_KEYS = (("prepack.config_hash", "config_hash"), ("prepack.tokenizer_fingerprint", "tokenizer_fingerprint"),
-              ("prepack.code_fingerprint", "code_fingerprint"), ("prepack.use_flex", "use_flex"))
-_CHECKED_PACK_KEYS = _PACK_KEYS[:2]  # config and tokenizer: what a reader holds a shard to
-
-
-def pack_metadata(identity: dict) -> dict[str, str]:
-    """The pack's part of every shard's metadata, from its identity (pack.json)."""
-    return {key: str(identity[name]) for key, name in _PACK_KEYS}
+_CHECKED_PACK_KEYS = SHARD_KEYS[:2]  # config and tokenizer: what a reader holds a shard to
 
 
 def _place(stream: int, shard: int) -> dict[str, str]:
@@ -206,16 +204,17 @@ def _place(stream: int, shard: int) -> dict[str, str]:
 
 
 def shard_metadata(pack_meta: dict[str, str], stream: int, shard: int) -> dict[str, str]:
-    """What the writer stamps into shard ``shard`` of ``stream``: the pack's part, then its place."""
+    """What the writer stamps into shard ``shard`` of ``stream``: the pack's part (``PackInfo.shard_metadata``),
+    then its place."""
     return {**pack_meta, **_place(stream, shard)}
 
 
-def expected_shard_metadata(identity: dict, shard: "ShardEntry") -> dict[str, str]:
+def expected_shard_metadata(info: PackInfo, shard: "ShardEntry") -> dict[str, str]:
     """What a reader holds a shard's metadata to (the record schema, config, tokenizer and its place),
     so a shard of another stream or pack is named as such."""
     place = _place(shard.stream, shard.shard)
     version = {"prepack.record_schema_version": place.pop("prepack.record_schema_version")}
-    return {**version, **{key: str(identity.get(name)) for key, name in _CHECKED_PACK_KEYS}, **place}
+    return {**version, **{key: str(getattr(info, name)) for key, name in _CHECKED_PACK_KEYS}, **place}
 
 
 # One row per packed sample; written per shard, then per finished stream (see schemas.layout).
@@ -295,6 +294,15 @@ class StreamIndex:
         """Entry of record ``index`` of the stream."""
         shard = self.shard_of(index)
         return shard.records[index - shard.first_record]
+
+    @classmethod
+    def read(cls, loc: "PackLocation", stream: int) -> "StreamIndex | None":
+        """The stream's committed index, checked (``from_bytes``), or None before its first commit."""
+        try:
+            data = loc.read_bytes(index_file(stream))
+        except FileNotFoundError:
+            return None
+        return cls.from_bytes(data, stream, loc.path(index_file(stream)))
 
     def _chain_start(self) -> str:
         return chain_root("", [], f"{self.ckpt0_json_sha256}|{self.ckpt0_arrow_sha256}".encode())

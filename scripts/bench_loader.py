@@ -119,7 +119,6 @@ def build_pack(tmp: str, batches: int):
 
     from prepack.run.driver import finalize
     from prepack.run.identity import pack_identity, write_identity
-    from schemas.manifest import pack_metadata
     from prepack.run.stream_job import pack_one_stream
     from prepack.engine.tokenizer import load_tokenizer, special_token_ids, tokenizer_fingerprint
     from schemas.config import load_config
@@ -134,8 +133,8 @@ def build_pack(tmp: str, batches: int):
     loc.fs.create_dir(loc.base, recursive=True)
     write_identity(loc, identity)
     for s in range(cfg.num_streams):
-        pack_one_stream(cfg, out, s, tok, special, pack_metadata(identity))
-    finalize(loc, cfg, identity)
+        pack_one_stream(cfg, out, s, tok, special, identity.shard_metadata())
+    finalize(loc, cfg)
     return cfg, tok, out
 
 

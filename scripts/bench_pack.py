@@ -279,7 +279,7 @@ def main() -> None:
     from prepack.engine.packer import StreamPacker
     from prepack.engine.tokenizer import load_tokenizer, special_token_ids
     from prepack.run.worker_process import settle_worker_process
-    from prepack.run.writer import Compression
+    from schemas.compression import Compression
     from schemas.config import load_config
     from schemas.record import RECORD_SCHEMA, encode_record, record_to_batch
     import pyarrow as pa

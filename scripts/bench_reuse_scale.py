@@ -131,7 +131,8 @@ def synthetic_shards(out: str, pictures: int, per_shard: int = 1000, streams: in
     import numpy as np
 
     from prepack.engine.reuse.source_pictures import RESIZE_IMPL
-    from prepack.run.writer import write_bytes_atomic, write_index
+    from prepack.run.atomic_files import write_bytes_atomic
+    from prepack.run.writer import write_index
     from schemas.location import resolve_location
     from schemas.manifest import RecordEntry, ShardEntry, StreamIndex, shard_pixels_file
     from schemas.pixel_index import DecodeFacts, PictureSource, PixelEntry, pixel_index_bytes

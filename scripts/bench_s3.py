@@ -173,14 +173,13 @@ def pack_timed(config: str, out: str, tok_special, reuse: tuple[str, ...] = (),
     """
     from prepack.engine.tokenizer import tokenizer_fingerprint
     from prepack.run.identity import pack_identity
-    from schemas.manifest import pack_metadata
     from prepack.run.stream_job import pack_one_stream
     from schemas.config import load_config
 
     tok, special = tok_special
     t0 = time.perf_counter()
     cfg = load_config(config)
-    metadata = pack_metadata(pack_identity(cfg, tokenizer_fingerprint(tok), special))
+    metadata = pack_identity(cfg, tokenizer_fingerprint(tok), special).shard_metadata()
     steady_s = steady_cpu = waited_ms = store_s = 0.0
     steady_batches = batches = waited_n = 0
     for stream in range(cfg.num_streams):

@@ -64,14 +64,13 @@ print(json.dumps({{"s": time.perf_counter() - t0, "rss_mb": int(open("/proc/self
 """
 
 _FINALIZE_IMPORTS = """
-from prepack.run.identity import config_from_identity
 from prepack.run.driver import finalize
 from loader.reader import Pack
 """
 _FINALIZE = """
 pack = Pack.open({out!r})
-cfg = config_from_identity(pack.identity)
-assert finalize(pack.location, cfg, pack.identity)[0]
+cfg = pack.info.stored_config()
+assert finalize(pack.location, cfg)[0]
 """
 
 _VERIFY_IMPORTS = "from prepack.tools.verify import verify_pack"
@@ -114,7 +113,8 @@ def build(out: str, streams: int, records: int, world: int, per_shard: int, samp
     import pyarrow.parquet as pq
 
     from prepack.run.identity import pack_identity, write_identity
-    from prepack.run.writer import write_bytes_atomic, write_index
+    from prepack.run.atomic_files import write_bytes_atomic
+    from prepack.run.writer import write_index
     from schemas.location import resolve_location
     from schemas.manifest import (
         LINEAGE_SCHEMA,

@@ -26,10 +26,10 @@ import pyarrow as pa
 
 from prepack.engine.reuse.source_pictures import RESIZE_IMPL
 from prepack.engine.reuse.earlier_packs import open_old_pack
-from prepack.run.writer import write_bytes_atomic
+from prepack.run.atomic_files import write_bytes_atomic
 from schemas.errors import DamagedFile, PackFormatError
 from schemas.location import PackLocation
-from schemas.manifest import StreamIndex, index_file, shard_pixels_file
+from schemas.manifest import StreamIndex, shard_pixels_file
 from schemas.pixel_catalog import (BLOCK_ROWS, CATALOG_NAME, FENCES_SCHEMA, PARTS, ROW_DTYPE, Catalog,
                                    arrow_file_bytes, block_digest, build_name, fences_file, part_file)
 from schemas.pixel_index import read_pixel_index
@@ -123,12 +123,8 @@ def _covered(loc: PackLocation, streams: int) -> dict[int, list]:
     """Each stream's committed shards (entries of its stream index; [] when none)."""
     out: dict[int, list] = {}
     for stream in range(streams):
-        try:
-            data = loc.read_bytes(index_file(stream))
-        except FileNotFoundError:
-            out[stream] = []
-            continue
-        out[stream] = StreamIndex.from_bytes(data, stream, loc.path(index_file(stream))).shards
+        index = StreamIndex.read(loc, stream)
+        out[stream] = index.shards if index is not None else []
     return out
 
 

@@ -10,8 +10,8 @@ manifest.
 
 A worker node may vanish at any moment (preemption): Ray retries its stream tasks on the other
 nodes and each resumes after its last commit.  Nothing the run needs lives on a worker node:
-the progress actor is pinned to the driver's node, and every call to it is guarded, so progress
-reporting can never fail a run.
+the progress actor (``ray_tasks``, with the stream task) is pinned to the driver's node, and every
+call to it is guarded, so progress reporting can never fail a run.
 """
 
 from __future__ import annotations
@@ -21,22 +21,22 @@ import os
 import time
 from dataclasses import asdict
 
-from prepack.run.identity import read_identity, settle_identity
-from prepack.run.lease import StreamLease, acquire_streams, live_leases, pid_alive, remove_stale_leases
-from prepack.run.progress import RunProgress
+from prepack.run.atomic_files import write_bytes_atomic
+from prepack.run.identity import settle_identity
+from prepack.run.lease import StreamLease, acquire_streams, live_leases, remove_stale_leases
+from prepack.run.lineage import drop_lineage_leftovers
+from prepack.run.progress import RunProgress, StreamProgress
 from prepack.run.summary import RunSummary
-from prepack.run.stream_job import drop_lineage_leftovers, read_done
-from prepack.run.writer import read_index, write_bytes_atomic
 from schemas.config import PrepackConfig
 from schemas.errors import PackRefused, StreamFailed
 from schemas.location import PackLocation, redact_uri, resolve_location
-from schemas.manifest import FORMAT_VERSION, MANIFEST_NAME, PackSummary, StreamSummary
+from schemas.manifest import FORMAT_VERSION, MANIFEST_NAME, PackSummary, StreamIndex, StreamSummary
+from schemas.pack_info import PackInfo
 
 log = logging.getLogger(__name__)
 
 LOG_EVERY_S = 30.0
 NODE_CHECK_S = 5.0  # how often the driver looks for lost nodes
-TASK_RETRIES = 10  # per stream task, for system failures (a lost worker or node); each retry resumes
 
 
 # -- ray --------------------------------------------------------------------------------------
@@ -63,89 +63,8 @@ def init_ray(address: str | None, num_cpus: int | None = None):
     return ray
 
 
-def _attempt() -> int:
-    """This task's attempt number (0 first, 1 first retry...), or -1 where Ray does not say.
-
-    Ray has no public call for it; its core worker's is used if present (best effort)."""
-    try:
-        from ray._private.worker import global_worker
-
-        return int(global_worker.core_worker.get_current_task_attempt_number())
-    except Exception:  # noqa: BLE001
-        return -1
-
-
-def _make_remote(ray):
-    @ray.remote(num_cpus=0)
-    class Progress:
-        """A mailbox for progress reports: on the driver's node, holds plain data only."""
-
-        def __init__(self):
-            self.reports: dict[int, dict] = {}
-            self.attempts: dict[int, list[str]] = {}  # stream -> node id of each attempt
-
-        def started(self, stream: int, node: str, attempt: int = -1) -> None:
-            """``attempt``: Ray's attempt number for the task (-1 unknown).  Attempts that died before
-            they could report are filled in as "?", so a retry is known even then."""
-            nodes = self.attempts.setdefault(stream, [])
-            while len(nodes) < attempt:
-                nodes.append("?")
-            nodes.append(node)
-
-        def update(self, stream: int, payload: dict) -> None:
-            self.reports[stream] = payload
-
-        def poll(self) -> tuple[dict, dict]:
-            return dict(self.reports), {s: list(n) for s, n in self.attempts.items()}
-
-    @ray.remote(num_cpus=1, max_retries=TASK_RETRIES)
-    def stream_task(cfg, out, stream, metadata, progress, local_ray=False, log_level=logging.WARNING, reuse=()):
-        def tell(method, *args) -> None:  # progress is best effort: it may never fail the stream
-            try:
-                getattr(progress, method).remote(*args)
-            except Exception:  # noqa: BLE001  (a dead or unreachable actor)
-                pass
-
-        # First, before the imports below: with Ray's attempt number a retry is known even when the
-        # attempt before it died before it could report.  Not waited for: a task blocked in
-        # ray.get lends its CPU to the next task, and packing workers would then oversubscribe.
-        tell("started", stream, ray.get_runtime_context().get_node_id(), _attempt())
-        from prepack.run.stream_job import pack_one_stream
-        from prepack.run.worker_process import settle_worker_process
-        from prepack.engine.tokenizer import load_tokenizer, special_token_ids
-
-        if log_level < logging.WARNING:  # -v: each drop's detail from the worker, as it happens
-            logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
-        # A local Ray fate-shares with its driver: a SIGKILLed driver takes the raylet along, but
-        # its orphaned workers would go on packing (and even start a task pushed just before)
-        # for seconds, racing a rerun over the same files.  So on a local Ray (same host, same
-        # PID namespace) a task stops at the next record once its raylet has exited.
-        raylet = int(os.environ.get("RAY_RAYLET_PID") or 0) if local_ray else 0
-
-        def check_raylet() -> None:
-            if raylet and not pid_alive(raylet):
-                raise RuntimeError(f"stream {stream}: this worker's raylet (pid {raylet}) is gone; stopping")
-
-        check_raylet()
-        tokenizer, special = special_token_ids(load_tokenizer(cfg.tokenizer))
-        last = [0.0]
-
-        def report(ev):
-            check_raylet()
-            now = time.monotonic()
-            if ev.done or now - last[0] > 1.0:  # each report is a Ray call: once a second is enough for a bar
-                last[0] = now
-                tell("update", ev.stream, ev.payload())
-
-        check_raylet()
-        settle_worker_process()
-        return pack_one_stream(cfg, out, stream, tokenizer, special, metadata, report, reuse)
-
-    return Progress, stream_task
-
-
 # -- pack metadata -----------------------------------------------------------------------------
-def finalize(loc: PackLocation, cfg: PrepackConfig, identity: dict) -> tuple[bool, list[StreamSummary]]:
+def finalize(loc: PackLocation, cfg: PrepackConfig) -> tuple[bool, list[StreamSummary]]:
     """Write manifest.json (a summary per stream) once every stream has finished this budget.
 
     Reads one ``done.json`` per stream: memory and time O(streams), never O(records); lineage
@@ -157,23 +76,23 @@ def finalize(loc: PackLocation, cfg: PrepackConfig, identity: dict) -> tuple[boo
     budget = cfg.prepack.budget()
     entries = []
     for s in range(cfg.num_streams):
-        done = read_done(loc, s)
+        done = StreamSummary.read(loc, s)
         if done is None or done.budget != budget:
             return False, entries
         entries.append(done)
-    stored = read_identity(loc)
-    if stored is None or stored.get("budget") != budget:
+    stored = PackInfo.read(loc)
+    if stored is None or stored.budget != budget:
         log.warning("not writing the manifest: pack.json now has budget %s (another run is extending the pack)",
-                    stored and stored.get("budget"))
+                    stored and stored.budget)
         return False, entries
-    summary = PackSummary(format_version=FORMAT_VERSION, identity=stored, streams=entries)
+    summary = PackSummary(format_version=FORMAT_VERSION, identity=stored.to_dict(), streams=entries)
     write_bytes_atomic(loc, MANIFEST_NAME, summary.to_json().encode())
     return True, entries
 
 
 def _committed_totals(loc, stream: int) -> tuple[int, int]:
     """(records, tokens) in the stream's committed shards."""
-    index = read_index(loc, stream)
+    index = StreamIndex.read(loc, stream)
     if index is None:
         return 0, 0
     return index.num_records, sum(r.num_tokens for sh in index.shards for r in sh.records)
@@ -214,7 +133,7 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
         raise PackRefused(f"cannot write to {redact_uri(out)}: {str(e).strip().splitlines()[0]}") from None
     pack = settle_identity(loc, cfg, tokenizer_fingerprint(tokenizer), special, other_jobs=lambda: live_leases(loc))
     budget = cfg.prepack.budget()
-    dones = {s: read_done(loc, s) for s in wanted}
+    dones = {s: StreamSummary.read(loc, s) for s in wanted}
     todo = [s for s in wanted if dones[s] is None or dones[s].budget != budget]
     for s in set(wanted) - set(todo):
         drop_lineage_leftovers(loc, s)  # what a run killed just after finishing s left
@@ -222,7 +141,7 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
         remove_stale_leases(loc)  # a job killed after its last stream finished left its lease
         written = loc.fs.get_file_info(loc.path(MANIFEST_NAME)).type.name == "File"
         if not written:
-            written, _ = finalize(loc, cfg, pack.identity)
+            written, _ = finalize(loc, cfg)
         return RunSummary(out, [dones[s] for s in wanted], written, 0.0, already_done=True,
                           max_num_tokens=cfg.knobs.max_num_tokens, output_bytes=output_bytes(loc))
     lease = acquire_streams(loc, todo)
@@ -237,8 +156,8 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
         if inline:
             from prepack.run.stream_job import pack_one_stream
 
-            def report(ev) -> None:
-                run.update(ev.stream, ev.payload())
+            def report(progress_now: StreamProgress) -> None:
+                run.update(progress_now)
                 for line in run.new_kinds():
                     log.warning("%s", line)
 
@@ -248,8 +167,8 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
         else:
             _run_tasks(cfg, out, todo, pack.metadata, address, progress, num_cpus, lease, run, olds)
         lease.check()  # never write the manifest over a run that took our streams over
-        written, _ = finalize(loc, cfg, pack.identity)
-        entries = [read_done(loc, s) for s in wanted]
+        written, _ = finalize(loc, cfg)
+        entries = [StreamSummary.read(loc, s) for s in wanted]
         now = [e for e in entries if e.stream in todo]
         packed_now = (sum(e.num_records for e in now) - sum(b[0] for b in before),
                       sum(e.num_tokens for e in now) - sum(b[1] for b in before))
@@ -353,7 +272,8 @@ def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus, lease
                run: RunProgress, reuse: tuple = ()) -> None:
     ray = init_ray(address, num_cpus)
     try:
-        Progress, stream_task = _make_remote(ray)
+        from prepack.run.ray_tasks import Progress, stream_task
+
         watch = _Watch(ray, _pinned_progress(ray, Progress))
         watch.wait_ready()
         local = not (address or os.environ.get("RAY_ADDRESS"))
@@ -394,8 +314,8 @@ def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus, lease
                         cause = getattr(e, "cause", None) or e
                         raise StreamFailed(f"stream {s} failed: {type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}") from e
                 watch.poll()
-                for s, payload in watch.reports.items():
-                    run.update(s, payload)
+                for report in watch.reports.values():
+                    run.update(report)
                 say(watch.lost_nodes())
                 say(run.retried(watch.attempts, watch.dead))
                 say(run.new_kinds())
@@ -407,8 +327,8 @@ def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus, lease
                     last_log = time.monotonic()
                     log.info("%d batches; %s", run.batches, run.postfix(last_log - started))
             watch.poll()  # the last word on retries and on the streams' final counts: every task has ended
-            for s, payload in watch.reports.items():
-                run.update(s, payload)
+            for report in watch.reports.values():
+                run.update(report)
             say(run.new_kinds())  # kinds only a stream's end counts (what was left in its buffer)
             if watch.dead:  # (the state API is asked only after a node loss: it may take seconds)
                 watch.attempts_from_state_api(timeout_s=30)

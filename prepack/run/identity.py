@@ -1,8 +1,8 @@
 """What identifies a pack (``pack.json``): made, checked and extended here, and nowhere else.
 
-A resume over an existing output, and an audit, are refused when config or tokenizer differ: they
-would silently mix two datasets in one output (different code may pack differently: audits check
-it too).  ``settle_identity`` is the one step a run takes: create ``pack.json`` once (several jobs
+Reading it is ``schemas.pack_info.PackInfo``.  A resume over an existing output, and an audit,
+are refused when config or tokenizer differ: they would silently mix two datasets in one output
+(different code may pack differently: audits check it too).  ``settle_identity`` is the one step a run takes: create ``pack.json`` once (several jobs
 may start on one output at the same moment: each reads back what landed and checks it), check it,
 or extend its budget.
 """
@@ -15,21 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prepack import __version__
-from typing import Any
-
-from schemas.config import (
-    DatasetInfo,
-    FrameSamplerArgs,
-    GroupConfig,
-    PackingKnobs,
-    PrepackConfig,
-    PrepackSection,
-    TransformArgs,
-)
+from prepack.run.atomic_files import write_bytes_atomic
+from schemas.config import PrepackConfig
 from schemas.errors import PackRefused
+from schemas.layout import MANIFEST_NAME, PACK_INFO_NAME
 from schemas.location import PackLocation, redact_uri
-from schemas.manifest import (FORMAT_VERSION, MANIFEST_NAME, PACK_INFO_NAME, check_format, dump_checked, load_checked,
-                              pack_metadata)
+from schemas.pack_info import FORMAT_VERSION, PackInfo
 from schemas.record import RECORD_SCHEMA_VERSION
 
 
@@ -53,46 +44,47 @@ def code_fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
-def pack_identity(cfg: PrepackConfig, tokenizer_fp: str, special) -> dict:
-    return {
-        "format_version": FORMAT_VERSION,
-        "record_schema_version": RECORD_SCHEMA_VERSION,
-        "prepack_version": __version__,
-        "code_fingerprint": code_fingerprint(),
-        "config_hash": cfg.content_hash(),
-        "config": cfg.to_dict(),
-        "config_path": cfg.config_path,
-        "tokenizer_fingerprint": tokenizer_fp,
-        "special_tokens": {k: int(v) for k, v in vars(special).items()} if hasattr(special, "__dict__") else dict(special),
-        "world_size": cfg.world_size,
-        "num_workers": cfg.num_workers,
-        "num_streams": cfg.num_streams,
-        "use_flex": cfg.knobs.use_flex,
-        "max_num_tokens": cfg.knobs.max_num_tokens,
-        "stream_seeds": [cfg.stream_seed(s) for s in range(cfg.num_streams)],
-        "budget": cfg.prepack.budget(),
-    }
+def pack_identity(cfg: PrepackConfig, tokenizer_fp: str, special) -> PackInfo:
+    """The ``pack.json`` a run of ``cfg`` with this tokenizer writes."""
+    return PackInfo(
+        format_version=FORMAT_VERSION,
+        record_schema_version=RECORD_SCHEMA_VERSION,
+        prepack_version=__version__,
+        code_fingerprint=code_fingerprint(),
+        config_hash=cfg.content_hash(),
+        config=cfg.to_dict(),
+        config_path=cfg.config_path,
+        tokenizer_fingerprint=tokenizer_fp,
+        special_tokens={k: int(v) for k, v in vars(special).items()} if hasattr(special, "__dict__") else dict(special),
+        world_size=cfg.world_size,
+        num_workers=cfg.num_workers,
+        num_streams=cfg.num_streams,
+        use_flex=cfg.knobs.use_flex,
+        max_num_tokens=cfg.knobs.max_num_tokens,
+        stream_seeds=[cfg.stream_seed(s) for s in range(cfg.num_streams)],
+        budget=cfg.prepack.budget(),
+    )
 
 
-def identity_mismatch(existing: dict, new: dict, *, check_code: bool = False) -> str | None:
+def identity_mismatch(existing: PackInfo, new: PackInfo, *, check_code: bool = False) -> str | None:
     """A one-line reason why ``new`` may not continue/audit ``existing``, or None."""
-    if existing.get("config_hash") != new["config_hash"]:
+    if existing.config_hash != new.config_hash:
         return "the config differs from the one this output was packed with (config_hash)"
-    if existing.get("tokenizer_fingerprint") != new["tokenizer_fingerprint"]:
+    if existing.tokenizer_fingerprint != new.tokenizer_fingerprint:
         return "the tokenizer differs from the one this output was packed with"
-    if check_code and existing.get("code_fingerprint") != new["code_fingerprint"]:
-        return (f"the packing code differs (code fingerprint {new['code_fingerprint']} vs "
-                f"{existing.get('code_fingerprint')} in pack.json)")
+    if check_code and existing.code_fingerprint != new.code_fingerprint:
+        return (f"the packing code differs (code fingerprint {new.code_fingerprint} vs "
+                f"{existing.code_fingerprint} in pack.json)")
     return None
 
 
-def budget_change(existing: dict, new: dict) -> str | None:
+def budget_change(existing: PackInfo, new: PackInfo) -> str | None:
     """Why the new budget cannot continue the packed one (smaller, or another kind), or None.
 
     Every packed stream is a prefix of the reference's endless stream, so a budget of the same
     kind that is at least as large continues it; anything else would have to rewrite packed bytes.
     """
-    old, want = existing.get("budget") or {}, new["budget"]
+    old, want = existing.budget or {}, new.budget
     if set(old) != set(want):
         return (f"the budget changed kind ({_fmt(old)} -> {_fmt(want)}); a pack can only be extended with a "
                 "larger value of the same budget")
@@ -107,36 +99,25 @@ def _fmt(budget: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(budget.items())) or "none"
 
 
-def write_identity(out, identity: dict) -> None:
+def write_identity(out, info: PackInfo) -> None:
     """Write ``pack.json`` (with its checksum), atomically."""
-    from prepack.run.writer import write_bytes_atomic
-
-    write_bytes_atomic(out, PACK_INFO_NAME, dump_checked(identity))
-
-
-def read_identity(loc: PackLocation) -> dict | None:
-    """``pack.json`` as stored (format-checked), or None when the output has none yet."""
-    try:
-        raw = loc.read_bytes(PACK_INFO_NAME)
-    except FileNotFoundError:
-        return None
-    return check_format(load_checked(raw, loc.path(PACK_INFO_NAME)), loc.path(PACK_INFO_NAME))
+    write_bytes_atomic(out, PACK_INFO_NAME, info.to_bytes())
 
 
 @dataclass(frozen=True)
 class SettledIdentity:
     """The identity a run packs under: pack.json as stored, and the metadata every shard carries."""
 
-    identity: dict
+    info: PackInfo
     extended: bool  # this run raised the budget of an existing pack
 
     @property
     def metadata(self) -> dict[str, str]:
-        return pack_metadata(self.identity)
+        return self.info.shard_metadata()
 
     @property
     def budget(self) -> dict:
-        return self.identity["budget"]
+        return self.info.budget
 
 
 def settle_identity(loc: PackLocation, cfg: PrepackConfig, tokenizer_fp: str, special,
@@ -150,58 +131,25 @@ def settle_identity(loc: PackLocation, cfg: PrepackConfig, tokenizer_fp: str, sp
     """
     where = redact_uri(loc.base)
     mine = pack_identity(cfg, tokenizer_fp, special)
-    existing = read_identity(loc)
+    existing = PackInfo.read(loc)
     if existing is None:
         write_identity(loc, mine)
-        existing = read_identity(loc) or mine
+        existing = PackInfo.read(loc) or mine
     why = identity_mismatch(existing, mine) or budget_change(existing, mine)
     if why:
         raise PackRefused(f"{where}: {why}; use a new --out or the original config")
-    if existing["budget"] == mine["budget"]:
+    if existing.budget == mine.budget:
         return SettledIdentity(existing, False)  # keep the stored identity (code fingerprint of the first run)
     busy = other_jobs()
     if busy:
-        raise PackRefused(f"{where}: extending the budget to {_fmt(mine['budget'])} needs the output to itself, but "
+        raise PackRefused(f"{where}: extending the budget to {_fmt(mine.budget)} needs the output to itself, but "
                           f"{len(busy)} other prepack run(s) are packing it (e.g. pid {busy[0].get('pid')} on "
                           f"{busy[0].get('host')}); wait for them to finish")
-    extended = {**existing, "budget": mine["budget"], "config": mine["config"]}
+    extended = existing.with_budget(mine.budget, mine.config)
     try:
         loc.fs.delete_file(loc.path(MANIFEST_NAME))  # no longer complete; rewritten when it is
     except FileNotFoundError:
         pass
     write_identity(loc, extended)
-    log.info("extending %s from %s to %s", where, _fmt(existing["budget"]), _fmt(mine["budget"]))
+    log.info("extending %s from %s to %s", where, _fmt(existing.budget), _fmt(mine.budget))
     return SettledIdentity(extended, True)
-
-
-def _transform(d: dict | None) -> TransformArgs | None:
-    if d is None:
-        return None
-    return TransformArgs(**{**d, "image_mean": tuple(d["image_mean"]), "image_std": tuple(d["image_std"])})
-
-
-def config_from_identity(identity: dict[str, Any]) -> PrepackConfig:
-    """Rebuild the ``PrepackConfig`` a pack was made with from pack.json's stored ``config``.
-
-    Why not re-read the YAML: it may have changed or moved since; the identity is what was used.
-    The caller should check ``content_hash()`` against the identity's ``config_hash``.
-    """
-    d = identity["config"]
-    groups = tuple(
-        GroupConfig(**{
-            **g,
-            "datasets": tuple(DatasetInfo(**x) for x in g["datasets"]),
-            "num_used_data": tuple(g["num_used_data"]),
-            "image_transform": _transform(g["image_transform"]),
-            "vit_image_transform": _transform(g["vit_image_transform"]),
-            "frame_sampler": FrameSamplerArgs(**g["frame_sampler"]) if g["frame_sampler"] else None,
-        })
-        for g in d["groups"]
-    )
-    return PrepackConfig(**{
-        **d,
-        "groups": groups,
-        "knobs": PackingKnobs(**d["knobs"]),
-        "prepack": PrepackSection(**d["prepack"]),
-        "config_path": identity.get("config_path") or "",
-    })

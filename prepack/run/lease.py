@@ -166,7 +166,7 @@ def _parse(raw: bytes | None) -> dict:
 
 def _write(loc: PackLocation, doc: dict) -> None:
     """A reader never sees half a lease: tmp + rename locally, one PUT (an object appears whole) on a store."""
-    from prepack.run.writer import write_bytes_atomic
+    from prepack.run.atomic_files import write_bytes_atomic
 
     write_bytes_atomic(loc, lease_file(doc["holder"]), json.dumps(doc, sort_keys=True).encode())
 

@@ -11,8 +11,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prepack.engine.accounting import meaning
+from prepack.engine.accounting import Counters, meaning
 from prepack.run.lease import format_streams
+
+
+@dataclass(frozen=True)
+class StreamProgress:
+    """One stream's report to the driver: small, plain data (it crosses Ray as it is)."""
+
+    stream: int
+    batches: int
+    tokens: int
+    done: bool = False
+    drops: dict[str, int] = field(default_factory=dict)  # reason -> count, as the packer counts them
+    warnings: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, str] = field(default_factory=dict)  # reason or kind -> its first occurrence
+
+    @classmethod
+    def of(cls, stream: int, batches: int, tokens: int, counters: Counters | None, done: bool = False) -> "StreamProgress":
+        """A report from the packer's live counters (copied: the packer goes on counting)."""
+        c = counters
+        return cls(stream, batches, tokens, done, dict(c.drops) if c else {}, dict(c.warnings) if c else {},
+                   dict(c.examples) if c else {})
+
+    def counts(self, key: str) -> dict:
+        """``drops`` or ``warnings``."""
+        return self.drops if key == "drops" else self.warnings
 
 
 @dataclass
@@ -20,22 +44,22 @@ class RunProgress:
     todo: list[int]
     budget: int | None  # batches per stream, when the budget is counted in batches
     knobs: dict
-    streams: dict[int, dict] = field(default_factory=dict)  # stream -> its last report
+    streams: dict[int, StreamProgress] = field(default_factory=dict)  # stream -> its last report
     _announced: set[tuple[str, str]] = field(default_factory=set)
     _retries: dict[int, int] = field(default_factory=dict)
 
-    def update(self, stream: int, payload: dict) -> None:
-        old = self.streams.get(stream)
-        if old is None or payload.get("batches", 0) >= old.get("batches", 0) or payload.get("done"):
-            self.streams[stream] = payload
+    def update(self, report: StreamProgress) -> None:
+        old = self.streams.get(report.stream)
+        if old is None or report.batches >= old.batches or report.done:
+            self.streams[report.stream] = report
 
     @property
     def batches(self) -> int:
-        return sum(int(p.get("batches", 0)) for p in self.streams.values())
+        return sum(p.batches for p in self.streams.values())
 
     @property
     def tokens(self) -> int:
-        return sum(int(p.get("tokens", 0)) for p in self.streams.values())
+        return sum(p.tokens for p in self.streams.values())
 
     def new_kinds(self) -> list[str]:
         """One line for each drop reason or warning kind seen for the first time in this run."""
@@ -44,8 +68,8 @@ class RunProgress:
             seen: dict[str, tuple[int, str]] = {}  # kind -> (first stream, its example)
             for s in sorted(self.streams):
                 p = self.streams[s]
-                for kind in p.get(key) or {}:
-                    seen.setdefault(kind, (s, (p.get("examples") or {}).get(kind, "")))
+                for kind in p.counts(key):
+                    seen.setdefault(kind, (s, p.examples.get(kind, "")))
             for kind, (s, example) in sorted(seen.items()):
                 if (key, kind) in self._announced:
                     continue
@@ -79,9 +103,9 @@ class RunProgress:
 
     def postfix(self, elapsed: float) -> str:
         """Overall tokens and rate, then the per-stream spread (one line, whatever the number of streams)."""
-        done = sum(1 for p in self.streams.values() if p.get("done"))
+        done = sum(1 for p in self.streams.values() if p.done)
         rate = self.tokens / elapsed if elapsed > 0 else 0.0
-        counts = [int(self.streams.get(s, {}).get("batches", 0)) for s in self.todo]
+        counts = [self.streams[s].batches if s in self.streams else 0 for s in self.todo]
         of = f"/{self.budget}" if self.budget else ""
         if len(self.todo) <= 4:
             per = " ".join(f"s{s}:{c}{of}" for s, c in zip(self.todo, counts))

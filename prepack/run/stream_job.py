@@ -1,10 +1,11 @@
 """Pack one stream into its directory, resumably and extendably: the body of one Ray task.
 
 The stream's shards are committed by ``prepack.run.writer.StreamWriter`` (the commit protocol is
-that module's doc); here: where a stream starts (fresh, after a crash from the checkpoint of its
-first uncommitted shard, or extended past an earlier budget), and how it ends.  When the budget
-is reached the shard lineage files are compacted into ``lineage/stream-S.parquet`` and
-``done.json`` is written; a later run with a larger budget continues from the last checkpoint.
+that module's doc).  Here, the stream's two ends: ``start_stream`` decides where it starts (fresh,
+after a crash from the checkpoint of its first uncommitted shard, or extended past an earlier
+budget) and ``finish_stream`` how it ends (the shard lineage files compacted into
+``lineage/stream-S.parquet``, then ``done.json``); ``pack_one_stream`` packs between the two.  A
+later run with a larger budget continues from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -14,122 +15,22 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-import pyarrow as pa
-import pyarrow.fs as pafs
-import pyarrow.parquet as pq
-
-from prepack.engine.accounting import Counters
-from prepack.engine.checkpoint import state_from_payload, state_to_payload
-from prepack.engine.packer import StreamPacker, StreamState
+from prepack.engine.packer import StreamPacker
 from prepack.engine.reuse.earlier_packs import OldPack
 from prepack.engine.reuse.earlier_pixels import PixelReuse, own_reuse_on
-from prepack.run.writer import StreamWriter, recover_stream, sha256_hex, write_bytes_atomic
-from schemas.checkpoint import CheckpointDoc
+from prepack.run.atomic_files import write_bytes_atomic
+from prepack.run.checkpoints import read_checkpoint, state_files
+from prepack.run.lineage import compact_lineage, drop_lineage_leftovers
+from prepack.run.progress import StreamProgress
+from prepack.run.recovery import recover_stream
+from prepack.run.writer import StreamWriter
 from schemas.compression import Compression
 from schemas.config import PrepackConfig
-from schemas.errors import DamagedFile
 from schemas.location import PackLocation, resolve_location
-from schemas.layout import (
-    LINEAGE_DIR,
-    SHARD_LINEAGE,
-    checkpoint_file,
-    done_file,
-    parse,
-    shard_lineage_file,
-    stream_dir,
-    stream_lineage_file,
-)
-from schemas.manifest import LINEAGE_SCHEMA, ShardEntry, StreamIndex, StreamSummary
+from schemas.layout import done_file, shard_lineage_file, stream_dir
+from schemas.manifest import ShardEntry, StreamIndex, StreamSummary
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class ProgressEvent:
-    stream: int
-    batches: int
-    tokens: int
-    done: bool = False
-    counters: "Counters | None" = None  # the packer's live counts (drops, warnings, first examples)
-
-    def payload(self) -> dict:
-        """What a progress report carries to the driver: small, plain data."""
-        c = self.counters
-        return {"batches": self.batches, "tokens": self.tokens, "done": self.done,
-                "drops": dict(c.drops) if c else {}, "warnings": dict(c.warnings) if c else {},
-                "examples": dict(c.examples) if c else {}}
-
-
-def checkpoint_bytes(packer: StreamPacker) -> tuple[bytes, bytes]:
-    """The packer's state now, as the (json, arrow) bytes of a checkpoint."""
-    doc, pixels = state_to_payload(packer.state())
-    return doc.to_json().encode(), pixels
-
-
-def checkpoint_digests(index: StreamIndex, shard: int) -> tuple[str, str]:
-    """The recorded sha256 of ``ckpt-shard`` (json, arrow): the start checkpoint or a shard's end."""
-    if shard == 0:
-        return index.ckpt0_json_sha256, index.ckpt0_arrow_sha256
-    row = index.shards[shard - 1]
-    return row.ckpt_json_sha256, row.ckpt_arrow_sha256
-
-
-def read_checkpoint_files(loc: PackLocation, index: StreamIndex, shard: int) -> tuple[bytes, bytes]:
-    """The (json, arrow) bytes of ``ckpt-shard``, each checked against the digest the index recorded."""
-    out = []
-    for ext, sha in zip(("json", "arrow"), checkpoint_digests(index, shard)):
-        rel = checkpoint_file(index.stream, shard, ext)
-        try:
-            data = loc.read_bytes(rel)
-        except FileNotFoundError:
-            raise DamagedFile(f"{loc.path(rel)}: checkpoint is missing") from None
-        if sha256_hex(data) != sha:
-            raise DamagedFile(f"{loc.path(rel)}: checkpoint is damaged (sha256 differs from the stream index)")
-        out.append(data)
-    return out[0], out[1]
-
-
-def read_checkpoint(loc: PackLocation, stream: int, shard: int, index: StreamIndex) -> StreamState:
-    """Load ``ckpt-shard`` after checking both files against the digests the index recorded."""
-    text, pixels = read_checkpoint_files(loc, index, shard)
-    try:
-        return state_from_payload(CheckpointDoc.from_json(text, loc.path(checkpoint_file(stream, shard))), pixels)
-    except DamagedFile:
-        raise
-    except (ValueError, KeyError, TypeError) as e:
-        raise DamagedFile(f"{loc.path(checkpoint_file(stream, shard))}: checkpoint does not load ({e})") from None
-
-
-def compact_lineage(loc: PackLocation, index: StreamIndex) -> tuple[str, int]:
-    """Write ``lineage/stream-S.parquet`` from the shard lineage files (one row group per shard).
-
-    Memory is one shard's lineage at a time.  A stream extended after it was done appends its new
-    shards to the rows of its earlier lineage file.  Returns (sha256, rows).
-    """
-    stream = index.stream
-    rel = stream_lineage_file(stream)
-    sink = pa.BufferOutputStream()
-    rows = 0
-    with pq.ParquetWriter(sink, LINEAGE_SCHEMA, compression="zstd") as w:
-        done_before = 0
-        try:
-            previous = pq.ParquetFile(pa.BufferReader(loc.read_bytes(rel)))
-            for g in range(previous.num_row_groups):
-                table = previous.read_row_group(g)
-                w.write_table(table)
-                rows += table.num_rows
-            done_before = previous.num_row_groups
-        except FileNotFoundError:
-            pass
-        for entry in index.shards[done_before:]:
-            table = pq.read_table(pa.BufferReader(loc.read_bytes(shard_lineage_file(stream, entry.shard))))
-            if table.num_rows:
-                w.write_table(table.cast(LINEAGE_SCHEMA))
-            rows += table.num_rows
-    data = sink.getvalue().to_pybytes()
-    loc.make_dirs(loc.path(LINEAGE_DIR))
-    write_bytes_atomic(loc, rel, data)
-    return sha256_hex(data), rows
 
 
 def pixel_provider(loc: PackLocation, index: StreamIndex, reuse: "tuple[str | OldPack, ...] | list",
@@ -146,18 +47,36 @@ def pixel_provider(loc: PackLocation, index: StreamIndex, reuse: "tuple[str | Ol
     return provider
 
 
-def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, tokenizer, special,
-                    metadata: dict[str, str], report: Callable[[ProgressEvent], None] | None = None,
-                    reuse: "tuple[str | OldPack, ...] | list" = ()) -> StreamSummary:
-    """Pack (or continue, or extend) stream ``stream`` into ``out``; returns its summary (done.json).
+@dataclass
+class StartedStream:
+    """A stream ready to pack from where it stands: its recovered index, its packer (fresh or from the
+    checkpoint after the last committed shard) and where its earlier pixels come from."""
 
-    ``reuse``: earlier packs whose pixels may be taken instead of decoding (no byte changes): paths or
-    URIs, or ``OldPack`` snapshots the driver read once for every stream."""
+    stream: int
+    index: StreamIndex
+    packer: StreamPacker
+    pixels: PixelReuse | None
+    own: bool  # the stream's own committed shards are among its pixel sources
+    cpu_start: float
+    start: float
+
+    def committed(self, loc: PackLocation, writer: StreamWriter, entry: ShardEntry | None) -> None:
+        """After each record: a later pass of this stream may take back the pictures just written."""
+        if not self.own:
+            return
+        if entry is not None:  # those of the shard just committed, from its pixel index
+            self.pixels.add_shard(loc, self.stream, entry.shard, entry.nbytes, writer.committed_pixels)
+        else:  # and those of the shard still open, from memory
+            self.pixels.add_written(writer.last_images)
+
+
+def start_stream(cfg: PrepackConfig, loc: PackLocation, stream: int, tokenizer, special,
+                 reuse: "tuple[str | OldPack, ...] | list" = ()) -> "StartedStream | StreamSummary":
+    """Where ``stream`` starts: its ``done.json`` when it already finished this budget, else a
+    ``StartedStream`` (a finished stream with a larger budget is no longer done: extended)."""
     cpu_start = time.process_time()  # the whole process (Ray's threads too): what packing costs per core
-    loc = resolve_location(out)
-    rank, worker = cfg.stream_rank_worker(stream)
     budget = cfg.prepack.budget()
-    previous = read_done(loc, stream)
+    previous = StreamSummary.read(loc, stream)
     if previous is not None and previous.budget == budget:
         drop_lineage_leftovers(loc, stream)
         return previous
@@ -167,51 +86,34 @@ def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, 
         loc.fs.delete_file(loc.path(done_file(stream)))
     index = recover_stream(loc, stream)
     pixels = pixel_provider(loc, index, reuse, Compression.parse(cfg.prepack.compression))
-    own = pixels is not None and own_reuse_on()
-    if not index.shards:
-        packer = StreamPacker(cfg, stream, tokenizer, special, reuse_pixel_table=True,  # each batch is written before the next
-                              pixels=pixels)
-    else:
-        packer = StreamPacker(cfg, stream, tokenizer, special,
-                              state=read_checkpoint(loc, stream, len(index.shards), index),
-                              reuse_pixel_table=True, pixels=pixels)
+    state = None
+    if index.shards:
+        state = read_checkpoint(loc, index, len(index.shards))
         log.info("stream %d: continuing at shard %d (record %d)", stream, len(index.shards), index.num_records)
-    start = time.perf_counter()
+    packer = StreamPacker(cfg, stream, tokenizer, special, state=state,
+                          reuse_pixel_table=True,  # each batch is written before the next
+                          pixels=pixels)
+    return StartedStream(stream, index, packer, pixels, pixels is not None and own_reuse_on(), cpu_start,
+                         time.perf_counter())
 
-    def committed(writer: StreamWriter, entry: ShardEntry | None) -> None:
-        if not own:
-            return
-        if entry is not None:  # a later pass of this stream may take these pictures back
-            pixels.add_shard(loc, stream, entry.shard, entry.nbytes, writer.committed_pixels)
-        else:  # and those of the shard still open, from memory
-            pixels.add_written(writer.last_images)
 
-    try:
-        # a new stream's writer writes ckpt-00000 here, before the packer's first batch
-        with StreamWriter(loc, stream, shard_bytes=cfg.prepack.shard_bytes, compression=cfg.prepack.compression,
-                          metadata=metadata, index=index, state=lambda: checkpoint_bytes(packer)) as writer:
-            for batch in packer:
-                committed(writer, writer.append(batch))
-                if report is not None:
-                    report(ProgressEvent(stream, packer.batches, packer.tokens, counters=packer.counters))
-            committed(writer, writer.finish())
-    except BaseException:
-        packer.close()  # the sources' read-ahead threads end with the stream, on errors too
-        raise
-    finally:
-        if pixels is not None:
-            pixels.close()
+def finish_stream(cfg: PrepackConfig, loc: PackLocation, started: StartedStream) -> StreamSummary:
+    """The stream reached its budget: compact its lineage, write ``done.json`` (the stream's end), then
+    delete the shard lineage files it replaces."""
+    stream, index, packer = started.stream, started.index, started.packer
+    rank, worker = cfg.stream_rank_worker(stream)
     lineage_sha, lineage_rows = compact_lineage(loc, index) if index.shards else ("", 0)
     counters = packer.final_counters()
     records = [r for s in index.shards for r in s.records]
     result = StreamSummary(
         stream=stream, rank=rank, worker=worker, seed=cfg.stream_seed(stream), num_shards=len(index.shards),
         num_records=len(records), num_tokens=sum(r.num_tokens for r in records),
-        num_samples=sum(r.num_samples for r in records), root=index.root, budget=budget,
+        num_samples=sum(r.num_samples for r in records), root=index.root, budget=cfg.prepack.budget(),
         lineage_sha256=lineage_sha, lineage_rows=lineage_rows,
         drops=counters.drops, warnings=counters.warnings, examples=counters.examples,
         group_samples=counters.samples_packed,
-        elapsed_s=round(time.perf_counter() - start, 3), cpu_s=round(time.process_time() - cpu_start, 3),
+        elapsed_s=round(time.perf_counter() - started.start, 3),
+        cpu_s=round(time.process_time() - started.cpu_start, 3),
         reuse=packer.pictures.counts.to_json(),
     )
     write_bytes_atomic(loc, done_file(stream), result.to_json().encode())
@@ -220,37 +122,38 @@ def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, 
             loc.fs.delete_file(loc.path(shard_lineage_file(stream, entry.shard)))
         except FileNotFoundError:
             pass
-    if report is not None:
-        report(ProgressEvent(stream, packer.batches, packer.tokens, done=True, counters=counters))  # what done.json says
     return result
 
 
-def drop_lineage_leftovers(loc: PackLocation, stream: int) -> int:
-    """Delete the shard lineage files of a finished stream; returns how many there were.
+def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, tokenizer, special,
+                    metadata: dict[str, str], report: Callable[[StreamProgress], None] | None = None,
+                    reuse: "tuple[str | OldPack, ...] | list" = ()) -> StreamSummary:
+    """Pack (or continue, or extend) stream ``stream`` into ``out``; returns its summary (done.json).
 
-    A finished stream's lineage is ``lineage/stream-S.parquet``; its shard lineage files are
-    deleted after ``done.json`` is written, so a run killed in between leaves them behind.  Called
-    for every finished stream a run is asked for (one listing each).
-    """
-    sdir = loc.path(stream_dir(stream))
-    files = [(i.base_name, parse(f"{stream_dir(stream)}/{i.base_name}"))
-             for i in loc.list(stream_dir(stream)) if i.type == pafs.FileType.File]
-    names = [name for name, f in files if f is not None and f.kind == SHARD_LINEAGE]
-    for name in names:
-        try:
-            loc.fs.delete_file(f"{sdir}/{name}")
-        except FileNotFoundError:
-            pass
-    if names:
-        log.warning("stream %d: removed %d shard lineage files that an interrupted run left after finishing it",
-                    stream, len(names))
-    return len(names)
-
-
-def read_done(loc: PackLocation, stream: int) -> StreamSummary | None:
-    """The stream's ``done.json``, or None while it is not finished."""
+    ``reuse``: earlier packs whose pixels may be taken instead of decoding (no byte changes): paths or
+    URIs, or ``OldPack`` snapshots the driver read once for every stream."""
+    loc = resolve_location(out)
+    started = start_stream(cfg, loc, stream, tokenizer, special, reuse)
+    if isinstance(started, StreamSummary):
+        return started
+    packer = started.packer
     try:
-        data = loc.read_bytes(done_file(stream))
-    except FileNotFoundError:
-        return None
-    return StreamSummary.from_json(data, loc.path(done_file(stream)))
+        # a new stream's writer writes ckpt-00000 here, before the packer's first batch
+        with StreamWriter(loc, stream, shard_bytes=cfg.prepack.shard_bytes, compression=cfg.prepack.compression,
+                          metadata=metadata, index=started.index, state=lambda: state_files(packer.state())) as writer:
+            for batch in packer:
+                started.committed(loc, writer, writer.append(batch))
+                if report is not None:
+                    report(StreamProgress.of(stream, packer.batches, packer.tokens, packer.counters))
+            started.committed(loc, writer, writer.finish())
+    except BaseException:
+        packer.close()  # the sources' read-ahead threads end with the stream, on errors too
+        raise
+    finally:
+        if started.pixels is not None:
+            started.pixels.close()
+    result = finish_stream(cfg, loc, started)
+    if report is not None:  # what done.json says
+        report(StreamProgress(stream, packer.batches, packer.tokens, True, dict(result.drops), dict(result.warnings),
+                              dict(result.examples)))
+    return result

@@ -3,7 +3,7 @@
 **The shard commit** (described here once; the layout, the stream job and docs/architecture.md
 point here).  A stream is the unit of resume, so its output must always be a clean prefix of
 committed shards.  For shard k a committing ``StreamWriter`` writes, each file atomically
-(``write_bytes_atomic``: under a temporary name, made durable, renamed; on an object store, where
+(``prepack.run.atomic_files``: under a temporary name, made durable, renamed; on an object store, where
 an upload appears whole or not at all, under its final name; names from ``schemas.layout``):
 
 1. ``shard-k.arrow``: the records (its XXH3-128 taken from the bytes as they are written, never
@@ -15,7 +15,8 @@ an upload appears whole or not at all, under its final name; names from ``schema
    commit**, atomic on a local disk (rename) and on an object store (PUT).
 
 A shard exists exactly when the index lists it; anything after the last listed shard is a crash
-leftover, which ``recover_stream`` deletes (``ckpt-next`` stays: it is the state to resume from).
+leftover, which ``prepack.run.recovery.recover_stream`` deletes (``ckpt-next`` stays: it is the
+state to resume from).
 The stream then resumes from that checkpoint, after checking it against the sha256 its index row
 recorded, and writes the same bytes.  Before shard 0 the writer writes ``ckpt-00000``, whose
 digests the index holds; a stream with no record at all still writes its (empty) index.
@@ -25,38 +26,22 @@ Output bytes depend only on the batches, the compression and the metadata: no ti
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
-import secrets
-from dataclasses import asdict, is_dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import pyarrow as pa
-import xxhash
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
+import xxhash
 
 from prepack.engine.reuse.source_pictures import RESIZE_IMPL
-from prepack.run.direct_file import DirectFile
+from prepack.run.atomic_files import AtomicFile, sha256_hex, write_bytes_atomic
+from prepack.run.checkpoints import write_checkpoint
+from prepack.run.lineage import lineage_table, parquet_bytes
 from schemas.compression import Compression
+from schemas.layout import index_file, shard_file, shard_lineage_file, shard_pixels_file
 from schemas.location import PackLocation, resolve_location
-from schemas.errors import DamagedFile
-from schemas.layout import (
-    CHECKPOINT_FILES,
-    SHARD_FILES,
-    checkpoint_file,
-    index_file,
-    is_temporary,
-    parse,
-    shard_file,
-    shard_lineage_file,
-    shard_pixels_file,
-    stream_dir,
-    temporary,
-)
-from schemas.manifest import LINEAGE_SCHEMA, RecordEntry, ShardEntry, StreamIndex, shard_metadata
+from schemas.manifest import RecordEntry, ShardEntry, StreamIndex, shard_metadata
 from schemas.pixel_index import PictureSource, PixelEntry, pixel_index_bytes
 from schemas.pixel_table import StoredImage
 from schemas.record import RECORD_SCHEMA, EncodedRecord, PackedBatch, encode_record, stored_pixel_frames
@@ -111,119 +96,6 @@ class _HashingSink:
         self.closed = True
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class _AtomicFile:
-    """A file written under a temporary name and published by ``commit`` (durably on local disk).
-
-    On object stores (atomic PUT, rename = copy) the final name is written directly: the object
-    only appears once complete, and the stream index remains the commit marker.  ``direct``: a
-    local file is written past the page cache (``DirectFile``; shard files, written once and
-    large, and only ever by the stream's lease holder: under the layout's one temporary name).
-    Every other file may be written by several jobs at once (``pack.json``, the manifest), so each
-    writer's temporary name is its own: with one shared name, one job renamed the other's
-    half-written file, or found its own gone.
-    """
-
-    def __init__(self, loc: PackLocation, relpath: str, *, direct: bool = False):
-        self.loc = loc
-        self.final = loc.path(relpath)
-        self.tmp = self.final if loc.atomic_put else temporary(self.final, "" if direct else secrets.token_hex(6))
-        if loc.is_local:
-            os.makedirs(os.path.dirname(self.final), exist_ok=True)
-            self.raw = DirectFile(self.tmp) if direct else open(self.tmp, "wb")
-        else:
-            loc.make_dirs(self.final.rsplit("/", 1)[0])
-            self.raw = loc.open_output(self.tmp)
-
-    def commit(self) -> None:
-        self.raw.flush()
-        if self.loc.is_local:
-            os.fsync(self.raw.fileno())
-        self.raw.close()
-        if self.tmp == self.final:
-            return
-        if self.loc.is_local:
-            os.replace(self.tmp, self.final)
-            _fsync_dir(os.path.dirname(self.final))
-        else:
-            self.loc.fs.move(self.tmp, self.final)
-
-    def abort(self) -> None:
-        if not self.raw.closed:
-            try:
-                self.raw.close()
-            except OSError:  # e.g. the disk filled up: the file is deleted below anyway
-                pass
-        try:
-            self.loc.fs.delete_file(self.tmp)
-        except FileNotFoundError:
-            pass
-
-
-def _json_text(obj: Any) -> str:
-    if isinstance(obj, str):
-        return obj
-    if hasattr(obj, "to_json"):
-        value = obj.to_json()
-        return value if isinstance(value, str) else json.dumps(value, indent=1, sort_keys=True)
-    if is_dataclass(obj):
-        obj = asdict(obj)
-    return json.dumps(obj, indent=1, sort_keys=True)
-
-
-def write_bytes_atomic(fs_or_out: "PackLocation | str | os.PathLike", relpath: str, data: bytes) -> None:
-    """Write ``data`` at ``relpath`` atomically: tmp + fsync + rename + directory fsync (local)."""
-    f = _AtomicFile(resolve_location(fs_or_out), relpath)
-    try:
-        f.raw.write(data)
-        f.commit()
-    except BaseException:
-        f.abort()
-        raise
-
-
-def write_json_atomic(fs_or_out: "PackLocation | str | os.PathLike", relpath: str, obj: Any) -> None:
-    """Write ``obj`` as JSON at ``relpath`` atomically (see ``write_bytes_atomic``).
-
-    ``obj`` may be a JSON string, an object with ``to_json()`` (e.g. ``ShardEntry``, ``Manifest``),
-    a dataclass or plain JSON data.  Keys are sorted so the bytes are deterministic.
-    """
-    write_bytes_atomic(fs_or_out, relpath, _json_text(obj).encode())
-
-
-def lineage_table(stream: int, first_record: int, batches: "list[tuple[list, list[int]]]") -> pa.Table:
-    """Lineage rows (``schemas.manifest.LINEAGE_SCHEMA``) of consecutive records from each one's
-    (origins, sample lengths)."""
-    cols: dict[str, list] = {f.name: [] for f in LINEAGE_SCHEMA}
-    for i, (origins, lens) in enumerate(batches):
-        for j, (o, n) in enumerate(zip(origins, lens)):
-            cols["stream"].append(stream)
-            cols["record"].append(first_record + i)
-            cols["sample"].append(j)
-            cols["group"].append(o.group)
-            cols["dataset"].append(o.dataset)
-            cols["worker_id"].append(o.worker_id)
-            cols["data_indexes"].append(list(o.data_indexes))
-            cols["source_file"].append(o.source_file)
-            cols["source_row_group"].append(o.source_row_group)
-            cols["source_row"].append(o.source_row)
-            cols["num_tokens"].append(n)
-    return pa.Table.from_pydict(cols, schema=LINEAGE_SCHEMA)
-
-
-def parquet_bytes(table: pa.Table) -> bytes:
-    sink = pa.BufferOutputStream()
-    pq.write_table(table, sink, compression="zstd")
-    return sink.getvalue().to_pybytes()
-
-
 class StreamWriter:
     """Appends packed batches of one stream to rolling shard files, and commits each shard.
 
@@ -270,7 +142,7 @@ class StreamWriter:
             start_shard, start_record = len(index.shards), index.num_records
         self.next_shard = start_shard
         self.next_record = start_record
-        self._file: _AtomicFile | None = None
+        self._file: AtomicFile | None = None
         self._sink: _HashingSink | None = None
         self._ipc: pa.ipc.RecordBatchFileWriter | None = None
         self._records: list[RecordEntry] = []
@@ -291,7 +163,7 @@ class StreamWriter:
         return RECORD_SCHEMA.with_metadata(shard_metadata(self.metadata, self.stream, self.next_shard))
 
     def _open(self) -> None:
-        self._file = _AtomicFile(self.loc, shard_file(self.stream, self.next_shard), direct=True)
+        self._file = AtomicFile(self.loc, shard_file(self.stream, self.next_shard), direct=True)
         self._sink = _HashingSink(self._file.raw)
         self._ipc = pa.ipc.new_file(self._sink, self._schema(), options=self.compression.write_options())
         self._records = []
@@ -384,10 +256,7 @@ class StreamWriter:
 
     def _checkpoint(self, shard: int) -> tuple[str, str]:
         """Write the state now as ``ckpt-shard``; the sha256 of its (json, arrow) files."""
-        text, pixels = self._state()
-        write_bytes_atomic(self.loc, checkpoint_file(self.stream, shard, "arrow"), pixels)
-        write_bytes_atomic(self.loc, checkpoint_file(self.stream, shard, "json"), text)
-        return sha256_hex(text), sha256_hex(pixels)
+        return write_checkpoint(self.loc, self.stream, shard, self._state())
 
 
 def _written_images(batch: PackedBatch, encoded: EncodedRecord, stored: pa.Buffer, frames) -> list:
@@ -403,51 +272,6 @@ def _written_images(batch: PackedBatch, encoded: EncodedRecord, stored: pa.Buffe
     return out
 
 
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def read_index(loc: PackLocation, stream: int) -> StreamIndex | None:
-    """The stream's committed index, or None when nothing is committed yet."""
-    path = loc.path(index_file(stream))
-    try:
-        data = loc.read_bytes(index_file(stream))
-    except FileNotFoundError:
-        return None
-    return StreamIndex.from_bytes(data, stream, path)
-
-
 def write_index(loc: PackLocation, index: StreamIndex) -> None:
     """Commit: publish the index that lists every committed shard (atomic replace / PUT)."""
     write_bytes_atomic(loc, index_file(index.stream), index.to_bytes())
-
-
-def recover_stream(
-    out: "str | os.PathLike | PackLocation", stream: int, filesystem: pafs.FileSystem | None = None
-) -> StreamIndex:
-    """Bring a stream's directory back to its committed prefix after a crash; return its index.
-
-    Committed shards are the rows of ``index.arrow``.  Deleted: every temporary file, shard files
-    (records, pixel index, lineage) numbered at or beyond the next shard, and checkpoints beyond it
-    (``ckpt-next`` is the state to resume from, so it stays).  A committed shard file that is
-    missing or has the wrong size is damage a restart must not paper over: ``DamagedFile``.
-    """
-    loc = resolve_location(out, filesystem)
-    sdir = loc.path(stream_dir(stream))
-    infos = loc.list(stream_dir(stream))
-    sizes = {i.base_name: i.size for i in infos if i.type == pafs.FileType.File}
-    index = read_index(loc, stream) or StreamIndex(stream, [])
-    for entry in index.shards:
-        name = shard_file(stream, entry.shard).rsplit("/", 1)[1]
-        if sizes.get(name) != entry.nbytes:
-            raise DamagedFile(f"{sdir}/{name}: committed shard file missing or not {entry.nbytes} bytes")
-    next_shard = len(index.shards)
-    for name in sorted(sizes):
-        f = parse(f"{stream_dir(stream)}/{name}")
-        stale = is_temporary(name)
-        stale |= f is not None and f.kind in SHARD_FILES and f.shard >= next_shard
-        stale |= f is not None and f.kind in CHECKPOINT_FILES and f.shard > next_shard
-        if stale:
-            log.warning("stream %d: removing crash leftover %s", stream, name)
-            loc.fs.delete_file(f"{sdir}/{name}")
-    return index

@@ -22,10 +22,9 @@ import numpy as np
 import pyarrow as pa
 
 from loader.reader import Pack, read_shard
-from prepack.run.identity import config_from_identity
 from prepack.tools.report import CheckReport
 from schemas.config import PrepackConfig
-from schemas.errors import AuditRefused, PrepackError
+from schemas.errors import AuditRefused, DamagedFile, PrepackError
 from schemas.location import PackLocation
 from schemas.documents import load_checked
 from schemas.manifest import ShardEntry, StreamIndex, checkpoint_file
@@ -77,12 +76,12 @@ def prepare(out, tokenizer=None) -> AuditContext:
     from prepack.engine.tokenizer import load_tokenizer, special_token_ids, tokenizer_fingerprint
 
     pack = Pack.open(out)
-    loc, identity = pack.location, pack.identity
+    loc, info = pack.location, pack.info
     try:
-        cfg = config_from_identity(identity)
-    except (KeyError, TypeError) as e:
+        cfg = info.stored_config()
+    except (KeyError, TypeError, DamagedFile) as e:
         raise AuditRefused(f"cannot audit {loc.base}: the stored config does not rebuild ({e!r})") from None
-    if cfg.content_hash() != identity.get("config_hash"):
+    if cfg.content_hash() != info.config_hash:
         raise AuditRefused(f"cannot audit {loc.base}: the stored config does not hash to its config_hash")
     missing = unreachable_source(cfg)
     if missing:
@@ -93,7 +92,7 @@ def prepare(out, tokenizer=None) -> AuditContext:
         except (OSError, ValueError, TypeError) as e:
             raise AuditRefused(f"cannot audit {loc.base}: tokenizer {cfg.tokenizer!r} unavailable ({e})") from None
     tok, special = tokenizer
-    why = identity_mismatch(identity, pack_identity(cfg, tokenizer_fingerprint(tok), special), check_code=True)
+    why = identity_mismatch(info, pack_identity(cfg, tokenizer_fingerprint(tok), special), check_code=True)
     if why:
         raise AuditRefused(f"cannot audit {loc.base}: {why}")
     return AuditContext(pack, cfg, tok, special)
@@ -159,7 +158,7 @@ def state_difference(ctx: AuditContext, index: StreamIndex, shard: int, packer) 
 
     The stored files are checked against the digests the index recorded first (DamagedFile)."""
     from prepack.engine.checkpoint import state_to_payload
-    from prepack.run.stream_job import read_checkpoint_files
+    from prepack.run.checkpoints import read_checkpoint_files
     from schemas.checkpoint import decode_pixels
 
     doc, pixels = state_to_payload(packer.state())
@@ -235,10 +234,10 @@ def _check_state(ctx: AuditContext, index: StreamIndex, shard: int, packer, rep:
 def audit_shard(ctx: AuditContext, index: StreamIndex, shard: ShardEntry, rep: CheckReport) -> None:
     """Re-pack one shard from its start checkpoint; also compare the end state with the next one."""
     from prepack.engine.packer import StreamPacker
-    from prepack.run.stream_job import read_checkpoint
+    from prepack.run.checkpoints import read_checkpoint
 
     try:
-        state = read_checkpoint(ctx.loc, index.stream, shard.shard, index)
+        state = read_checkpoint(ctx.loc, index, shard.shard)
     except PrepackError as e:  # a missing or damaged checkpoint: one line naming it
         rep.add("checkpoint", checkpoint_file(index.stream, shard.shard), False, str(e))
         return

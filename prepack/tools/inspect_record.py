@@ -20,6 +20,7 @@ import pyarrow as pa
 from loader.reader import Pack, read_shard
 from schemas.errors import UsageError
 from schemas.manifest import ShardEntry
+from schemas.pack_info import PackInfo
 from schemas.record import PackedBatch, SampleOrigin, record_digest, record_to_batch
 
 log = logging.getLogger(__name__)
@@ -337,8 +338,8 @@ def render_png(batch: PackedBatch, path: str, title: str = "", sample: int | Non
 
 
 # -- command --------------------------------------------------------------------------------------
-def _load_tokenizer(identity: dict):
-    spec = (identity.get("config") or {}).get("tokenizer")
+def _load_tokenizer(info: PackInfo):
+    spec = (info.config or {}).get("tokenizer")
     if spec is None:
         return None
     from prepack.engine.tokenizer import load_tokenizer, special_token_ids
@@ -351,7 +352,7 @@ def _load_tokenizer(identity: dict):
 
 
 def read_record(out, stream: int, record: int) -> tuple[ShardEntry, int, pa.RecordBatch, dict]:
-    """One committed record: (its shard entry, index in the shard, the record, the pack identity)."""
+    """One committed record: (its shard entry, index in the shard, the record, the pack's pack.json)."""
     pack = Pack.open(out)
     pack.check_stream(stream)
     index = pack.index(stream)
@@ -359,17 +360,17 @@ def read_record(out, stream: int, record: int) -> tuple[ShardEntry, int, pa.Reco
         raise UsageError(f"stream {stream} has no record {record} ({index.num_records} committed)")
     shard = next(sh for sh in index.shards if record < sh.first_record + len(sh.records))
     i = record - shard.first_record
-    return shard, i, next(read_shard(pack, shard, i, verify=False))[1], pack.identity
+    return shard, i, next(read_shard(pack, shard, i, verify=False))[1], pack.info
 
 
 def inspect_record(out, *, stream: int, record: int, png: str | None = None, tokenizer=None) -> str:
     """Text account of record ``record`` of ``stream``; with ``png``, also the picture."""
-    shard, i, rec, identity = read_record(out, stream, record)
+    shard, i, rec, info = read_record(out, stream, record)
     digest = record_digest(rec)
     check = "matches the stream index" if digest == shard.records[i].digest else "DIFFERS from the stream index (run verify)"
     batch = record_to_batch(rec)
     title = f"stream {stream}, record {record}: {shard.file} #{i}, digest {digest[:12]}.. {check}"
-    text = describe(batch, tokenizer if tokenizer is not None else _load_tokenizer(identity), title)
+    text = describe(batch, tokenizer if tokenizer is not None else _load_tokenizer(info), title)
     if png:
         chosen = render_png(batch, os.fspath(png), f"stream {stream}, record {record} ({shard.file} #{i})")
         text += f"\n\npicture written to {png} (attention mask of sample {chosen})"

@@ -177,7 +177,7 @@ def _sample_stream(cfg: PrepackConfig, stream: int, tokenizer, special, least: i
     """Pack ``least`` to ``most`` batches of ``stream`` into ``acc`` (fewer once settled or past the deadline)."""
     from prepack.engine.checkpoint import state_to_payload
     from prepack.engine.packer import StreamPacker
-    from prepack.run.writer import lineage_table, parquet_bytes
+    from prepack.run.lineage import lineage_table, parquet_bytes
 
     compression = Compression.parse(cfg.prepack.compression)
     cpu0 = time.process_time()

@@ -35,6 +35,7 @@ from prepack.tools.composition import COLUMNS, BatchCounts, Composition, record_
 from schemas.location import resolve_location
 from schemas.layout import SHARD_LINEAGE, STREAM_LINEAGE, parse
 from schemas.manifest import StreamSummary
+from schemas.pack_info import PackInfo
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +147,8 @@ def _batch_tables(pack: Pack, max_tokens: int) -> tuple[dict, pl.DataFrame, pl.D
     return totals, per_batch, fill_hist, composition
 
 
-def _group_mix(identity: dict, lineage: pl.DataFrame) -> pl.DataFrame:
-    groups = (identity.get("config") or {}).get("groups") or []
+def _group_mix(info: PackInfo, lineage: pl.DataFrame) -> pl.DataFrame:
+    groups = (info.config or {}).get("groups") or []
     configured = pl.DataFrame(
         {"group": [g["name"] for g in groups], "mandatory": [bool(g.get("is_mandatory")) for g in groups],
          "weight": [float(g.get("weight", 0.0)) for g in groups]},
@@ -189,7 +190,7 @@ def compute_stats(out) -> PackStats:
     """All statistics of a pack's committed records (indexes, done.json, lineage, projected shard reads)."""
     pack = Pack.open(out)
     loc = pack.location
-    max_tokens = int(pack.identity.get("max_num_tokens") or 0)
+    max_tokens = pack.info.max_num_tokens or 0
     summaries = [d for d in (pack.done(s) for s in range(pack.num_streams)) if d is not None]
     lazy = scan_lineage(loc)
     groups = lazy.group_by("group").agg(pl.len().cast(pl.Int64).alias("samples")).collect()
@@ -201,7 +202,7 @@ def compute_stats(out) -> PackStats:
         totals=totals,
         per_batch=per_batch,
         fill_hist=fill_hist,
-        group_mix=_group_mix(pack.identity, groups),
+        group_mix=_group_mix(pack.info, groups),
         drops=_drops(summaries),
         row_use=per_row.group_by("uses").agg(pl.len().cast(pl.Int64).alias("rows")).sort("uses"),
         top_rows=per_row.sort(["uses", *_ROW_KEY], descending=[True, False, False, False]).head(10),

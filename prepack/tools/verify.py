@@ -196,8 +196,6 @@ def _check_done(pack: Pack, index: StreamIndex, rep: CheckReport) -> StreamSumma
 
 def check_identity(pack: Pack, rep: CheckReport) -> None:
     """Fingerprints present; the stored config rebuilds and hashes to its config_hash."""
-    from prepack.run.identity import config_from_identity
-
     ident = pack.identity
     missing = [k for k in _IDENTITY_KEYS if k not in ident]
     rep.add("identity", PACK_INFO_NAME, not missing, f"missing {', '.join(missing)}" if missing else
@@ -205,7 +203,7 @@ def check_identity(pack: Pack, rep: CheckReport) -> None:
             f"tokenizer {ident['tokenizer_fingerprint'][:12]}.., code {ident['code_fingerprint']}")
     if "config" in ident and "config_hash" in ident:
         try:
-            ok = config_from_identity(ident).content_hash() == ident["config_hash"]
+            ok = pack.info.stored_config().content_hash() == pack.info.config_hash
             detail = "stored config hashes to config_hash" if ok else "stored config does not hash to config_hash"
         except (KeyError, TypeError, ValueError) as e:
             ok, detail = False, f"stored config does not rebuild: {e}"
@@ -215,8 +213,11 @@ def check_identity(pack: Pack, rep: CheckReport) -> None:
 def check_summary(pack: Pack, dones: dict[int, StreamSummary | None], rep: CheckReport) -> None:
     """manifest.json, when present, lists exactly each stream's done.json."""
     try:
-        raw = pack.location.read_bytes(MANIFEST_NAME)
-    except FileNotFoundError:
+        summary = PackSummary.read(pack.location)
+    except PrepackError as e:
+        rep.add("manifest", MANIFEST_NAME, False, str(e))
+        return
+    if summary is None:
         unfinished = sum(1 for d in dones.values() if d is None)
         # Not OK once every stream is done: the manifest is the finished pack's summary (and its
         # sign of being finished), so its absence means the run that finished last died before
@@ -225,11 +226,6 @@ def check_summary(pack: Pack, dones: dict[int, StreamSummary | None], rep: Check
                 f"not written: {unfinished} streams still packing" if unfinished else
                 "missing, though every stream is done: rerun the same 'prepack run CONFIG --out OUT' "
                 "(it packs nothing and writes the manifest from each stream's done.json)")
-        return
-    try:
-        summary = PackSummary.from_json(raw, MANIFEST_NAME)
-    except PrepackError as e:
-        rep.add("manifest", MANIFEST_NAME, False, str(e))
         return
     wrong = [s.stream for s in summary.streams if dones.get(s.stream) != s]
     problems = []

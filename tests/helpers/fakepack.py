@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from prepack.run.writer import StreamWriter, write_bytes_atomic, write_index
+from prepack.run.atomic_files import write_bytes_atomic
+from prepack.run.writer import StreamWriter, write_index
 from schemas.location import resolve_location
 from schemas.manifest import FORMAT_VERSION, PACK_INFO_NAME, StreamIndex, StreamSummary, done_file, dump_checked
 from schemas.pixel_table import image_table

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import dataclasses
 import logging
 import os
 import subprocess
@@ -106,7 +107,7 @@ def test_build_returns_nemos_shape_and_checks(pack, caplog):
     assert isinstance(built.dataset, PackedShardDataset) and built.dataloader.dataset is built.dataset
     with pytest.raises(ConfigError, match="local_batch_size must be 1"):
         cfg.build(tokenizer=None, special_tokens=SPECIAL, rank=0, world_size=1, batch_size=2, global_seed=42)
-    identity = {"special_tokens": SPECIAL, "config": {"seed": 7}}
+    identity = dataclasses.replace(built.dataset.pack.info, special_tokens=SPECIAL, config={"seed": 7})
     with pytest.raises(ConfigError, match="eos_token_id: tokenizer 9, pack 2"):
         _check_identity(identity, {**SPECIAL, "eos_token_id": 9}, 7)
     with caplog.at_level(logging.WARNING, logger="loader.nemo"):

@@ -62,31 +62,31 @@ def test_bad_yaml_is_one_line(tmp_path):
 
 
 def test_progress_postfix_shows_each_stream_or_the_spread():
-    from prepack.run.progress import RunProgress
+    from prepack.run.progress import RunProgress, StreamProgress
 
     few = RunProgress([0, 1], 6, {})
-    few.update(0, {"batches": 3, "tokens": 3000, "done": False})
-    few.update(1, {"batches": 6, "tokens": 6000, "done": True})
+    few.update(StreamProgress(0, batches=3, tokens=3000, done=False))
+    few.update(StreamProgress(1, batches=6, tokens=6000, done=True))
     line = few.postfix(2.0)
     assert "9,000 tok" in line and "4,500 tok/s" in line and "s0:3/6 s1:6/6" in line and "done 1/2" in line
     many = RunProgress(list(range(10)), None, {})
     for s in range(10):
-        many.update(s, {"batches": s, "tokens": 10, "done": False})
+        many.update(StreamProgress(s, batches=s, tokens=10, done=False))
     assert "per stream 0..9" in many.postfix(0.0) and "done 0/10" in many.postfix(0.0)
 
 
 def test_each_drop_reason_is_announced_once_per_run_with_its_meaning():
-    from prepack.run.progress import RunProgress
+    from prepack.run.progress import RunProgress, StreamProgress
 
     run = RunProgress(list(range(8)), 10, {"max_num_tokens_per_sample": 4096})
     for s in range(8):
-        run.update(s, {"batches": 1, "tokens": 1, "drops": {"overlength_sample": s + 1},
-                       "examples": {"overlength_sample": str(4601 + s)}})
+        run.update(StreamProgress(s, batches=1, tokens=1, drops={"overlength_sample": s + 1},
+                                  examples={"overlength_sample": str(4601 + s)}))
     lines = run.new_kinds()
     assert len(lines) == 1, lines
     assert lines[0].startswith("overlength_sample: a sample of 4601 tokens exceeds max_num_tokens_per_sample=4096")
     assert "first in stream 0" in lines[0]
-    run.update(3, {"batches": 2, "tokens": 2, "drops": {"overlength_sample": 9}, "warnings": {"truncated_image": 1}})
+    run.update(StreamProgress(3, batches=2, tokens=2, drops={"overlength_sample": 9}, warnings={"truncated_image": 1}))
     later = run.new_kinds()
     assert len(later) == 1 and "truncated_image" in later[0], later
 
@@ -105,11 +105,12 @@ def test_retried_streams_are_announced_once_per_attempt_with_the_cause():
 
 def test_a_bug_prints_its_traceback_and_says_so(monkeypatch, capsys):
     from prepack import cli
+    from prepack.tools import verify_command
 
     def broken(args):
         raise KeyError("internal")
 
-    monkeypatch.setattr(cli, "cmd_verify", broken)
+    monkeypatch.setattr(verify_command, "cmd_verify", broken)
     assert cli.main(["verify", "somewhere"]) == 70
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "KeyError: 'internal'" in err
@@ -132,7 +133,7 @@ def test_config_mistakes_are_caught_before_anything_is_written(tmp_path, capsys)
 
 
 def test_streams_take_ids_and_ranges():
-    from prepack.cli import _streams
+    from prepack.run.command import parse_streams as _streams
     from schemas.errors import UsageError
 
     assert _streams("0,5,8-10") == [0, 5, 8, 9, 10] and _streams(None) is None

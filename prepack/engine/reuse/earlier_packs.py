@@ -23,7 +23,9 @@ import pyarrow as pa
 from prepack.engine.reuse.source_pictures import RESIZE_IMPL, ReuseCounts
 from schemas.errors import DamagedFile, PackFormatError, PackRefused
 from schemas.location import PackLocation, redact_uri, resolve_location
-from schemas.manifest import PACK_INFO_NAME, StreamIndex, check_format, index_file, load_checked
+from schemas.layout import PACK_INFO_NAME
+from schemas.manifest import StreamIndex
+from schemas.pack_info import PackInfo
 from schemas.pixel_catalog import CATALOG_NAME, ROW_DTYPE, Catalog, block_digest, fences_file, part_file
 
 log = logging.getLogger(__name__)
@@ -157,12 +159,10 @@ class CatalogView:
 def open_old_pack(old: str) -> tuple[PackLocation, int]:
     """``(location, number of streams)`` of an earlier pack; ``NotAPack``-like errors name it."""
     loc = resolve_location(old)
-    try:
-        raw = loc.read_bytes(PACK_INFO_NAME)
-    except FileNotFoundError:
-        raise ValueError(f"{loc.path('')} is not a pack (no {PACK_INFO_NAME})") from None
-    identity = check_format(load_checked(raw, loc.path(PACK_INFO_NAME)), loc.path(PACK_INFO_NAME))
-    return loc, int(identity["num_streams"])
+    info = PackInfo.read(loc)
+    if info is None:
+        raise ValueError(f"{loc.path('')} is not a pack (no {PACK_INFO_NAME})")
+    return loc, info.num_streams
 
 
 def check_old_packs(olds: "Iterable[str]", out: PackLocation | None = None) -> tuple[str, ...]:
@@ -215,19 +215,17 @@ def _committed(loc: PackLocation, streams: int, counts: ReuseCounts) -> "dict[in
     out: dict[int, list[CommittedShard]] = {}
     for stream in range(streams):
         try:
-            data = loc.read_bytes(index_file(stream))
-        except FileNotFoundError:
-            continue  # nothing committed yet
-        except OSError as e:
-            counts.fallback("stream_index_unreadable")
-            log.debug("reuse: stream_index_unreadable (%s)", e)
-            continue
-        try:
-            index = StreamIndex.from_bytes(data, stream, loc.path(index_file(stream)))
+            index = StreamIndex.read(loc, stream)
         except (DamagedFile, PackFormatError, ValueError) as e:
             counts.fallback("stream_index_damaged")
             log.debug("reuse: stream_index_damaged (%s)", e)
             continue
+        except OSError as e:
+            counts.fallback("stream_index_unreadable")
+            log.debug("reuse: stream_index_unreadable (%s)", e)
+            continue
+        if index is None:
+            continue  # nothing committed yet
         out[stream] = [CommittedShard.of(e) for e in index.shards]  # the records' digests are not kept
     return out
 

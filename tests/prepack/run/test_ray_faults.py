@@ -64,17 +64,16 @@ def reference(config, tokenizer_and_special, tmp_path_factory):
     from prepack.run.identity import write_identity
     from schemas.config import load_config
     from schemas.location import resolve_location
-    from schemas.manifest import pack_metadata
 
     cfg = load_config(config)
     tok, special = tokenizer_and_special
     identity = pack_identity(cfg, tokenizer_fingerprint(tok), special)
     out = str(tmp_path_factory.mktemp("reference") / "out")
     for s in range(cfg.num_streams):
-        pack_one_stream(cfg, out, s, tok, special, pack_metadata(identity))
+        pack_one_stream(cfg, out, s, tok, special, identity.shard_metadata())
     loc = resolve_location(out)
     write_identity(loc, identity)
-    assert finalize(loc, cfg, identity)[0]
+    assert finalize(loc, cfg)[0]
     man = load_manifest(out)
     assert all(s["num_records"] == BATCHES and len(s["shards"]) >= 4 for s in man["streams"]), \
         [(s["num_records"], len(s["shards"])) for s in man["streams"]]

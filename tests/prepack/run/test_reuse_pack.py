@@ -236,11 +236,10 @@ def test_a_killed_reused_run_resumes_to_the_fresh_bytes(old, tmp_path, tokenizer
 
 def _metadata(out: str) -> dict:
     """The shard metadata the driver gives stream tasks for the pack at ``out``."""
-    from prepack.run.identity import read_identity
     from schemas.location import resolve_location
-    from schemas.manifest import pack_metadata
+    from schemas.pack_info import PackInfo
 
-    return pack_metadata(read_identity(resolve_location(out)))
+    return PackInfo.read(resolve_location(out)).shard_metadata()
 
 
 @pytest.mark.parametrize("shard_bytes,compression", [(60_000, "zstd:1"), (1 << 30, "zstd:1"), (60_000, "none")],

@@ -12,7 +12,10 @@ import pytest
 import xxhash
 from tests.helpers.fakepack import BatchSpec, make_batch, stream_batches
 
-from prepack.run.writer import Compression, StreamWriter, _AtomicFile, read_index, recover_stream, write_json_atomic
+from prepack.run.atomic_files import AtomicFile, write_json_atomic
+from prepack.run.recovery import recover_stream
+from prepack.run.writer import StreamWriter
+from schemas.compression import Compression
 from schemas.errors import DamagedFile
 from schemas.location import resolve_location
 from schemas.manifest import RecordEntry, ShardEntry, StreamIndex, chain_root, checkpoint_file, row_facts
@@ -148,7 +151,7 @@ def test_stream_index_round_trip_and_chain(tmp_path):
     index = StreamIndex(0, [])
     for e in entries:
         commit_entry(resolve_location(str(tmp_path)), index, e)
-    back = read_index(resolve_location(str(tmp_path)), 0)
+    back = StreamIndex.read(resolve_location(str(tmp_path)), 0)
     root = chain_root("", [], b"|")
     for e in entries:
         root = chain_root(root, [r.digest for r in e.records], row_facts(e))
@@ -170,13 +173,13 @@ def test_damaged_index_is_refused_naming_it(tmp_path):
     good = path.read_bytes()
     path.write_bytes(good[: len(good) // 2])
     with pytest.raises(DamagedFile, match=r"stream-00000/index\.arrow: not a readable stream index"):
-        read_index(resolve_location(out), 0)
+        StreamIndex.read(resolve_location(out), 0)
     first = index.shards[0]
     forged = [RecordEntry("0" * 32, r.num_tokens, r.num_samples) for r in first.records]
     tampered = StreamIndex(0, [ShardEntry(**{**vars(first), "records": forged})] + index.shards[1:])
     path.write_bytes(tampered.to_bytes())
     with pytest.raises(DamagedFile, match="does not chain to its stored root"):
-        read_index(resolve_location(out), 0)
+        StreamIndex.read(resolve_location(out), 0)
 
 
 def test_abort_leaves_nothing(tmp_path):
@@ -254,7 +257,7 @@ def test_empty_lists_round_trip(tmp_path):
 
 
 def test_write_bytes_atomic_replaces_whole_file(tmp_path):
-    from prepack.run.writer import write_bytes_atomic
+    from prepack.run.atomic_files import write_bytes_atomic
 
     write_bytes_atomic(str(tmp_path), "stream-00001/ckpt-00001.arrow", b"first version, longer")
     write_bytes_atomic(str(tmp_path), "stream-00001/ckpt-00001.arrow", b"second")
@@ -282,7 +285,7 @@ def test_a_committing_writer_makes_the_whole_commit(tmp_path):
                       state=state) as w:
         entries = [e for e in (w.append(b) for b in batches[:-1]) if e is not None]
         w.append(batches[-1])
-    assert len(entries) >= 2 and read_index(loc, 5) == index and index.shards == entries
+    assert len(entries) >= 2 and StreamIndex.read(loc, 5) == index and index.shards == entries
     sdir = tmp_path / "stream-00005"
     assert not [f for f in os.listdir(sdir) if f.endswith(".tmp")]  # the last shard was dropped, not committed
     assert (sdir / "ckpt-00000.arrow").read_bytes() == bytes([0])
@@ -300,14 +303,14 @@ def test_a_committing_writer_makes_the_whole_commit(tmp_path):
     with StreamWriter(out, 6, shard_bytes=20_000, compression="zstd:3", metadata=META, index=empty,
                       state=state) as w:
         assert w.finish() is None
-    assert read_index(loc, 6) == empty and empty.ckpt0_json_sha256  # no record: the index still records ckpt-0
+    assert StreamIndex.read(loc, 6) == empty and empty.ckpt0_json_sha256  # no record: the index still records ckpt-0
 
 
 def test_two_writers_of_one_small_file_at_once_each_publish_a_whole_file(tmp_path):
     """Two jobs starting on one new output both write its pack.json: interleaved, each renames its
     own complete file into place (with one shared temporary name the second found it gone)."""
     loc = resolve_location(str(tmp_path))
-    first, second = _AtomicFile(loc, "pack.json"), _AtomicFile(loc, "pack.json")
+    first, second = AtomicFile(loc, "pack.json"), AtomicFile(loc, "pack.json")
     first.raw.write(b'{"who": 1}')
     second.raw.write(b'{"who": 2}')
     first.commit()

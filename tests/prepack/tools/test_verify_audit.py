@@ -22,16 +22,17 @@ from tests.helpers.fakepack import make_batch
 from tests.helpers.packs import build_pack
 from loader import open_stream
 from loader.reader import Pack, read_shard
-from prepack.run.identity import config_from_identity
-from prepack.run.stream_job import read_checkpoint
+from prepack.run.checkpoints import read_checkpoint
 from prepack.tools.audit import AuditRefused, audit_pack, first_difference
 from prepack.tools.stats import scan_lineage
 from schemas.errors import DamagedFile, PackFormatError, PackIntegrityError
 from prepack.cli import main
 from prepack.tools.stats import batches_with_row
 from prepack.tools.verify import verify_pack
-from prepack.run.writer import Compression, write_bytes_atomic, write_json_atomic
+from prepack.run.atomic_files import write_bytes_atomic, write_json_atomic
+from schemas.compression import Compression
 from schemas.config import load_config
+from schemas.pack_info import PackInfo
 from schemas.location import resolve_location
 from schemas.manifest import (
     FORMAT_VERSION,
@@ -226,9 +227,9 @@ def test_old_format_is_refused_with_one_line(pack, tmp_path, capsys, old):
 
 
 # -- audit ----------------------------------------------------------------------------------------
-def test_config_from_identity_round_trips(pack):
+def test_stored_config_round_trips(pack):
     identity = identity_of(pack)
-    cfg = config_from_identity(identity)
+    cfg = PackInfo.from_dict(identity).stored_config()
     assert cfg.content_hash() == identity["config_hash"]
     assert cfg == load_config(identity["config_path"])
 
@@ -336,7 +337,7 @@ def test_audit_reports_a_tampered_checkpoint(pack, tmp_path, tokenizer_and_speci
     assert [r.detail for r in from_it.failures()] == [damaged]
     # and a resume refuses it with one line naming the file
     with pytest.raises(DamagedFile, match="ckpt-00002.json: checkpoint is damaged"):
-        read_checkpoint(resolve_location(out), 0, 2, indexes_of(out)[0])
+        read_checkpoint(resolve_location(out), indexes_of(out)[0], 2)
 
 
 def test_audit_refuses_when_fingerprints_or_data_differ(pack, tmp_path, tokenizer_and_special, capsys):
@@ -351,7 +352,7 @@ def test_audit_refuses_when_fingerprints_or_data_differ(pack, tmp_path, tokenize
     # source data moved away: refused before anything is re-packed (and before loading a tokenizer)
     moved = copy.deepcopy(man)
     moved["config"]["groups"][0]["datasets"][0]["data_dir"] = str(tmp_path / "gone")
-    cfg = config_from_identity(moved)
+    cfg = PackInfo.from_dict(moved).stored_config()
     moved["config_hash"] = cfg.content_hash()
     write_checked(out, PACK_INFO_NAME, moved)
     with pytest.raises(AuditRefused, match="source data unreachable: t2i_pretrain/t2i data_dir"):

@@ -1,0 +1,98 @@
+"""The Ray side of a run: the stream task (one per stream) and the progress mailbox actor.
+
+Imported only when a run uses Ray (``prepack.run.driver``), so ``prepack --help``, ``plan`` and
+``--no-ray`` never import Ray.  The driver pins the actor to its own node (a worker node may vanish;
+this one holds the run) and every call to it is best effort: progress never fails a stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import ray
+
+from prepack.run.lease import pid_alive
+from prepack.run.progress import StreamProgress
+
+TASK_RETRIES = 10  # per stream task, for system failures (a lost worker or node); each retry resumes
+
+
+def _attempt() -> int:
+    """This task's attempt number (0 first, 1 first retry...), or -1 where Ray does not say.
+
+    Ray has no public call for it; its core worker's is used if present (best effort)."""
+    try:
+        from ray._private.worker import global_worker
+
+        return int(global_worker.core_worker.get_current_task_attempt_number())
+    except Exception:  # noqa: BLE001
+        return -1
+
+
+@ray.remote(num_cpus=0)
+class Progress:
+    """A mailbox for progress reports: on the driver's node, holds plain data only."""
+
+    def __init__(self):
+        self.reports: dict[int, StreamProgress] = {}
+        self.attempts: dict[int, list[str]] = {}  # stream -> node id of each attempt
+
+    def started(self, stream: int, node: str, attempt: int = -1) -> None:
+        """``attempt``: Ray's attempt number for the task (-1 unknown).  Attempts that died before
+        they could report are filled in as "?", so a retry is known even then."""
+        nodes = self.attempts.setdefault(stream, [])
+        while len(nodes) < attempt:
+            nodes.append("?")
+        nodes.append(node)
+
+    def update(self, report: StreamProgress) -> None:
+        self.reports[report.stream] = report
+
+    def poll(self) -> tuple[dict, dict]:
+        return dict(self.reports), {s: list(n) for s, n in self.attempts.items()}
+
+
+@ray.remote(num_cpus=1, max_retries=TASK_RETRIES)
+def stream_task(cfg, out, stream, metadata, progress, local_ray=False, log_level=logging.WARNING, reuse=()):
+    def tell(method, *args) -> None:  # progress is best effort: it may never fail the stream
+        try:
+            getattr(progress, method).remote(*args)
+        except Exception:  # noqa: BLE001  (a dead or unreachable actor)
+            pass
+
+    # First, before the imports below: with Ray's attempt number a retry is known even when the
+    # attempt before it died before it could report.  Not waited for: a task blocked in
+    # ray.get lends its CPU to the next task, and packing workers would then oversubscribe.
+    tell("started", stream, ray.get_runtime_context().get_node_id(), _attempt())
+    from prepack.run.stream_job import pack_one_stream
+    from prepack.run.worker_process import settle_worker_process
+    from prepack.engine.tokenizer import load_tokenizer, special_token_ids
+
+    if log_level < logging.WARNING:  # -v: each drop's detail from the worker, as it happens
+        logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    # A local Ray fate-shares with its driver: a SIGKILLed driver takes the raylet along, but
+    # its orphaned workers would go on packing (and even start a task pushed just before)
+    # for seconds, racing a rerun over the same files.  So on a local Ray (same host, same
+    # PID namespace) a task stops at the next record once its raylet has exited.
+    raylet = int(os.environ.get("RAY_RAYLET_PID") or 0) if local_ray else 0
+
+    def check_raylet() -> None:
+        if raylet and not pid_alive(raylet):
+            raise RuntimeError(f"stream {stream}: this worker's raylet (pid {raylet}) is gone; stopping")
+
+    check_raylet()
+    tokenizer, special = special_token_ids(load_tokenizer(cfg.tokenizer))
+    last = [0.0]
+
+    def report(progress_now: StreamProgress) -> None:
+        check_raylet()
+        now = time.monotonic()
+        if progress_now.done or now - last[0] > 1.0:  # each report is a Ray call: once a second is enough for a bar
+            last[0] = now
+            tell("update", progress_now)
+
+    check_raylet()
+    settle_worker_process()
+    return pack_one_stream(cfg, out, stream, tokenizer, special, metadata, report, reuse)
