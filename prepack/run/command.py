@@ -1,0 +1,67 @@
+"""``prepack run``: the subcommand's parser and its handler, which calls the driver.
+
+Registered by ``prepack.cli`` (``add_command``).  Light to import: the driver, Ray and the config
+are imported when the command runs, not when ``prepack --help`` builds its parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from schemas.errors import UsageError
+
+
+def parse_streams(text: str | None) -> list[int] | None:
+    """``--streams``: comma-separated ids and inclusive ranges, e.g. ``0,5,8-15``."""
+    if text is None:
+        return None
+    out: list[int] = []
+    try:
+        for part in (p.strip() for p in text.split(",")):
+            if not part:
+                continue
+            lo, sep, hi = part.partition("-")
+            out.extend(range(int(lo), int(hi) + 1) if sep else [int(lo)])
+    except ValueError:
+        raise UsageError(f"--streams takes comma-separated stream ids or ranges (0,5,8-15), got {text!r}") from None
+    return out
+
+
+def cmd_run(args) -> int:
+    from prepack.run.driver import run_pack
+    from schemas.config import load_config
+
+    cfg = load_config(args.config)
+    if args.no_ray:  # this process packs: give it a packing worker's allocator and GC settings
+        from prepack.run.worker_process import settle_worker_process
+
+        settle_worker_process()
+    summary = run_pack(cfg, args.out, streams=parse_streams(args.streams), address=args.address,
+                       progress=not args.no_progress and sys.stderr.isatty() or args.progress,
+                       num_cpus=args.num_cpus, inline=args.no_ray, reuse=args.reuse or ())
+    for line in summary.lines():
+        print(line)
+    return 0
+
+
+def add_command(subparsers) -> None:
+    r = subparsers.add_parser("run", help="pack streams (all, or --streams) into an output directory",
+                              description="Pack every stream of CONFIG into --out. Reruns resume after the last "
+                              "committed shard; a finished output is left as is.")
+    r.add_argument("config", help="config YAML (NeMo recipe form + prepack: section)")
+    r.add_argument("--out", required=True, help="output directory or URI (local path, file://, s3://, gs://, hdfs://)")
+    r.add_argument("--streams", help="stream ids to pack, e.g. 0,5,8-15 (default: all W*K); other jobs may pack the rest")
+    r.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a local Ray)")
+    r.add_argument("--num-cpus", type=int, help="CPUs for the local Ray (default: all)")
+    r.add_argument("--progress", action="store_true", help="force the progress bar (default: when stderr is a terminal)")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--reuse", action="append", metavar="OLD",
+                   help="an earlier pack (any config over the same pictures, finished or still packing, local or "
+                        "s3://) whose resized pixels are copied instead of decoding and resizing again: the output "
+                        "is byte-identical to a fresh pack; repeat for several")
+    r.add_argument("--no-ray", action="store_true",
+                   help="pack in this process, one stream after another (debugging; same bytes as with Ray)")
+    r.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                   help="every drop and warning of every stream as it happens, and Ray's info lines (-vv debug)")
+    r.set_defaults(func=cmd_run)

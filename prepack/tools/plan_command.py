@@ -1,0 +1,77 @@
+"""``prepack plan``: the subcommand's parser and its handler (``prepack.tools.plan``).
+
+Registered by ``prepack.cli`` (``add_command``); light to import: the planner (pyarrow, the
+packer) is imported when it runs, so ``prepack plan --help`` stays quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+
+from schemas.errors import UsageError
+
+
+def cmd_plan(args) -> int:
+    import json
+
+    from prepack.tools.plan import plan_pack
+    from schemas.config import load_config
+
+    if args.cores is not None and args.cores < 1:
+        raise UsageError(f"--cores must be at least 1, got {args.cores}")
+    plan = plan_pack(load_config(args.config), cores=args.cores, sample_batches=args.sample_batches,
+                     sample_streams_n=args.sample_streams, max_seconds=args.max_seconds, reuse=args.reuse or ())
+    if args.json:
+        print(json.dumps(plan.to_json(), sort_keys=True))
+    else:
+        for line in plan.lines():
+            print(line)
+    return 0
+
+
+def add_command(subparsers) -> None:
+    pl = subparsers.add_parser(
+        "plan", help="project a run's records, bytes, shards, CPU and wall time from a small sample (writes nothing)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Pack a few batches of a few streams of CONFIG in this process, size them as the writer "
+        "would (into nothing: no output is written), and project the whole run from them and the budget.",
+        epilog=textwrap.dedent(
+            """\
+            what it prints:
+              records, tokens        W*K streams x the budget in batches (tokens_per_stream / passes are
+                                     converted at the sampled tokens and rows per batch)
+              output                 shards + checkpoints + lineage, from the sampled records' real size
+              shards per stream      and their size: aim for a few hundred MB (prepack.shard_bytes)
+              CPU core-hours, wall   this machine's CPU per batch; wall = streams packed cores at a time
+              groups                 token share, rows dropped, passes each stream makes over its slice
+              warnings               knobs that look wrong: shard size, a budget that runs a group past
+                                     its data, many drops, low fill, idle cores
+
+            examples:
+              prepack plan configs/demo.yaml
+              prepack plan cfg.yaml --cores 512 --json | jq .output_bytes
+              prepack plan cfg.yaml --sample-batches 16 --sample-streams 4   # a larger, slower sample
+              prepack plan new.yaml --reuse /data/packed   # how many pictures an old pack saves, and the CPU
+
+            It samples each stream's first batches and measures CPU here: expect the projection within
+            tens of percent, not exactly (docs/performance.md says how close it came on the demo).
+            """
+        ),
+    )
+    pl.add_argument("config", help="config YAML (NeMo recipe form + prepack: section)")
+    pl.add_argument("--cores", type=int, help="cores the run will have, for the wall time (default: this machine's)")
+    pl.add_argument("--json", action="store_true",
+                    help="print one JSON object (records, tokens, output_bytes, cpu_core_hours, wall_hours, groups, warnings, ...)")
+    pl.add_argument("--sample-batches", type=int, default=4,
+                    help="most batches to pack per sampled stream (default 4); a stream stops once the bytes per "
+                    "batch settle, and a small pack is sampled at most a quarter of its batches")
+    pl.add_argument("--sample-streams", type=int, default=2, help="streams to sample, first and last included (default 2)")
+    pl.add_argument("--max-seconds", type=float, default=60.0,
+                    help="stop sampling after this long (default 60; each sampled stream begun packs its 1-2 batches)")
+    pl.add_argument("--reuse", action="append", metavar="OLD",
+                    help="an earlier pack the run will take pixels from (prepack run --reuse): the sample takes them "
+                    "too, so the CPU is projected with them, and the plan says what share it found; repeat for several "
+                    "(reads OLD's pixel catalog if it has one, else every shard's pixel index: 'prepack index OLD')")
+    # skip_teardown: the program ends a plan without the interpreter's teardown (prepack.cli._exit_now)
+    pl.set_defaults(func=cmd_plan, skip_teardown=True)

@@ -1,0 +1,28 @@
+"""``prepack verify``: the subcommand's parser and its handler (``prepack.tools.verify``).
+
+Registered by ``prepack.cli`` (``add_command``); light to import: the tool is imported when it runs.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def cmd_verify(args) -> int:
+    from prepack.tools.verify import verify_pack
+    from loader.reader import Pack
+
+    Pack.open(args.dir)  # one line (NotAPack, PackFormatError) when DIR is no pack this version reads
+    report = verify_pack(args.dir, progress=sys.stderr.isatty(), metadata_only=args.metadata_only)
+    for line in report.lines():
+        print(line)
+    return 0 if report.ok else 1
+
+
+def add_command(subparsers) -> None:
+    v = subparsers.add_parser("verify", help="check every file of a pack (shards, indexes, checkpoints, lineage) "
+                              "against its recorded digests")
+    v.add_argument("dir")
+    v.add_argument("--metadata-only", action="store_true",
+                   help="check pack.json, stream indexes, done.json and the manifest only (seconds, whatever the size)")
+    v.set_defaults(func=cmd_verify)
