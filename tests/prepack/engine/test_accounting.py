@@ -187,10 +187,10 @@ def _knobs() -> dict:
 
 def _announce(section: str, key: str, example: str) -> list[str]:
     """The run log's announcement of one counted key, through the driver's own path."""
-    from prepack.run.progress import RunProgress
+    from prepack.run.progress import RunProgress, StreamProgress
 
     run = RunProgress([0], 1, _knobs())
-    run.update(0, {"batches": 1, "tokens": 1, section: {key: 1}, "examples": {key: example}})
+    run.update(StreamProgress(0, batches=1, tokens=1, examples={key: example}, **{section: {key: 1}}))
     return run.new_kinds()
 
 
