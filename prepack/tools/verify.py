@@ -174,16 +174,14 @@ def _compacted_shards(loc: PackLocation, index: StreamIndex, rep: CheckReport) -
 def _check_done(pack: Pack, index: StreamIndex, rep: CheckReport) -> StreamSummary | None:
     rel = done_file(index.stream)
     try:
-        raw = pack.location.read_bytes(rel)
-    except FileNotFoundError:
+        done = StreamSummary.read(pack.location, index.stream)
+    except PrepackError as e:
+        rep.add("stream done", rel, False, str(e))
+        return None
+    if done is None:
         finished = pack.location.fs.get_file_info(pack.location.path(MANIFEST_NAME)).type.name == "File"
         rep.add("stream done", rel, not finished, "missing, but manifest.json says every stream is done" if finished
                 else "not done yet (still packing, or packed by another job)")
-        return None
-    try:
-        done = StreamSummary.from_json(raw, rel)
-    except PrepackError as e:
-        rep.add("stream done", rel, False, str(e))
         return None
     recs = [r for sh in index.shards for r in sh.records]
     got = (done.num_shards, done.num_records, done.num_tokens, done.num_samples, done.root)
