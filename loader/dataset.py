@@ -28,7 +28,6 @@ batch is read exactly once overall.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -116,7 +115,7 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         self._split = (info.id, info.num_workers) if info is not None else (0, 1)
         if os.getpid() != self._pid:  # a forked DataLoader worker: an object-store client of its own
-            self.pack, self._pid = dataclasses.replace(self.pack, location=self.pack.location.reopened()), os.getpid()
+            self.pack, self._pid = self.pack.reopened(), os.getpid()
         streams = self._worker_streams()
         self._positions = [0] * len(streams)
         self._firsts = [0] * len(streams)
@@ -154,7 +153,7 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
 
     def _last_digests(self, streams: list[int], positions: list[int]) -> list[str]:
         """Digest of the last record read per stream ("" before the first): ties a state to content."""
-        return [self.pack.index(s).record(p - 1).digest if p else "" for s, p in zip(streams, positions)]
+        return [self.pack.record_digest(s, p - 1) if p else "" for s, p in zip(streams, positions)]
 
     def _check_positions(self, streams: list[int], positions: list[int], last: "list[str] | None") -> None:
         """Refuse a state whose streams' last records differ from this pack's (another pack's state)."""
@@ -164,7 +163,7 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
             if p and not self.pack.wait_for(s, p - 1, self.follow):
                 raise ValueError(f"loader state is past the end of stream {s} ({p} records read, "
                                  f"{self.pack.num_records(s)} committed): it belongs to a different pack")
-            if p and self.pack.index(s).record(p - 1).digest != digest:
+            if p and self.pack.record_digest(s, p - 1) != digest:
                 raise ValueError(f"loader state belongs to a different pack (stream {s}, record {p - 1} differs)")
 
     def state_dict(self) -> dict[str, Any]:
@@ -187,7 +186,7 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Make the next ``iter()`` continue right after the batch ``state`` was taken at."""
         st = state_from_dict(state)
-        if st.pack != self.fingerprint:
+        if st.pack not in self.pack.fingerprints():  # this pack's, or a state saved on the pack it continues
             raise ValueError("loader state belongs to a different pack (content fingerprint differs)")
         if isinstance(st, MergedState):
             missing = [s for s in self.streams if s not in st.positions]

@@ -11,12 +11,20 @@ read shards through ``read_shard``.  What it checks, before a record reaches any
   file and swapped shards all raise ``PackIntegrityError`` naming the file and the record.
 
 A pack is readable while it is written: a stream's committed shards are exactly the rows of its
-``index.arrow``, which is replaced atomically at each commit.  ``Follow`` makes a reader wait for
+``index.arrow``, which is replaced atomically at each commit.
+
+A continuation (``prepack run --continue``) reads as one pack with its parent: stream s is the
+parent's first ``after[s]`` records (its own chain counted whole), then the continuation's own;
+record numbers, ``num_records``, ``wait_for``, ``record_digest`` and ``iter_records`` count the
+whole chain.  The parent is opened when the pack is, and held to the link: its fingerprint, and
+the digest of the last record the continuation takes from it in each stream (checked when the
+stream is first read), so a parent that changed since is refused, never read.  ``Follow`` makes a reader wait for
 the next commit (polling) until the stream's ``done.json`` says it has ended.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -26,7 +34,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import xxhash
 
-from schemas.errors import DamagedFile, FollowTimeout, PackIntegrityError, UsageError
+from schemas.errors import DamagedFile, FollowTimeout, NotAPack, PackIntegrityError, UsageError
 from schemas.location import PackLocation, resolve_location
 from schemas.views import SeekableView
 from schemas.layout import (
@@ -102,15 +110,64 @@ class Pack:
 
     location: PackLocation
     info: PackInfo
+    parent: "Pack | None" = None  # what a continuation continues (``info.parent``), opened with it
     _indexes: dict[int, StreamIndex] = field(default_factory=dict, repr=False)
     _done: dict[int, StreamSummary | None] = field(default_factory=dict, repr=False)
+    _linked: set[int] = field(default_factory=set, repr=False)  # streams whose parent link was checked
 
     @classmethod
     def open(cls, path: "str | os.PathLike | PackLocation", filesystem: pafs.FileSystem | None = None) -> "Pack":
         loc = resolve_location(path, filesystem)
         info = PackInfo.open(loc)
         info.check_record_schema(loc.path(PACK_INFO_NAME))
-        return cls(loc, info)
+        parent = None
+        if info.parent is not None:
+            link = info.parent
+            try:
+                parent = cls.open(link.uri, filesystem if isinstance(path, PackLocation) or filesystem else None)
+            except NotAPack:
+                raise DamagedFile(f"{loc.path(PACK_INFO_NAME)}: continues {link.uri}, which is no longer a pack "
+                                  "there (move it back, or re-pack)") from None
+            if parent.fingerprint != link.fingerprint:
+                raise DamagedFile(f"{loc.path(PACK_INFO_NAME)}: continues {link.uri}, but the pack there is not the "
+                                  "one it continued (its fingerprint differs)")
+        return cls(loc, info, parent)
+
+    def reopened(self) -> "Pack":
+        """This pack (and its parent) with object-store clients of their own (a forked process)."""
+        return Pack(self.location.reopened(), self.info, self.parent.reopened() if self.parent else None)
+
+    def fingerprints(self) -> list[str]:
+        """This pack's fingerprint, then its parent's, ...: a loader state of any of them loads here
+        (its positions are checked against this chain's record digests)."""
+        return [self.fingerprint] + (self.parent.fingerprints() if self.parent is not None else [])
+
+    def switch(self, stream: int) -> int:
+        """How many of ``stream``'s first records come from the parent (0 for a pack of its own)."""
+        if self.parent is None:
+            return 0
+        self.check_stream(stream)
+        if stream not in self._linked:
+            self._check_link(stream)
+        return self.info.parent.after[stream]
+
+    def _check_link(self, stream: int) -> None:
+        link, where = self.info.parent, self.location.path(PACK_INFO_NAME)
+        n = link.after[stream]
+        if n and not self.parent.wait_for(stream, n - 1, None):
+            raise DamagedFile(f"{where}: continues stream {stream} of {link.uri} after record {n - 1}, which it "
+                              f"no longer holds ({self.parent.num_records(stream)} records)")
+        if n and self.parent.record_digest(stream, n - 1) != link.last[stream]:
+            raise DamagedFile(f"{where}: stream {stream} of {link.uri} changed since this pack continued it "
+                              f"(record {n - 1} differs)")
+        self._linked.add(stream)
+
+    def record_digest(self, stream: int, record: int) -> str:
+        """The digest of ``record`` of ``stream``, counted over the whole chain."""
+        n = self.switch(stream)
+        if record < n:
+            return self.parent.record_digest(stream, record)
+        return self.index(stream).record(record - n).digest
 
     @property
     def identity(self) -> dict:
@@ -213,11 +270,18 @@ class Pack:
         return summary
 
     def num_records(self, stream: int) -> int:
-        """Records committed in ``stream`` as of the last read of its index."""
-        return self.index(stream).num_records
+        """Records committed in ``stream`` as of the last read of its index (the whole chain's)."""
+        return self.switch(stream) + self.index(stream).num_records
 
     def wait_for(self, stream: int, record: int, follow: Follow | None) -> bool:
-        """Whether ``record`` of ``stream`` exists; with ``follow``, wait for it until the stream is done."""
+        """Whether ``record`` of ``stream`` (counted over the chain) exists; with ``follow``, wait for
+        it until the stream is done."""
+        n = self.switch(stream)
+        if record < n:
+            return True
+        return self._wait_for_own(stream, record - n, follow)
+
+    def _wait_for_own(self, stream: int, record: int, follow: Follow | None) -> bool:
         if record < self.index(stream).num_records:
             return True
         if follow is None:
@@ -256,15 +320,29 @@ def _check_index_covers(index: StreamIndex, summary: StreamSummary, where: str, 
 
 
 def iter_records(
-    pack: Pack, stream: int, start: int = 0, *, verify: "bool | str" = True, follow: Follow | None = None
+    pack: Pack, stream: int, start: int = 0, *, verify: "bool | str" = True, follow: Follow | None = None,
+    stop: int | None = None,
 ) -> Iterator[tuple[int, pa.RecordBatch]]:
-    """Yield ``(record index, record)`` of one stream from record ``start`` on (committed records only)."""
-    i = start
-    while pack.wait_for(stream, i, follow):
+    """Yield ``(record index, record)`` of one stream from record ``start`` on (committed records only;
+    before ``stop`` if given), over the whole chain of a continuation: the parent's records before
+    the switch, then its own."""
+    n = pack.switch(stream)
+    if start < n:
+        with contextlib.closing(iter_records(pack.parent, stream, start, verify=verify,
+                                             stop=n if stop is None else min(n, stop))) as parent_records:
+            yield from parent_records
+        start = n
+    i = start - n
+    while (stop is None or n + i < stop) and pack._wait_for_own(stream, i, follow):
         index = pack.index(stream)
         shard = index.shard_of(i)
-        yield from read_shard(pack, shard, i - shard.first_record, verify=verify)
-        i = shard.first_record + len(shard.records)
+        end = len(shard.records) if stop is None else min(len(shard.records), stop - n - shard.first_record)
+        with contextlib.closing(read_shard(pack, shard, i - shard.first_record, verify=verify)) as records:
+            for j, record in records:
+                yield n + j, record
+                if j - shard.first_record + 1 >= end:
+                    break
+        i = shard.first_record + end
 
 
 def read_shard(

@@ -26,8 +26,9 @@ if TYPE_CHECKING:
 
 # Of the whole layout (schemas.layout); pack.json names it.  3: stream indexes are sealed; 4: one
 # pixel frame per image and a pixel index per shard, for reuse; 5: record digests by image, frame
-# formats and frame digests in the pixel index, so a later pack passes frames through.
-FORMAT_VERSION = 5
+# formats and frame digests in the pixel index, so a later pack passes frames through; 6: a pack may
+# continue another (``parent``): its streams are the parent's first records, then its own.
+FORMAT_VERSION = 6
 
 # What a loader state is tied to: the pack's content, not its budget (an extended pack keeps every
 # record, so a state taken before the extension still applies).
@@ -54,6 +55,22 @@ def check_format(identity: Any, where: str) -> dict:
 
 
 @dataclass(frozen=True)
+class ParentLink(Document):
+    """What a continuation continues: stream s of this pack is the parent's first ``after[s]`` records
+    (the parent's own chain counted whole), then this pack's own.  ``last[s]`` is the digest of the
+    parent's record ``after[s] - 1`` ("" where ``after[s]`` is 0), so a parent that changed since is
+    refused, not read."""
+
+    uri: str  # where the parent is, as given to --continue (relative paths resolve against the cwd)
+    fingerprint: str  # the parent's PackInfo.fingerprint
+    after: list[int]  # per stream: how many of the parent's records come first
+    last: list[str]  # per stream: the digest of the last of them
+
+    def switch(self, stream: int) -> int:
+        return self.after[stream]
+
+
+@dataclass(frozen=True)
 class PackInfo(Document):
     """``pack.json``.  Fields a run always writes but a hand-made pack may lack default to None and are
     then not written back (``to_dict`` gives exactly the dict that was read)."""
@@ -74,6 +91,7 @@ class PackInfo(Document):
     special_tokens: dict[str, int] | None = None
     use_flex: bool | None = None
     max_num_tokens: int | None = None
+    parent: ParentLink | None = None  # a continuation (``prepack run --continue``): what it continues
 
     # -- reading ---------------------------------------------------------------------------------
     @classmethod
@@ -119,9 +137,10 @@ class PackInfo(Document):
     # -- what readers derive from it -------------------------------------------------------------
     @property
     def fingerprint(self) -> str:
-        """What a loader state is tied to (``_FINGERPRINT_KEYS``)."""
+        """What a loader state is tied to (``_FINGERPRINT_KEYS``, and the parent link of a continuation)."""
         d = self.to_dict()
-        blob = json.dumps({k: d.get(k) for k in _FINGERPRINT_KEYS}, sort_keys=True, default=str)
+        keys = _FINGERPRINT_KEYS + (("parent",) if self.parent is not None else ())
+        blob = json.dumps({k: d.get(k) for k in keys}, sort_keys=True, default=str)
         return hashlib.blake2b(blob.encode(), digest_size=16).hexdigest()
 
     def shard_metadata(self) -> dict[str, str]:

@@ -157,6 +157,21 @@ class StreamPacker:
         self.counters.samples_read, self.counters.samples_packed = dict(restored.samples_read), dict(restored.samples_packed)
         self.counters.examples = dict(restored.examples)
 
+    def continue_from(self, st: StreamState, groups: list[int | None]) -> None:
+        """Go on from another config's state (a mix change, ``schemas.mix_change``): its random state and
+        buffer, and each matched group's data position (``groups[i]``: the index of group i in the
+        state, None for a group that starts fresh).  Budget counts (batches, tokens, passes) and the
+        accounting start again at zero: they are this pack's own."""
+        if st.stream != self.stream:
+            raise ValueError(f"state is for stream {st.stream}, not {self.stream}")
+        self.py.setstate(_py_state_from_json(st.py_rng))
+        self.np.set_state(_np_state_from_json(st.np_rng))
+        for source, at in zip(self.sources, groups, strict=True):
+            if at is not None:
+                source.restore({**st.sources[at], "passes": 0})
+        self.buffer = list(st.buffer)
+        self.refused_in_row = st.refused_in_row
+
     def close(self) -> None:
         """Stop the sources' read-ahead and the stream's I/O threads (the cursors stay; packing can go on)."""
         for source in self.sources:

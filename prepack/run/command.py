@@ -33,13 +33,21 @@ def cmd_run(args) -> int:
     from schemas.config import load_config
 
     cfg = load_config(args.config)
+    continue_from = None
+    if args.continue_from is not None or args.after is not None or args.after_state is not None:
+        from prepack.run.chain import Continue
+
+        if args.continue_from is None:
+            raise UsageError("--after and --after-state go with --continue OLD")
+        continue_from = Continue.from_args(args.continue_from, args.after, args.after_state)
     if args.no_ray:  # this process packs: give it a packing worker's allocator and GC settings
         from prepack.run.worker_process import settle_worker_process
 
         settle_worker_process()
     summary = run_pack(cfg, args.out, streams=parse_streams(args.streams), address=args.address,
                        progress=not args.no_progress and sys.stderr.isatty() or args.progress,
-                       num_cpus=args.num_cpus, inline=args.no_ray, reuse=args.reuse or ())
+                       num_cpus=args.num_cpus, inline=args.no_ray, reuse=args.reuse or (),
+                       continue_from=continue_from)
     for line in summary.lines():
         print(line)
     return 0
@@ -60,6 +68,16 @@ def add_command(subparsers) -> None:
                    help="an earlier pack (any config over the same pictures, finished or still packing, local or "
                         "s3://) whose resized pixels are copied instead of decoding and resizing again: the output "
                         "is byte-identical to a fresh pack; repeat for several")
+    r.add_argument("--continue", dest="continue_from", metavar="OLD",
+                   help="continue the pack OLD under CONFIG (a mix change: new weights, mandatory groups, token "
+                        "budgets, dropouts, transforms, appended groups): every stream goes on from OLD's state after "
+                        "--after N of its batches (or where --after-state leaves it), nothing repeated or skipped; "
+                        "readers read --out as OLD's first batches, then its own. OLD may still be packing")
+    r.add_argument("--after", type=int, metavar="N",
+                   help="with --continue: switch every stream after its N-th batch (counted over OLD's whole chain)")
+    r.add_argument("--after-state", metavar="STATE.json",
+                   help="with --continue: switch each stream where this loader state (a training's "
+                        "state_dict, one rank's, a list of every rank's, or merged) leaves it")
     r.add_argument("--no-ray", action="store_true",
                    help="pack in this process, one stream after another (debugging; same bytes as with Ray)")
     r.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,

@@ -20,6 +20,7 @@ import logging
 import os
 import time
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 from prepack.run.atomic_files import write_bytes_atomic
 from prepack.run.identity import settle_identity
@@ -31,7 +32,10 @@ from schemas.config import PrepackConfig
 from schemas.errors import PackRefused, StreamFailed
 from schemas.location import PackLocation, redact_uri, resolve_location
 from schemas.manifest import FORMAT_VERSION, MANIFEST_NAME, PackSummary, StreamIndex, StreamSummary
-from schemas.pack_info import PackInfo
+from schemas.pack_info import PackInfo, ParentLink
+
+if TYPE_CHECKING:
+    from prepack.run.chain import Continue
 
 log = logging.getLogger(__name__)
 
@@ -107,13 +111,16 @@ def output_bytes(loc) -> int:
 # -- run --------------------------------------------------------------------------------------
 def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, address: str | None = None,
              progress: bool = True, num_cpus: int | None = None, inline: bool = False,
-             tokenizer=None, reuse: "list[str] | tuple[str, ...]" = ()) -> RunSummary:
+             tokenizer=None, reuse: "list[str] | tuple[str, ...]" = (),
+             continue_from: "Continue | None" = None) -> RunSummary:
     """Pack ``streams`` (default: all) of ``cfg`` into ``out``: new, resumed or extended.
 
     ``inline`` packs the streams one after another in this process, without Ray (debugging,
     tests); ``tokenizer`` is an already loaded ``(tokenizer, special)`` pair to use.  ``reuse``:
     earlier packs whose pixels the streams may take (``prepack.engine.reuse.earlier_pixels``); the output is the
-    same bytes with or without them, and pack.json does not name them.
+    same bytes with or without them, and pack.json does not name them.  ``continue_from``: the pack
+    this one continues, and after which record (``prepack.run.chain``); its chain's pictures are
+    reused.
     """
     from prepack.engine.tokenizer import load_tokenizer, special_token_ids, tokenizer_fingerprint
 
@@ -126,12 +133,17 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
     from prepack.run.catalog import ensure_catalog
 
     loc = resolve_location(out)
+    link = None
+    if continue_from is not None:
+        link, chain = _settle_parent(continue_from, cfg, loc)
+        reuse = tuple(reuse) + tuple(u for u in chain if u not in reuse)
     reuse = check_old_packs(reuse, loc)
     try:
         loc.fs.create_dir(loc.base, recursive=True)  # on a store too: its bucket HEAD and PUTs are the early probe
     except OSError as e:  # no such bucket, no access, store unreachable: the user's to fix, in one line
         raise PackRefused(f"cannot write to {redact_uri(out)}: {str(e).strip().splitlines()[0]}") from None
-    pack = settle_identity(loc, cfg, tokenizer_fingerprint(tokenizer), special, other_jobs=lambda: live_leases(loc))
+    pack = settle_identity(loc, cfg, tokenizer_fingerprint(tokenizer), special, other_jobs=lambda: live_leases(loc),
+                           parent=link)
     budget = cfg.prepack.budget()
     dones = {s: StreamSummary.read(loc, s) for s in wanted}
     todo = [s for s in wanted if dones[s] is None or dones[s].budget != budget]
@@ -163,9 +175,9 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
 
             for s in todo:
                 lease.check()
-                pack_one_stream(cfg, out, s, tokenizer, special, pack.metadata, report, olds)
+                pack_one_stream(cfg, out, s, tokenizer, special, pack.metadata, report, olds, pack.info.parent)
         else:
-            _run_tasks(cfg, out, todo, pack.metadata, address, progress, num_cpus, lease, run, olds)
+            _run_tasks(cfg, out, todo, pack.metadata, address, progress, num_cpus, lease, run, olds, pack.info.parent)
         lease.check()  # never write the manifest over a run that took our streams over
         written, _ = finalize(loc, cfg)
         entries = [StreamSummary.read(loc, s) for s in wanted]
@@ -177,6 +189,27 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
                           packed_now=packed_now, retried=run.retry_summary(), reuse_from=reuse)
     finally:
         lease.release()
+
+
+def _settle_parent(how: "Continue", cfg: PrepackConfig, loc: PackLocation) -> "tuple[ParentLink, list[str]]":
+    """The link to the pack ``how`` continues, once its streams hold the records taken from it (waited
+    for while it is still packing); and where each segment of its chain is (their pictures are reused)."""
+    from prepack.run.chain import check_continuation, open_parent, parent_link, switch_points, wait_for_parent
+
+    parent = open_parent(how.uri)
+    if parent.location.path("") == loc.path(""):
+        raise PackRefused(f"--continue {redact_uri(how.uri)} is the output itself; continue into a new --out")
+    check_continuation(parent, cfg, how.uri)  # world size and K among what may not change: named first
+    if parent.num_streams != cfg.num_streams:
+        raise PackRefused(f"cannot continue {redact_uri(how.uri)}: it has {parent.num_streams} streams, "
+                          f"this config {cfg.num_streams}")
+    after = switch_points(parent, how)
+    wait_for_parent(parent, after, how.uri)
+    chain, p = [], parent
+    while p is not None:
+        chain.append(p.location.base)
+        p = p.parent
+    return parent_link(parent, after, how.uri), chain
 
 
 def _pinned_progress(ray, Progress):
@@ -269,7 +302,7 @@ class _Watch:
 
 
 def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus, lease: StreamLease,
-               run: RunProgress, reuse: tuple = ()) -> None:
+               run: RunProgress, reuse: tuple = (), parent: "ParentLink | None" = None) -> None:
     ray = init_ray(address, num_cpus)
     try:
         from prepack.run.ray_tasks import Progress, stream_task
@@ -280,7 +313,7 @@ def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus, lease
         level = logging.getLogger().getEffectiveLevel()
         reuse = ray.put(reuse) if reuse else reuse  # once in the object store, not once per task
         pending = {stream_task.options(name=f"stream_task[{s}]").remote(cfg, out, s, metadata, watch.progress, local,
-                                                                      level, reuse): s for s in todo}
+                                                                      level, reuse, parent): s for s in todo}
         started = last_log = time.monotonic()
         bar = None
         if show_progress:

@@ -20,7 +20,7 @@ from schemas.config import PrepackConfig
 from schemas.errors import PackRefused
 from schemas.layout import MANIFEST_NAME, PACK_INFO_NAME
 from schemas.location import PackLocation, redact_uri
-from schemas.pack_info import FORMAT_VERSION, PackInfo
+from schemas.pack_info import FORMAT_VERSION, PackInfo, ParentLink
 from schemas.record import RECORD_SCHEMA_VERSION
 
 
@@ -44,8 +44,8 @@ def code_fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
-def pack_identity(cfg: PrepackConfig, tokenizer_fp: str, special) -> PackInfo:
-    """The ``pack.json`` a run of ``cfg`` with this tokenizer writes."""
+def pack_identity(cfg: PrepackConfig, tokenizer_fp: str, special, parent: ParentLink | None = None) -> PackInfo:
+    """The ``pack.json`` a run of ``cfg`` with this tokenizer writes (``parent``: what it continues)."""
     return PackInfo(
         format_version=FORMAT_VERSION,
         record_schema_version=RECORD_SCHEMA_VERSION,
@@ -63,6 +63,7 @@ def pack_identity(cfg: PrepackConfig, tokenizer_fp: str, special) -> PackInfo:
         max_num_tokens=cfg.knobs.max_num_tokens,
         stream_seeds=[cfg.stream_seed(s) for s in range(cfg.num_streams)],
         budget=cfg.prepack.budget(),
+        parent=parent,
     )
 
 
@@ -72,6 +73,14 @@ def identity_mismatch(existing: PackInfo, new: PackInfo, *, check_code: bool = F
         return "the config differs from the one this output was packed with (config_hash)"
     if existing.tokenizer_fingerprint != new.tokenizer_fingerprint:
         return "the tokenizer differs from the one this output was packed with"
+    if existing.parent != new.parent:
+        if existing.parent is None:
+            return "this output is a pack of its own, not a continuation"
+        was = existing.parent
+        after = sorted(set(was.after))
+        return (f"this output continues {was.uri} after {'record ' + str(after[0]) if len(after) == 1 else 'a loader state'}"
+                + (" (the same switch, but that pack has changed since)" if new.parent is not None
+                   and new.parent.after == was.after else ""))
     if check_code and existing.code_fingerprint != new.code_fingerprint:
         return (f"the packing code differs (code fingerprint {new.code_fingerprint} vs "
                 f"{existing.code_fingerprint} in pack.json)")
@@ -121,7 +130,7 @@ class SettledIdentity:
 
 
 def settle_identity(loc: PackLocation, cfg: PrepackConfig, tokenizer_fp: str, special,
-                    other_jobs=lambda: []) -> SettledIdentity:
+                    other_jobs=lambda: [], parent: ParentLink | None = None) -> SettledIdentity:
     """Create, check or extend ``pack.json`` for a run of ``cfg`` over ``loc``.
 
     A new output gets this run's identity; a concurrent job may have written its own at the same
@@ -130,7 +139,7 @@ def settle_identity(loc: PackLocation, cfg: PrepackConfig, tokenizer_fp: str, sp
     ``other_jobs()`` names live jobs packing the output: they pack to the old budget).
     """
     where = redact_uri(loc.base)
-    mine = pack_identity(cfg, tokenizer_fp, special)
+    mine = pack_identity(cfg, tokenizer_fp, special, parent)
     existing = PackInfo.read(loc)
     if existing is None:
         write_identity(loc, mine)

@@ -55,7 +55,7 @@ class Progress:
 
 
 @ray.remote(num_cpus=1, max_retries=TASK_RETRIES)
-def stream_task(cfg, out, stream, metadata, progress, local_ray=False, log_level=logging.WARNING, reuse=()):
+def stream_task(cfg, out, stream, metadata, progress, local_ray=False, log_level=logging.WARNING, reuse=(), parent=None):
     def tell(method, *args) -> None:  # progress is best effort: it may never fail the stream
         try:
             getattr(progress, method).remote(*args)
@@ -95,4 +95,4 @@ def stream_task(cfg, out, stream, metadata, progress, local_ray=False, log_level
 
     check_raylet()
     settle_worker_process()
-    return pack_one_stream(cfg, out, stream, tokenizer, special, metadata, report, reuse)
+    return pack_one_stream(cfg, out, stream, tokenizer, special, metadata, report, reuse, parent)

@@ -19,6 +19,7 @@ from prepack.engine.packer import StreamPacker
 from prepack.engine.reuse.earlier_packs import OldPack
 from prepack.engine.reuse.earlier_pixels import PixelReuse, own_reuse_on
 from prepack.run.atomic_files import write_bytes_atomic
+from prepack.run.chain import open_parent, state_at
 from prepack.run.checkpoints import read_checkpoint, state_files
 from prepack.run.lineage import compact_lineage, drop_lineage_leftovers
 from prepack.run.progress import StreamProgress
@@ -29,6 +30,8 @@ from schemas.config import PrepackConfig
 from schemas.location import PackLocation, resolve_location
 from schemas.layout import done_file, shard_lineage_file, stream_dir
 from schemas.manifest import ShardEntry, StreamIndex, StreamSummary
+from schemas.mix_change import group_matches
+from schemas.pack_info import ParentLink
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +74,12 @@ class StartedStream:
 
 
 def start_stream(cfg: PrepackConfig, loc: PackLocation, stream: int, tokenizer, special,
-                 reuse: "tuple[str | OldPack, ...] | list" = ()) -> "StartedStream | StreamSummary":
+                 reuse: "tuple[str | OldPack, ...] | list" = (),
+                 parent: ParentLink | None = None) -> "StartedStream | StreamSummary":
     """Where ``stream`` starts: its ``done.json`` when it already finished this budget, else a
-    ``StartedStream`` (a finished stream with a larger budget is no longer done: extended)."""
+    ``StartedStream`` (a finished stream with a larger budget is no longer done: extended).  A new
+    stream of a continuation (``parent``) starts from the parent's state at its switch
+    (``prepack.run.chain``); once it has committed a shard it resumes from its own checkpoints."""
     cpu_start = time.process_time()  # the whole process (Ray's threads too): what packing costs per core
     budget = cfg.prepack.budget()
     previous = StreamSummary.read(loc, stream)
@@ -93,6 +99,9 @@ def start_stream(cfg: PrepackConfig, loc: PackLocation, stream: int, tokenizer, 
     packer = StreamPacker(cfg, stream, tokenizer, special, state=state,
                           reuse_pixel_table=True,  # each batch is written before the next
                           pixels=pixels)
+    if parent is not None and not index.shards:
+        switched, was = state_at(open_parent(parent.uri), stream, parent.after[stream], tokenizer, special)
+        packer.continue_from(switched, group_matches(was, cfg))
     return StartedStream(stream, index, packer, pixels, pixels is not None and own_reuse_on(), cpu_start,
                          time.perf_counter())
 
@@ -127,13 +136,14 @@ def finish_stream(cfg: PrepackConfig, loc: PackLocation, started: StartedStream)
 
 def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, tokenizer, special,
                     metadata: dict[str, str], report: Callable[[StreamProgress], None] | None = None,
-                    reuse: "tuple[str | OldPack, ...] | list" = ()) -> StreamSummary:
+                    reuse: "tuple[str | OldPack, ...] | list" = (), parent: ParentLink | None = None) -> StreamSummary:
     """Pack (or continue, or extend) stream ``stream`` into ``out``; returns its summary (done.json).
 
     ``reuse``: earlier packs whose pixels may be taken instead of decoding (no byte changes): paths or
-    URIs, or ``OldPack`` snapshots the driver read once for every stream."""
+    URIs, or ``OldPack`` snapshots the driver read once for every stream.  ``parent``: what a
+    continuation continues (its pack.json's link)."""
     loc = resolve_location(out)
-    started = start_stream(cfg, loc, stream, tokenizer, special, reuse)
+    started = start_stream(cfg, loc, stream, tokenizer, special, reuse, parent)
     if isinstance(started, StreamSummary):
         return started
     packer = started.packer

@@ -92,7 +92,7 @@ def prepare(out, tokenizer=None) -> AuditContext:
         except (OSError, ValueError, TypeError) as e:
             raise AuditRefused(f"cannot audit {loc.base}: tokenizer {cfg.tokenizer!r} unavailable ({e})") from None
     tok, special = tokenizer
-    why = identity_mismatch(info, pack_identity(cfg, tokenizer_fingerprint(tok), special), check_code=True)
+    why = identity_mismatch(info, pack_identity(cfg, tokenizer_fingerprint(tok), special, info.parent), check_code=True)
     if why:
         raise AuditRefused(f"cannot audit {loc.base}: {why}")
     return AuditContext(pack, cfg, tok, special)
@@ -254,15 +254,25 @@ def audit_shard(ctx: AuditContext, index: StreamIndex, shard: ShardEntry, rep: C
 
 
 def audit_stream_from_seed(ctx: AuditContext, index: StreamIndex, rep: CheckReport) -> None:
-    """Re-pack a whole stream from its seed, checking each shard and each boundary's checkpoint."""
+    """Re-pack a whole stream from its seed, checking each shard and each boundary's checkpoint.  A
+    continuation's stream starts from its parent's state at the switch, recomputed from the parent
+    (``prepack.run.chain.state_at``): its first checkpoint is checked against it."""
     from prepack.engine.packer import StreamPacker
 
+    link = ctx.pack.info.parent
     try:
         packer = StreamPacker(ctx.cfg, index.stream, ctx.tokenizer, ctx.special)
-    except Exception as e:  # sources that no longer open the way they did
+        if link is not None:
+            from prepack.run.chain import state_at
+            from schemas.mix_change import group_matches
+
+            state, was = state_at(ctx.pack.parent, index.stream, link.after[index.stream], ctx.tokenizer, ctx.special)
+            packer.continue_from(state, group_matches(was, ctx.cfg))
+    except Exception as e:  # sources that no longer open the way they did, a parent that no longer replays
         rep.add("re-pack", f"stream {index.stream}", False, f"cannot start: {type(e).__name__}: {_first_line(e)}")
         return
-    log.info("auditing stream %d from its seed", index.stream)
+    log.info("auditing stream %d from %s", index.stream, "its seed" if link is None else
+             f"its parent's state after record {link.after[index.stream]}")
     with packer:  # stops the sources' read-ahead threads however the comparison ends
         _check_state(ctx, index, 0, packer, rep)
         batches = iter(packer)

@@ -92,3 +92,26 @@ def reference_batches(cfg: PrepackConfig, stream: int, tokenizer, n: int) -> lis
         for _ in range(n):
             out.append(SimpleCustomBatch([next(it)]).to_dict())
     return out
+
+
+def reference_chain(cfgs: list[PrepackConfig], switches: list[int], stream: int, tokenizer, n: int) -> list[dict]:
+    """The first ``n`` batches of stream ``stream`` under a mix change, as the reference defines one: a
+    ``PackedDataset`` of ``cfgs[0]`` yields ``switches[0]`` batches; one of ``cfgs[1]`` loads its
+    ``state_dict()`` (taken in the worker, where the stream's random state is live) and goes on to
+    batch ``switches[1]`` (counted from the start), and so on; the last config yields the rest."""
+    from nemo_automodel.components.datasets.multimodal import SimpleCustomBatch
+
+    rank, worker = cfgs[0].stream_rank_worker(stream)
+    out: list[dict] = []
+    with as_dataloader_worker(worker, cfgs[0].num_workers):
+        state = None
+        for i, cfg in enumerate(cfgs):
+            ds = reference_dataset(cfg, rank, tokenizer)
+            if state is not None:
+                ds.load_state_dict(state)
+            it = iter(ds)
+            stop = switches[i] if i < len(switches) else n
+            while len(out) < stop:
+                out.append(SimpleCustomBatch([next(it)]).to_dict())
+            state = ds.state_dict()
+    return out

@@ -1,0 +1,182 @@
+"""Continuing a pack under a new config (``prepack run B.yaml --out NEW --continue OLD --after N``).
+
+Stream s of NEW starts from OLD's stream s exactly as the loader reads it after ``after[s]``
+records (OLD's own chain counted whole) and packs B's budget from there; the loader then reads
+NEW as OLD's first records followed by NEW's (``loader.reader``).  The state after a record is
+what the online packer's ``state_dict`` holds there (its buffer, its random state and each group's
+data position), so NEW is what a reference ``PackedDataset`` built from B yields after
+``load_state_dict`` of OLD's state (``schemas.mix_change`` says what may change, and how groups
+match).
+
+The state after record n comes from the checkpoint of the segment holding n at or before it
+(``ckpt-k``: the state at the start of shard k), replayed forward under that segment's config:
+the replayed batches' pictures are taken from the segment's own shards (the reuse path), not
+decoded, and each replayed batch must have the digest the segment's index records, so a replay
+that would not reproduce OLD is refused instead of continued.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+from loader.reader import Pack
+from loader.state import MergedState, merge_states, state_from_dict
+from prepack.engine.checkpoint import state_from_payload, state_to_payload
+from prepack.engine.packer import StreamPacker, StreamState
+from prepack.engine.reuse.earlier_pixels import PixelReuse
+from prepack.run.checkpoints import read_checkpoint
+from schemas.config import PrepackConfig
+from schemas.errors import PackRefused, UsageError
+from schemas.location import redact_uri, resolve_location
+from schemas.mix_change import check_mix_change
+from schemas.pack_info import ParentLink
+from schemas.record import encode_record
+
+log = logging.getLogger(__name__)
+
+WAIT_LOG_S = 30.0
+
+
+@dataclass(frozen=True)
+class Continue:
+    """``--continue URI`` with ``--after N`` (every stream) or ``--after-state`` (each stream its own)."""
+
+    uri: str
+    after: int | None = None
+    after_state: dict | list | None = None  # a loader state (or several, one per rank), as saved by training
+
+    @classmethod
+    def from_args(cls, uri: str, after: int | None, after_state_path: str | None) -> "Continue":
+        if (after is None) == (after_state_path is None):
+            raise UsageError("--continue needs exactly one of --after N and --after-state STATE.json")
+        if after is not None and after < 0:
+            raise UsageError(f"--after must be 0 or more, got {after}")
+        state = None
+        if after_state_path is not None:
+            try:
+                with open(after_state_path) as f:
+                    state = json.load(f)
+            except (OSError, ValueError) as e:
+                raise UsageError(f"--after-state {after_state_path}: {e}") from None
+        return cls(uri, after, state)
+
+
+def open_parent(uri: str) -> Pack:
+    """The pack to continue, as the loader reads it (a chain of its own included)."""
+    try:
+        return Pack.open(uri)
+    except OSError as e:
+        raise PackRefused(f"--continue {redact_uri(uri)}: {str(e).strip().splitlines()[0]}") from None
+
+
+def chain_configs(pack: Pack) -> list[PrepackConfig]:
+    """The config of every segment of ``pack``'s chain, newest first."""
+    out = []
+    while pack is not None:
+        out.append(pack.info.stored_config())
+        pack = pack.parent
+    return out
+
+
+def check_continuation(parent: Pack, cfg: PrepackConfig, uri: str) -> None:
+    """``cfg`` may continue every segment of the parent's chain (``schemas.mix_change``)."""
+    for old in chain_configs(parent):
+        check_mix_change(old, cfg, redact_uri(uri))
+
+
+def switch_points(parent: Pack, how: Continue) -> list[int]:
+    """Per stream, after how many of the parent's records the continuation starts."""
+    if how.after is not None:
+        return [how.after] * parent.num_streams
+    states = how.after_state if isinstance(how.after_state, list) else [how.after_state]
+    try:
+        parsed = [state_from_dict(st) for st in states]
+        merged = parsed[0] if len(parsed) == 1 and isinstance(parsed[0], MergedState) else merge_states(parsed)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise UsageError(f"--after-state: not a loader state ({e})") from None
+    if merged.pack not in parent.fingerprints():
+        raise PackRefused(f"--after-state is a loader state of another pack than {redact_uri(how.uri)}")
+    missing = [s for s in range(parent.num_streams) if s not in merged.positions]
+    if missing:
+        raise PackRefused(f"--after-state lacks streams {missing[:8]}{'...' if len(missing) > 8 else ''}: save the "
+                          "state of every rank (PackedShardDataset.merge_states merges them)")
+    for s, p in merged.positions.items():
+        if p and (not parent.wait_for(s, p - 1, None) or parent.record_digest(s, p - 1) != merged.last[s]):
+            raise PackRefused(f"--after-state: stream {s} of {redact_uri(how.uri)} has no record {p - 1} with the "
+                              "digest the state recorded (a state of another pack)")
+    return [merged.positions[s] for s in range(parent.num_streams)]
+
+
+def wait_for_parent(parent: Pack, after: list[int], uri: str, poll_s: float = 2.0) -> None:
+    """Wait until every stream of the parent holds the records a continuation takes from it; a stream
+    that finished with fewer is refused."""
+    last_log = time.monotonic()
+    while True:
+        short = []
+        for s, n in enumerate(after):
+            if n and parent.num_records(s) < n:
+                parent.index(s, refresh=True)
+                if parent.num_records(s) < n:
+                    if parent.done(s) is not None:
+                        raise PackRefused(f"--continue {redact_uri(uri)}: stream {s} ended after "
+                                          f"{parent.num_records(s)} records, before record {n}")
+                    short.append(s)
+        if not short:
+            return
+        if time.monotonic() - last_log >= WAIT_LOG_S:
+            last_log = time.monotonic()
+            log.info("waiting for %s: %d streams not yet past the switch (e.g. stream %d: %d of %d records)",
+                     redact_uri(uri), len(short), short[0], parent.num_records(short[0]), after[short[0]])
+        time.sleep(poll_s)
+
+
+def parent_link(parent: Pack, after: list[int], uri: str) -> ParentLink:
+    """What NEW's pack.json records of its parent (a local path is made absolute)."""
+    loc = resolve_location(uri)
+    return ParentLink(uri=loc.base if loc.is_local else uri, fingerprint=parent.fingerprint, after=list(after),
+                      last=[parent.record_digest(s, n - 1) if n else "" for s, n in enumerate(after)])
+
+
+def state_at(pack: Pack, stream: int, n: int, tokenizer, special) -> tuple[StreamState, PrepackConfig]:
+    """The stream's state after record ``n`` of ``pack``'s chain, and the config it was packed under."""
+    m = pack.switch(stream)
+    if n < m:
+        return state_at(pack.parent, stream, n, tokenizer, special)
+    cfg = pack.info.stored_config()
+    index = pack.index(stream)
+    local = n - m
+    if local > index.num_records:
+        raise PackRefused(f"{pack.location.base}: stream {stream} has {m + index.num_records} records, not {n}")
+    starts = [sh.first_record for sh in index.shards] + [index.num_records]
+    k = max(i for i, b in enumerate(starts) if b <= local)
+    state = read_checkpoint(pack.location, index, k)
+    todo = local - starts[k]
+    if todo:
+        pixels = PixelReuse((), frame_format=None)
+        pixels.add_stream(pack.location, index)  # the replayed batches' pictures are in these shards
+        try:
+            with StreamPacker(cfg, stream, tokenizer, special, state=state, pixels=pixels) as packer:
+                done = 0
+                for batch in packer:
+                    record = m + starts[k] + done
+                    if encode_record(batch).digest != index.record(starts[k] + done).digest:
+                        raise PackRefused(f"{pack.location.base}: replaying stream {stream} from its checkpoint "
+                                          f"does not give record {record} back (the data or the packing code "
+                                          "changed since it was packed)")
+                    done += 1
+                    if done == todo:
+                        break
+                if done != todo:
+                    raise PackRefused(f"{pack.location.base}: replaying stream {stream} from its checkpoint ended "
+                                      f"after record {m + starts[k] + done - 1}, before record {n - 1}")
+                # detached from the packer (its pictures resized now, while their sources are open)
+                doc, arrow = state_to_payload(packer.state())
+                state = state_from_payload(doc, arrow)
+        finally:
+            pixels.close()
+    log.info("stream %d: state after record %d from %s (checkpoint %d, %d batches replayed)",
+             stream, n, pack.location.base, k, todo)
+    return state, cfg

@@ -1,0 +1,272 @@
+"""A mix change mid-run (``prepack run B.yaml --out NEW --continue OLD --after N``) is what the real
+reference yields after ``load_state_dict`` of its own state under B.
+
+OLD is a small real pack (t2i + SFT, W=1, K=2, several shards a stream); each allowed change is
+packed as a continuation in process and ``open_stream(NEW, s)`` (OLD's first N batches, then
+NEW's) is compared tensor for tensor with ``oracle.reference_chain``: a reference ``PackedDataset``
+of A iterated N batches in DataLoader worker w, its ``state_dict()`` loaded by one built from B.
+Each test also checks that the change changed something, so none can pass by comparing OLD with
+itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import yaml
+
+from loader import PackedShardDataset, open_stream
+from loader.reader import Pack
+from prepack.run.chain import Continue
+from prepack.run.driver import run_pack
+from prepack.tools.audit import audit_pack
+from prepack.tools.verify import verify_pack
+from schemas.config import load_config
+from schemas.errors import PackRefused, UsageError
+from tests.helpers import oracle
+from tests.helpers.compare import diff_batches
+from tests.helpers.packs import make_dataset, KNOBS
+from tests.helpers.paths import REPO
+
+pytestmark = pytest.mark.slow  # the reference packs every compared batch
+
+AFTER = 4  # NEW's own batches per stream in each comparison
+
+
+def write_config(root: str, name: str, raw: dict) -> str:
+    path = os.path.join(root, f"{name}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(raw, f, sort_keys=False)
+    return path
+
+
+def changed(raw: dict, **changes) -> dict:
+    """A deep copy of a config with ``changes``: ``group__key=value`` for a group's key, ``knob=value``
+    for a dataset knob, ``prepack__key`` for the prepack section, ``drop_group=name``."""
+    out = json.loads(json.dumps(raw))
+    for key, value in changes.items():
+        if key == "drop_group":
+            out["dataset"]["grouped_datasets"].pop(value)
+            out["dataset"]["dataset_info"].pop(value)
+        elif key.startswith("prepack__"):
+            out["prepack"][key[9:]] = value
+        elif "__" in key:
+            group, k = key.split("__")
+            out["dataset"]["grouped_datasets"][group][k] = value
+        elif key in ("seed", "tokenizer"):
+            out[key] = value
+        elif key == "num_workers":
+            out["dataloader"]["num_workers"] = value
+        else:
+            out["dataset"][key] = value
+    return out
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, tokenizer_and_special):
+    """OLD: t2i + SFT (the data also holds an edit group, left out of OLD), 8 batches a stream."""
+    root = str(tmp_path_factory.mktemp("continue"))
+    ds = make_dataset(root, edit=True)
+    full = yaml.safe_load(open(ds.config(knobs={**KNOBS, "text_cond_dropout_prob": 0.2}, num_workers=2,
+                                         prepack={"batches_per_stream": 8, "shard_bytes": 250_000})))
+    raw_a = changed(full, drop_group="unified_edit")
+    cfg_a = write_config(root, "a", raw_a)
+    old = os.path.join(root, "old")
+    run_pack(load_config(cfg_a), old, inline=True, tokenizer=tokenizer_and_special, progress=False)
+    return {"root": root, "full": full, "raw_a": raw_a, "cfg_a": cfg_a, "old": old}
+
+
+def continue_pack(base, name: str, raw_b: dict, tok, *, old: str | None = None, after: int | None = None,
+                  after_state=None) -> tuple[str, str]:
+    cfg_b = write_config(base["root"], name, raw_b)
+    new = os.path.join(base["root"], name)
+    run_pack(load_config(cfg_b), new, inline=True, tokenizer=tok, progress=False,
+             continue_from=Continue(old or base["old"], after, after_state))
+    return cfg_b, new
+
+
+def assert_chain_is_the_reference(new: str, cfgs: list[str], switches: list[int], tok, streams=(0, 1)) -> None:
+    configs = [load_config(c) for c in cfgs]
+    for s in streams:
+        ours = [b.to_dict() for b in open_stream(new, s)]
+        want = switches[-1] + AFTER
+        assert len(ours) == want, f"stream {s}: {len(ours)} batches, expected {want}"
+        ref = oracle.reference_chain(configs, switches, s, tok[0], want)
+        for i, (a, b) in enumerate(zip(ours, ref)):
+            diffs = diff_batches(a, b)
+            assert not diffs, f"stream {s} batch {i}: " + "; ".join(diffs[:5])
+
+
+def differs_from_old(base, new: str, after: int) -> bool:
+    """Whether NEW's batches after the switch are not OLD's (the change changed something)."""
+    for s in (0, 1):
+        old = [(b.sequence_length, repr(b.batch_data_indexes)) for b in open_stream(base["old"], s)][after:after + AFTER]
+        mine = [(b.sequence_length, repr(b.batch_data_indexes)) for b in open_stream(new, s)][after:after + AFTER]
+        if old != mine:
+            return True
+    return False
+
+
+def shard_starts(out: str, stream: int) -> list[int]:
+    return [sh.first_record for sh in Pack.open(out).index(stream).shards]
+
+
+@pytest.mark.parametrize("where", ["inside_a_shard", "shard_boundary", "end_of_old"])
+def test_new_weights_continue_as_the_reference(base, where, tokenizer_and_special):
+    starts = shard_starts(base["old"], 0)
+    assert len(starts) >= 2, "OLD needs several shards a stream"
+    after = {"inside_a_shard": starts[1] + 1, "shard_boundary": starts[1], "end_of_old": 8}[where]
+    raw_b = changed(base["raw_a"], t2i_pretrain__weight=4.0, prepack__batches_per_stream=AFTER)
+    cfg_b, new = continue_pack(base, f"weights_{where}", raw_b, tokenizer_and_special, after=after)
+    assert_chain_is_the_reference(new, [base["cfg_a"], cfg_b], [after], tokenizer_and_special)
+    assert differs_from_old(base, new, after) or where == "end_of_old"
+    info = Pack.open(new).info
+    assert info.parent.after == [after, after] and len(Pack.open(new).index(0).shards) >= 1
+
+
+def test_a_mandatory_group_continues_as_the_reference(base, tokenizer_and_special):
+    raw_b = changed(base["raw_a"], vlm_sft__is_mandatory=True, prepack__batches_per_stream=AFTER)
+    cfg_b, new = continue_pack(base, "mandatory", raw_b, tokenizer_and_special, after=3)
+    assert_chain_is_the_reference(new, [base["cfg_a"], cfg_b], [3], tokenizer_and_special)
+    assert differs_from_old(base, new, 3)
+
+
+def test_token_budgets_and_dropouts_continue_as_the_reference(base, tokenizer_and_special):
+    raw_b = changed(base["raw_a"], expected_num_tokens=500, max_num_tokens=650, prefer_buffer_before=300,
+                    max_buffer_size=1, text_cond_dropout_prob=0.6, prepack__batches_per_stream=AFTER)
+    cfg_b, new = continue_pack(base, "budgets", raw_b, tokenizer_and_special, after=5)
+    assert_chain_is_the_reference(new, [base["cfg_a"], cfg_b], [5], tokenizer_and_special)
+    assert differs_from_old(base, new, 5)
+
+
+def test_a_group_appended_at_the_end_starts_fresh_as_in_the_reference(base, tokenizer_and_special):
+    raw_b = changed(base["full"], prepack__batches_per_stream=AFTER, unified_edit__weight=3.0)
+    assert list(raw_b["dataset"]["grouped_datasets"])[-1] == "unified_edit"
+    cfg_b, new = continue_pack(base, "appended", raw_b, tokenizer_and_special, after=3)
+    assert_chain_is_the_reference(new, [base["cfg_a"], cfg_b], [3], tokenizer_and_special)
+    groups = {o for s in (0, 1) for b in open_stream(new, s) for o in map(repr, b.batch_data_indexes)}
+    assert any("unified_edit" in g for g in groups)
+
+
+def test_a_chain_of_two_continues_as_the_reference(base, tokenizer_and_special):
+    raw_b = changed(base["raw_a"], t2i_pretrain__weight=3.0, prepack__batches_per_stream=3)
+    cfg_b, mid = continue_pack(base, "chain_b", raw_b, tokenizer_and_special, after=2)
+    raw_c = changed(raw_b, vlm_sft__weight=5.0, max_buffer_size=1, prepack__batches_per_stream=AFTER)
+    cfg_c, new = continue_pack(base, "chain_c", raw_c, tokenizer_and_special, old=mid, after=4)  # inside mid
+    assert_chain_is_the_reference(new, [base["cfg_a"], cfg_b, cfg_c], [2, 4], tokenizer_and_special)
+    # and switching before mid's own switch takes OLD's state there (N counts the whole chain)
+    cfg_d, early = continue_pack(base, "chain_early", raw_c, tokenizer_and_special, old=mid, after=1)
+    assert_chain_is_the_reference(early, [base["cfg_a"], cfg_d], [1], tokenizer_and_special)
+
+
+def test_each_stream_switches_where_a_training_state_leaves_it(base, tokenizer_and_special, tmp_path):
+    """A loader state saved after an odd number of steps (K=2: the streams stand at different batches)."""
+    ds = PackedShardDataset(base["old"], rank=0, world_size=1)
+    it = iter(ds)
+    for _ in range(5):  # round robin: stream 0 has given 3 batches, stream 1 two
+        next(it)
+    state = json.loads(json.dumps(ds.state_dict()))
+    raw_b = changed(base["raw_a"], t2i_pretrain__weight=4.0, prepack__batches_per_stream=AFTER)
+    cfg_b, new = continue_pack(base, "at_state", raw_b, tokenizer_and_special, after_state=state)
+    assert Pack.open(new).info.parent.after == [3, 2]
+    configs = [base["cfg_a"], cfg_b]
+    for s, after in ((0, 3), (1, 2)):
+        assert_chain_is_the_reference(new, configs, [after], tokenizer_and_special, streams=(s,))
+    # the training goes on from its own state on NEW, in a new process: exactly the batches after it
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(state))
+    script = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {REPO!r})
+        from loader import PackedShardDataset
+        ds = PackedShardDataset({new!r}, rank=0, world_size=1)
+        ds.load_state_dict(json.load(open({str(path)!r})))
+        print(json.dumps([[b.sequence_length, repr(b.batch_data_indexes)] for b in ds]))
+    """)
+    got = json.loads(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                                    cwd=REPO).stdout)
+    whole = [[b.sequence_length, repr(b.batch_data_indexes)] for b in PackedShardDataset(new, rank=0, world_size=1)]
+    assert got == whole[5:] and len(whole) == 3 + 2 + 2 * AFTER
+
+
+def test_a_state_saved_on_new_resumes_there_after_a_json_round_trip(base, tokenizer_and_special, tmp_path):
+    raw_b = changed(base["raw_a"], vlm_sft__weight=3.0, prepack__batches_per_stream=AFTER)
+    _, new = continue_pack(base, "resume", raw_b, tokenizer_and_special, after=3)
+    whole = [[b.sequence_length, repr(b.batch_data_indexes)] for b in PackedShardDataset(new, rank=0, world_size=1)]
+    for taken in (4, 9):  # before the switch (OLD's batches) and after it (NEW's)
+        ds = PackedShardDataset(new, rank=0, world_size=1)
+        it = iter(ds)
+        for _ in range(taken):
+            next(it)
+        path = tmp_path / f"state{taken}.json"
+        path.write_text(json.dumps(ds.state_dict()))
+        script = textwrap.dedent(f"""
+            import json, sys
+            sys.path.insert(0, {REPO!r})
+            from loader import PackedShardDataset
+            ds = PackedShardDataset({new!r}, rank=0, world_size=1)
+            ds.load_state_dict(json.load(open({str(path)!r})))
+            print(json.dumps([[b.sequence_length, repr(b.batch_data_indexes)] for b in ds]))
+        """)
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=REPO)
+        assert json.loads(out.stdout) == whole[taken:]
+    # a state saved on OLD before the switch resumes on NEW too (training switches packs mid-run)
+    ds = PackedShardDataset(base["old"], rank=0, world_size=1)
+    it = iter(ds)
+    for _ in range(4):
+        next(it)
+    on_new = PackedShardDataset(new, rank=0, world_size=1)
+    on_new.load_state_dict(json.loads(json.dumps(ds.state_dict())))
+    assert [[b.sequence_length, repr(b.batch_data_indexes)] for b in on_new] == whole[4:]
+    # world-size change on a chain: one rank's merged state reads the same
+    merged = PackedShardDataset.merge_states([ds.state_dict()])
+    two = [PackedShardDataset(new, rank=r, world_size=2) for r in (0, 1)]
+    for d in two:
+        d.load_state_dict(merged)
+    assert sum(1 for d in two for _ in d) == len(whole) - 4
+
+
+def test_new_is_verified_audited_and_resumed_like_any_pack(base, tokenizer_and_special):
+    raw_b = changed(base["raw_a"], t2i_pretrain__weight=2.0, prepack__batches_per_stream=2)
+    cfg_b, new = continue_pack(base, "extended", raw_b, tokenizer_and_special, after=5)
+    # extended past its budget: each stream resumes from NEW's own last checkpoint, not from OLD
+    raw_b4 = changed(raw_b, prepack__batches_per_stream=AFTER)
+    run_pack(load_config(write_config(base["root"], "extended", raw_b4)), new, inline=True,
+             tokenizer=tokenizer_and_special, progress=False, continue_from=Continue(base["old"], 5))
+    assert_chain_is_the_reference(new, [base["cfg_a"], cfg_b], [5], tokenizer_and_special)
+    assert verify_pack(new).ok
+    report = audit_pack(new, all_streams=True, tokenizer=tokenizer_and_special)
+    assert report.ok, "\n".join(report.lines())
+
+
+def test_what_may_not_change_is_refused_in_one_line(base, tokenizer_and_special):
+    cases = [
+        (dict(num_workers=1), "num_workers"),
+        (dict(prepack__world_size=2, num_workers=1), "prepack.world_size"),
+        (dict(data_seed=7), "dataset.data_seed"),
+        (dict(seed=7), "seed changed"),
+        (dict(vit_patch_size=16), "dataset.vit_patch_size"),
+        (dict(t2i_pretrain__num_used_data=[3]), "grouped_datasets.t2i_pretrain.num_used_data"),
+        (dict(vlm_sft__shuffle_lines=True), "grouped_datasets.vlm_sft.shuffle_lines"),
+    ]
+    for change, key in cases:
+        raw_b = changed(base["raw_a"], **change)
+        with pytest.raises(PackRefused, match=key) as e:
+            continue_pack(base, "refused", raw_b, tokenizer_and_special, after=2)
+        assert "\n" not in str(e.value)
+        assert not os.path.exists(os.path.join(base["root"], "refused", "pack.json"))
+    with pytest.raises(PackRefused, match="stream 0 ended after 8 records, before record 9"):
+        continue_pack(base, "refused", base["raw_a"], tokenizer_and_special, after=9)
+    with pytest.raises(UsageError, match="exactly one of --after"):
+        Continue.from_args(base["old"], None, None)
+    # a rerun over NEW must continue the same pack at the same place
+    raw_b = changed(base["raw_a"], t2i_pretrain__weight=2.0, prepack__batches_per_stream=1)
+    _, new = continue_pack(base, "rerun", raw_b, tokenizer_and_special, after=2)
+    with pytest.raises(PackRefused, match="continues .* after record 2"):
+        run_pack(load_config(write_config(base["root"], "rerun", raw_b)), new, inline=True,
+                 tokenizer=tokenizer_and_special, progress=False)
