@@ -205,11 +205,13 @@ def _settle_parent(how: "Continue", cfg: PrepackConfig, loc: PackLocation) -> "t
                           f"this config {cfg.num_streams}")
     after = switch_points(parent, how)
     wait_for_parent(parent, after, how.uri)
-    chain, p = [], parent
-    while p is not None:
-        chain.append(p.location.base)
+    link = parent_link(parent, after, how.uri)
+    chain, p, uri = [], parent, link.uri
+    while p is not None:  # each segment where its child's link says it is
+        chain.append(uri)
+        uri = p.info.parent.uri if p.info.parent is not None else None
         p = p.parent
-    return parent_link(parent, after, how.uri), chain
+    return link, chain
 
 
 def _pinned_progress(ray, Progress):

@@ -208,6 +208,22 @@ def check_identity(pack: Pack, rep: CheckReport) -> None:
         rep.add("config hash", PACK_INFO_NAME, ok, detail)
 
 
+def check_parent(pack: Pack, rep: CheckReport) -> None:
+    """A continuation: the pack it continues is there, unchanged, and holds each stream's first
+    records with the digests pack.json recorded (its own files are that pack's to verify)."""
+    link = pack.info.parent
+    if link is None:
+        return
+    bad = []
+    for s in range(pack.num_streams):
+        try:
+            pack.switch(s)  # checks the link of stream s
+        except PrepackError as e:
+            bad.append(str(e))
+    rep.add("parent", PACK_INFO_NAME, not bad, bad[0] + (f" (and {len(bad) - 1} more streams)" if len(bad) > 1 else "")
+            if bad else f"continues {link.uri}: each stream's switch record is there, unchanged")
+
+
 def check_summary(pack: Pack, dones: dict[int, StreamSummary | None], rep: CheckReport) -> None:
     """manifest.json, when present, lists exactly each stream's done.json."""
     try:
@@ -299,6 +315,7 @@ def verify_pack(out: "str | os.PathLike | PackLocation", *, threads: int | None 
         rep.add("pack.json", PACK_INFO_NAME, False, str(e))
         return rep
     check_identity(pack, rep)
+    check_parent(pack, rep)
     workers = max(1, threads or min(4, os.cpu_count() or 1))
     from tqdm import tqdm
 

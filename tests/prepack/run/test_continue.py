@@ -270,3 +270,74 @@ def test_what_may_not_change_is_refused_in_one_line(base, tokenizer_and_special)
     with pytest.raises(PackRefused, match="continues .* after record 2"):
         run_pack(load_config(write_config(base["root"], "rerun", raw_b)), new, inline=True,
                  tokenizer=tokenizer_and_special, progress=False)
+
+
+def test_a_parent_that_moved_or_changed_is_refused_not_read(base, tokenizer_and_special, tmp_path):
+    import shutil
+
+    from prepack.cli import main
+    from schemas.errors import DamagedFile
+
+    parent = str(tmp_path / "parent")
+    shutil.copytree(base["old"], parent)
+    raw_b = changed(base["raw_a"], t2i_pretrain__weight=2.0, prepack__batches_per_stream=1)
+    _, new = continue_pack(base, "moved", raw_b, tokenizer_and_special, old=parent, after=3)
+    assert verify_pack(new).ok
+    shutil.rmtree(parent)
+    with pytest.raises(DamagedFile, match="no longer a pack there"):
+        list(open_stream(new, 0))
+    assert not verify_pack(new).ok
+    # the CLI: --after without --continue, or both switches, is a usage error (exit 2, one line)
+    assert main(["run", base["cfg_a"], "--out", str(tmp_path / "x"), "--after", "3", "--no-ray"]) == 2
+    assert main(["run", base["cfg_a"], "--out", str(tmp_path / "x"), "--continue", base["old"], "--after", "3",
+                 "--after-state", "s.json", "--no-ray"]) == 2
+
+
+def test_continue_from_a_pack_on_s3(base, s3, tokenizer_and_special):
+    from tests.helpers.packs import pack_in_process
+
+    uri = pack_in_process(base["cfg_a"], s3.new_prefix("old"), tokenizer_and_special)
+    raw_b = changed(base["raw_a"], vlm_sft__weight=4.0, prepack__batches_per_stream=2)
+    _, from_store = continue_pack(base, "from_s3", raw_b, tokenizer_and_special, old=uri, after=3)
+    _, from_disk = continue_pack(base, "from_disk", raw_b, tokenizer_and_special, after=3)
+    for s in (0, 1):
+        a = [b.to_dict() for b in open_stream(from_store, s)]
+        b = [b.to_dict() for b in open_stream(from_disk, s)]
+        assert len(a) == len(b) == 5 and all(not diff_batches(x, y) for x, y in zip(a, b))
+    assert Pack.open(from_store).info.parent.uri == uri
+
+
+def test_the_readme_command_continues_on_a_local_ray(base, tokenizer_and_special, tmp_path):
+    """The README's "Change the mix mid-run" command, run as written (its paths and N replaced)."""
+    import shlex
+
+    from tests.helpers.readme import readme_tested_blocks
+
+    block = [line for line in readme_tested_blocks()[3].splitlines() if line.strip()]
+    assert len(block) == 1 and "--continue" in block[0], "README block changed shape"
+    raw_b = changed(base["raw_a"], t2i_pretrain__weight=3.0, prepack__batches_per_stream=2)
+    cfg_b = write_config(base["root"], "readme", raw_b)
+    out = str(tmp_path / "anneal")
+    words = [{"anneal.yaml": cfg_b, "/data/anneal": out, "/data/packed": base["old"], "15000": "3"}.get(w, w)
+             for w in shlex.split(block[0])]
+    assert words[0] == "prepack"
+    run = subprocess.run([sys.executable, "-m", "prepack.cli", *words[1:], "--num-cpus", "2"], cwd=REPO,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    _, inline = continue_pack(base, "readme_inline", raw_b, tokenizer_and_special, after=3)
+    for s in (0, 1):
+        a, b = list(open_stream(out, s)), list(open_stream(inline, s))
+        assert len(a) == len(b) == 5 and all(not diff_batches(x.to_dict(), y.to_dict()) for x, y in zip(a, b))
+
+
+def test_a_removed_group_is_dropped_and_its_buffered_samples_still_pack(base, tokenizer_and_special):
+    """Diverges from the reference (which pairs group states by position): groups match by name."""
+    raw_b = changed(base["raw_a"], drop_group="vlm_sft", prepack__batches_per_stream=AFTER)
+    _, new = continue_pack(base, "removed", raw_b, tokenizer_and_special, after=3)
+    for s in (0, 1):
+        batches = list(open_stream(new, s))
+        assert len(batches) == 3 + AFTER
+        later = [repr(b.batch_data_indexes) for b in batches[3 + 1:]]  # past what the buffer may hold
+        assert later and not any("vlm_sft" in x for x in later[-2:])
+        old = [repr(b.batch_data_indexes) for b in open_stream(base["old"], s)][3 + 1:]
+        assert any("vlm_sft" in x for x in old[-2:])  # OLD's mix would have drawn it there
