@@ -75,6 +75,9 @@ class PackPlan:
     sample: dict = field(default_factory=dict)
     composition: Composition = field(default_factory=Composition, repr=False)  # of the sampled batches
     reuse: dict = field(default_factory=dict)  # with --reuse: the packs, the sampled images and those found there
+    # with --continue: the pack continued, the switch, and where each group's data stands there (the
+    # sampled streams' mean: completed passes + the share of the pass read), from which NEW goes on
+    continues: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(dataclasses.replace(self, composition=None))
@@ -105,6 +108,13 @@ class PackPlan:
             out.append(f"    {g.name:14s} {g.token_share:6.1%} / {g.drop_rate:6.2%} / {g.passes:8.2f}"
                        f"  ({g.rows_per_batch:.1f} rows per batch of {g.rows_per_pass:,} per pass)")
         out.append(f"  packer drops  {self.packer_drop_rate:.2%} of samples (over-long, no fit in the buffer)")
+        if self.continues:
+            c = self.continues
+            out.append(f"  continues     {c['from']} after {c['after']}; each group's data stands there at "
+                       "(passes read before the switch; the passes above are the run's own):")
+            for name, at in sorted(c["groups"].items()):
+                out.append(f"    {name:14s} {at:8.2f}" if at is not None else f"    {name:14s}      new (starts at "
+                           "its data's beginning)")
         if self.reuse:
             images, reused = self.reuse["images"], self.reuse["reused"]
             out.append(f"  reuse         {reused / images if images else 0:.0%} of the sampled images found in "
@@ -157,6 +167,7 @@ class _Sample:
     streams: list = field(default_factory=list)
     batch_bytes: list = field(default_factory=list)  # each sampled record's buffer bytes: when to stop sampling
     composition: Composition = field(default_factory=Composition)  # tokens of each kind per sampled batch
+    switch_at: dict = field(default_factory=dict)  # a continuation: group -> passes read at the switch, per stream
 
 
 def _ipc_sizes(records: list[pa.RecordBatch], compression: Compression) -> tuple[int, int]:
@@ -173,8 +184,9 @@ def _ipc_sizes(records: list[pa.RecordBatch], compression: Compression) -> tuple
 
 
 def _sample_stream(cfg: PrepackConfig, stream: int, tokenizer, special, least: int, most: int, deadline: float,
-                   acc: _Sample, pixels=None) -> None:
-    """Pack ``least`` to ``most`` batches of ``stream`` into ``acc`` (fewer once settled or past the deadline)."""
+                   acc: _Sample, pixels=None, switch: "tuple | None" = None) -> None:
+    """Pack ``least`` to ``most`` batches of ``stream`` into ``acc`` (fewer once settled or past the deadline);
+    ``switch``: ``(parent Pack, record)`` where a continuation's stream starts (``prepack.run.chain``)."""
     from prepack.engine.checkpoint import state_to_payload
     from prepack.engine.packer import StreamPacker
     from prepack.run.lineage import lineage_table, parquet_bytes
@@ -183,6 +195,19 @@ def _sample_stream(cfg: PrepackConfig, stream: int, tokenizer, special, least: i
     cpu0 = time.process_time()
     records, lineage, stamps = [], [], []
     with StreamPacker(cfg, stream, tokenizer, special, reuse_pixel_table=True, pixels=pixels) as packer:
+        if switch is not None:
+            from prepack.run.chain import state_at
+            from schemas.mix_change import group_matches
+
+            state, was = state_at(switch[0], stream, switch[1], tokenizer, special)
+            matches = group_matches(was, cfg)
+            packer.continue_from(state, matches)
+            for group, source, at in zip(cfg.groups, packer.sources, matches):
+                where = None
+                if at is not None:
+                    st = state.sources[at]
+                    where = st["passes"] + st["yields_this_pass"] / max(source.pass_rows(), 1)
+                acc.switch_at.setdefault(group.name, []).append(where)
         for batch in packer:
             record = encode_record(batch, compression).record
             records.append(record)
@@ -285,7 +310,7 @@ def estimate_settled(record_bytes: list[int], tolerance: float = SETTLED_TOLERAN
 
 def plan_pack(cfg: PrepackConfig, *, cores: int | None = None, sample_batches: int = 4, sample_streams_n: int = 2,
               max_seconds: float = 60.0, tokenizer=None, max_fraction: float = MAX_SAMPLE_FRACTION,
-              reuse: "tuple[str, ...] | list[str]" = ()) -> PackPlan:
+              reuse: "tuple[str, ...] | list[str]" = (), continue_from=None) -> PackPlan:
     """Sample up to ``sample_batches`` batches of ``sample_streams_n`` streams and project the whole run.
 
     A stream stops early once it has packed its least batches and the estimate of bytes per batch
@@ -294,6 +319,8 @@ def plan_pack(cfg: PrepackConfig, *, cores: int | None = None, sample_batches: i
     :func:`batch_allotment` for the counts.  ``tokenizer`` (with its special ids) skips the load.
     ``reuse``: earlier packs the run would take pixels from (``prepack run --reuse``): the sample
     takes them too, so CPU is projected with them, and the plan says how many it found.
+    ``continue_from``: a ``prepack.run.chain.Continue``: the sampled streams start where the
+    continuation would (OLD's state at the switch, its records there already packed).
     """
     from prepack.tools.plan_tokenizer import load_plan_tokenizer
 
@@ -308,13 +335,28 @@ def plan_pack(cfg: PrepackConfig, *, cores: int | None = None, sample_batches: i
     deadline = start + max_seconds
     streams = sample_streams(cfg.num_streams, sample_streams_n)
     allot = batch_allotment(len(streams), sample_batches, p.batches_per_stream, cfg.num_streams, max_fraction)
+    parent, after = None, None
+    if continue_from is not None:
+        from prepack.run.chain import check_continuation, open_parent, switch_points
+
+        parent = open_parent(continue_from.uri)
+        check_continuation(parent, cfg, continue_from.uri)
+        after = switch_points(parent, continue_from)
+        for s in streams:
+            if parent.num_records(s) < after[s]:
+                from schemas.errors import PackRefused
+
+                raise PackRefused(f"plan: stream {s} of {continue_from.uri} has {parent.num_records(s)} records, "
+                                  f"fewer than the {after[s]} the continuation takes from it")
+        reuse = tuple(reuse) + (continue_from.uri,)
     pixels = _reuse_provider(reuse, Compression.parse(p.compression))
     try:
         for s, (least, most) in zip(streams, allot):
             if acc.batches and time.monotonic() > deadline:
                 log.info("plan: %.0f s of sampling reached; streams from %d on not sampled", max_seconds, s)
                 break
-            _sample_stream(cfg, s, tokenizer, special, least, most, deadline, acc, pixels)
+            _sample_stream(cfg, s, tokenizer, special, least, most, deadline, acc, pixels,
+                           None if parent is None else (parent, after[s]))
     finally:
         if pixels is not None:
             pixels.close()
@@ -323,6 +365,13 @@ def plan_pack(cfg: PrepackConfig, *, cores: int | None = None, sample_batches: i
 
         raise StreamFailed("plan: the sampled streams produced no batch (see the drop counts in the log)")
     plan = _project(cfg, acc, cores or os.cpu_count() or 1, time.monotonic() - start, worker_start_s)
+    if parent is not None:
+        from schemas.location import redact_uri
+
+        plan.continues = {
+            "from": redact_uri(continue_from.uri),
+            "after": continue_from.after if continue_from.after is not None else "a loader state",
+            "groups": {g: (None if None in v else sum(v) / len(v)) for g, v in acc.switch_at.items()}}
     if pixels is not None:
         from schemas.location import redact_uri
 

@@ -20,8 +20,16 @@ def cmd_plan(args) -> int:
 
     if args.cores is not None and args.cores < 1:
         raise UsageError(f"--cores must be at least 1, got {args.cores}")
+    continue_from = None
+    if args.continue_from is not None or args.after is not None or args.after_state is not None:
+        from prepack.run.chain import Continue
+
+        if args.continue_from is None:
+            raise UsageError("--after and --after-state go with --continue OLD")
+        continue_from = Continue.from_args(args.continue_from, args.after, args.after_state)
     plan = plan_pack(load_config(args.config), cores=args.cores, sample_batches=args.sample_batches,
-                     sample_streams_n=args.sample_streams, max_seconds=args.max_seconds, reuse=args.reuse or ())
+                     sample_streams_n=args.sample_streams, max_seconds=args.max_seconds, reuse=args.reuse or (),
+                     continue_from=continue_from)
     if args.json:
         print(json.dumps(plan.to_json(), sort_keys=True))
     else:
@@ -53,6 +61,7 @@ def add_command(subparsers) -> None:
               prepack plan cfg.yaml --cores 512 --json | jq .output_bytes
               prepack plan cfg.yaml --sample-batches 16 --sample-streams 4   # a larger, slower sample
               prepack plan new.yaml --reuse /data/packed   # how many pictures an old pack saves, and the CPU
+              prepack plan anneal.yaml --continue /data/packed --after 15000   # a mix change from batch 15000
 
             It samples each stream's first batches and measures CPU here: expect the projection within
             tens of percent, not exactly (docs/performance.md says how close it came on the demo).
@@ -73,5 +82,11 @@ def add_command(subparsers) -> None:
                     help="an earlier pack the run will take pixels from (prepack run --reuse): the sample takes them "
                     "too, so the CPU is projected with them, and the plan says what share it found; repeat for several "
                     "(reads OLD's pixel catalog if it has one, else every shard's pixel index: 'prepack index OLD')")
+    pl.add_argument("--continue", dest="continue_from", metavar="OLD",
+                    help="plan a continuation of OLD (prepack run --continue): the sampled streams start from OLD's "
+                    "state at the switch, and the plan says where each group's data stands there")
+    pl.add_argument("--after", type=int, metavar="N", help="with --continue: the switch, after batch N of every stream")
+    pl.add_argument("--after-state", metavar="STATE.json", help="with --continue: the switch, where a loader state "
+                    "leaves each stream")
     # skip_teardown: the program ends a plan without the interpreter's teardown (prepack.cli._exit_now)
     pl.set_defaults(func=cmd_plan, skip_teardown=True)

@@ -25,7 +25,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import polars as pl
@@ -105,6 +105,8 @@ class PackStats:
     streams: pl.DataFrame  # stream, rank, worker, records, tokens, samples, elapsed_s, tokens_per_s, records_per_s
     token_batch: pl.DataFrame  # quantity, min, p50, p90, max, mean, total, share (of the tokens) over batches
     token_group: pl.DataFrame  # group, quantity, samples, min, p50, p90, max, mean, total, share, over its samples
+    # a continuation: each segment of the chain (oldest first), its records and its group mix side by side
+    segments: pl.DataFrame = field(default_factory=pl.DataFrame)  # segment, pack, records, group, weight, samples, share
 
 
 _PER_BATCH = ("num_samples", "images", "vit_uses", "vae_uses")
@@ -161,6 +163,33 @@ def _group_mix(info: PackInfo, lineage: pl.DataFrame) -> pl.DataFrame:
             .sort("group"))
 
 
+def _segments(pack: Pack) -> pl.DataFrame:
+    """A continuation's chain, oldest segment first: per segment, the records a reader takes from it
+    and its group mix (configured weight, samples packed in those records: its lineage below each
+    stream's limit).  Empty for a pack of its own."""
+    if pack.parent is None:
+        return pl.DataFrame()
+    limits = {s: None for s in range(pack.num_streams)}  # per stream: records of the segment read (None: all)
+    rows, seg = [], []
+    p = pack
+    while p is not None:
+        switch = [p.switch(s) for s in range(p.num_streams)]
+        own = {s: (p.index(s).num_records if limits[s] is None else max(0, limits[s] - switch[s]))
+               for s in range(p.num_streams)}
+        cut = pl.DataFrame({"stream": list(own), "below": list(own.values())},
+                           schema={"stream": pl.Int32, "below": pl.Int64})
+        mix = (scan_lineage(p.location).join(cut.lazy(), on="stream").filter(pl.col("record") < pl.col("below"))
+               .group_by("group").agg(pl.len().cast(pl.Int64).alias("samples")).collect())
+        seg.append((p.location.base, sum(own.values()), _group_mix(p.info, mix)))
+        limits = {s: switch[s] if limits[s] is None else min(limits[s], switch[s]) for s in limits}
+        p = p.parent
+    for i, (base, records, mix) in enumerate(reversed(seg)):
+        for group, _, weight, _, samples, share in mix.iter_rows():
+            rows.append((i, base, records, group, weight, samples, share))
+    return pl.DataFrame(rows, schema={"segment": pl.Int32, "pack": pl.String, "records": pl.Int64, "group": pl.String,
+                                      "weight": pl.Float64, "samples": pl.Int64, "share": pl.Float64}, orient="row")
+
+
 def _drops(summaries: list[StreamSummary]) -> pl.DataFrame:
     rows: dict[tuple[str, str], int] = {}
     for s in summaries:
@@ -210,6 +239,7 @@ def compute_stats(out) -> PackStats:
         token_batch=pl.DataFrame(composition.batch_rows(), schema={"quantity": pl.String, **_DISTRIBUTION}),
         token_group=pl.DataFrame(composition.group_rows(),
                                  schema={"group": pl.String, "quantity": pl.String, "samples": pl.Int64, **_DISTRIBUTION}),
+        segments=_segments(pack),
     )
 
 
@@ -257,6 +287,10 @@ def format_stats(st: PackStats) -> str:
     lines += text_table(st.group_mix.select(
         "group", "mandatory", "weight", (pl.col("configured_share") * 100).round(1).alias("configured %"),
         "samples", (pl.col("share") * 100).round(1).alias("achieved %")))
+    if st.segments.height:
+        lines += ["", "a continuation: each segment's mix (records a reader takes from it; samples in them):"]
+        lines += text_table(st.segments.with_columns((pl.col("share") * 100).round(1).alias("share %"))
+                            .drop("share"))
     lines += ["", f"samples per batch: {_summary(st, 'num_samples')}",
               f"images per batch:  stored {_summary(st, 'images')}",
               f"                   ViT uses {_summary(st, 'vit_uses')}; VAE uses {_summary(st, 'vae_uses')}", ""]

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 
+import polars as pl
 import pytest
 import yaml
 
@@ -159,6 +160,16 @@ def test_a_chain_of_two_continues_as_the_reference(base, tokenizer_and_special):
     raw_c = changed(raw_b, vlm_sft__weight=5.0, max_buffer_size=1, prepack__batches_per_stream=AFTER)
     cfg_c, new = continue_pack(base, "chain_c", raw_c, tokenizer_and_special, old=mid, after=4)  # inside mid
     assert_chain_is_the_reference(new, [base["cfg_a"], cfg_b, cfg_c], [2, 4], tokenizer_and_special)
+    # stats: each segment's mix side by side, counted over the records a reader takes from it
+    from prepack.tools.stats import compute_stats, format_stats
+
+    st = compute_stats(new)
+    segs = st.segments.group_by("segment", "records").agg(pl.col("samples").sum(), pl.col("weight").max()).sort("segment")
+    assert segs["records"].to_list() == [2 * 2, (4 - 2) * 2, 2 * AFTER]
+    per_record = [sum(len(b.batch_data_indexes) for b in open_stream(new, s)) for s in (0, 1)]
+    assert segs["samples"].sum() == sum(per_record)
+    t2i = st.segments.filter(pl.col("group") == "t2i_pretrain")["weight"].to_list()
+    assert t2i == [1.0, 3.0, 3.0] and "each segment's mix" in format_stats(st)
     # and switching before mid's own switch takes OLD's state there (N counts the whole chain)
     cfg_d, early = continue_pack(base, "chain_early", raw_c, tokenizer_and_special, old=mid, after=1)
     assert_chain_is_the_reference(early, [base["cfg_a"], cfg_d], [1], tokenizer_and_special)
@@ -341,3 +352,19 @@ def test_a_removed_group_is_dropped_and_its_buffered_samples_still_pack(base, to
         assert later and not any("vlm_sft" in x for x in later[-2:])
         old = [repr(b.batch_data_indexes) for b in open_stream(base["old"], s)][3 + 1:]
         assert any("vlm_sft" in x for x in old[-2:])  # OLD's mix would have drawn it there
+
+
+def test_plan_projects_a_continuation_from_the_switch(base, tokenizer_and_special):
+    from prepack.tools.plan import plan_pack
+
+    raw_b = changed(base["raw_a"], vlm_sft__weight=4.0, prepack__batches_per_stream=AFTER)
+    cfg_b = load_config(write_config(base["root"], "plan_b", raw_b))
+    plan = plan_pack(cfg_b, tokenizer=tokenizer_and_special, continue_from=Continue(base["old"], 5), sample_batches=2)
+    assert plan.continues["from"] == base["old"] and plan.continues["after"] == 5
+    at = plan.continues["groups"]
+    assert set(at) == {"t2i_pretrain", "vlm_sft"} and all(v is not None and v > 0 for v in at.values())
+    assert plan.records == 2 * AFTER and any("continues" in line for line in plan.lines())
+    fresh = plan_pack(cfg_b, tokenizer=tokenizer_and_special, sample_batches=2)
+    assert not fresh.continues
+    with pytest.raises(PackRefused, match="8 records, fewer than the 9"):
+        plan_pack(cfg_b, tokenizer=tokenizer_and_special, continue_from=Continue(base["old"], 9))
