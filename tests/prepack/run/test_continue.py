@@ -368,3 +368,37 @@ def test_plan_projects_a_continuation_from_the_switch(base, tokenizer_and_specia
     assert not fresh.continues
     with pytest.raises(PackRefused, match="8 records, fewer than the 9"):
         plan_pack(cfg_b, tokenizer=tokenizer_and_special, continue_from=Continue(base["old"], 9))
+
+
+def test_a_parent_still_packing_is_waited_for(base, tokenizer_and_special, tmp_path):
+    """OLD has 3 records a stream and is not done: the continuation after 5 waits until OLD holds them."""
+    import threading
+
+    from schemas.manifest import MANIFEST_NAME, done_file
+
+    raw_a3 = changed(base["raw_a"], prepack__batches_per_stream=3)
+    old = str(tmp_path / "old")
+    run_pack(load_config(write_config(str(tmp_path), "a3", raw_a3)), old, inline=True,
+             tokenizer=tokenizer_and_special, progress=False)
+    for rel in [MANIFEST_NAME] + [done_file(s) for s in (0, 1)]:  # as while it is still packing
+        os.remove(os.path.join(old, rel))
+    raw_b = changed(base["raw_a"], t2i_pretrain__weight=4.0, prepack__batches_per_stream=AFTER)
+    cfg_b = write_config(base["root"], "waits", raw_b)
+    new = str(tmp_path / "new")
+    errors = []
+
+    def continuation():
+        try:
+            run_pack(load_config(cfg_b), new, inline=True, tokenizer=tokenizer_and_special, progress=False,
+                     continue_from=Continue(old, 5))
+        except BaseException as e:  # noqa: BLE001  (reported by the assertion below)
+            errors.append(e)
+
+    waiting = threading.Thread(target=continuation)
+    waiting.start()
+    waiting.join(3.0)
+    assert waiting.is_alive() and not os.path.exists(os.path.join(new, "pack.json"))  # waiting for OLD
+    run_pack(load_config(base["cfg_a"]), old, inline=True, tokenizer=tokenizer_and_special, progress=False)
+    waiting.join(300)
+    assert not errors, errors
+    assert_chain_is_the_reference(new, [base["cfg_a"], cfg_b], [5], tokenizer_and_special)
