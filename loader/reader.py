@@ -124,7 +124,7 @@ class Pack:
         if info.parent is not None:
             link = info.parent
             try:
-                parent = cls.open(link.uri, filesystem if isinstance(path, PackLocation) or filesystem else None)
+                parent = cls.open(link.uri, filesystem if "://" in link.uri else None)  # a store's client for a store
             except NotAPack:
                 raise DamagedFile(f"{loc.path(PACK_INFO_NAME)}: continues {link.uri}, which is no longer a pack "
                                   "there (move it back, or re-pack)") from None

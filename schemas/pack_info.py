@@ -66,9 +66,6 @@ class ParentLink(Document):
     after: list[int]  # per stream: how many of the parent's records come first
     last: list[str]  # per stream: the digest of the last of them
 
-    def switch(self, stream: int) -> int:
-        return self.after[stream]
-
 
 @dataclass(frozen=True)
 class PackInfo(Document):

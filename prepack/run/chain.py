@@ -46,7 +46,8 @@ class Continue:
 
     uri: str
     after: int | None = None
-    after_state: dict | list | None = None  # a loader state (or several, one per rank), as saved by training
+    # a loader state, or a list of them (one per rank), or a merged one: JSON, or torch.save'd (.pt)
+    after_state: dict | list | None = None
 
     @classmethod
     def from_args(cls, uri: str, after: int | None, after_state_path: str | None) -> "Continue":
@@ -57,9 +58,14 @@ class Continue:
         state = None
         if after_state_path is not None:
             try:
-                with open(after_state_path) as f:
-                    state = json.load(f)
-            except (OSError, ValueError) as e:
+                if after_state_path.endswith(".pt"):  # as a training saves it (torch.save), plain values only
+                    import torch
+
+                    state = torch.load(after_state_path, weights_only=True)
+                else:
+                    with open(after_state_path) as f:
+                        state = json.load(f)
+            except (OSError, ValueError, RuntimeError) as e:
                 raise UsageError(f"--after-state {after_state_path}: {e}") from None
         return cls(uri, after, state)
 

@@ -76,7 +76,7 @@ def add_command(subparsers) -> None:
     r.add_argument("--after", type=int, metavar="N",
                    help="with --continue: switch every stream after its N-th batch (counted over OLD's whole chain)")
     r.add_argument("--after-state", metavar="STATE.json",
-                   help="with --continue: switch each stream where this loader state (a training's "
+                   help="with --continue: switch each stream where this loader state (JSON, or a .pt a training saved: "
                         "state_dict, one rank's, a list of every rank's, or merged) leaves it")
     r.add_argument("--no-ray", action="store_true",
                    help="pack in this process, one stream after another (debugging; same bytes as with Ray)")

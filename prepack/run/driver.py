@@ -135,7 +135,7 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
     loc = resolve_location(out)
     link = None
     if continue_from is not None:
-        link, chain = _settle_parent(continue_from, cfg, loc)
+        link, chain = _settle_parent(continue_from, cfg, loc, tokenizer_fingerprint(tokenizer))
         reuse = tuple(reuse) + tuple(u for u in chain if u not in reuse)
     reuse = check_old_packs(reuse, loc)
     try:
@@ -191,7 +191,8 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
         lease.release()
 
 
-def _settle_parent(how: "Continue", cfg: PrepackConfig, loc: PackLocation) -> "tuple[ParentLink, list[str]]":
+def _settle_parent(how: "Continue", cfg: PrepackConfig, loc: PackLocation,
+                   tokenizer_fp: str) -> "tuple[ParentLink, list[str]]":
     """The link to the pack ``how`` continues, once its streams hold the records taken from it (waited
     for while it is still packing); and where each segment of its chain is (their pictures are reused)."""
     from prepack.run.chain import check_continuation, open_parent, parent_link, switch_points, wait_for_parent
@@ -200,6 +201,9 @@ def _settle_parent(how: "Continue", cfg: PrepackConfig, loc: PackLocation) -> "t
     if parent.location.path("") == loc.path(""):
         raise PackRefused(f"--continue {redact_uri(how.uri)} is the output itself; continue into a new --out")
     check_continuation(parent, cfg, how.uri)  # world size and K among what may not change: named first
+    if parent.info.tokenizer_fingerprint != tokenizer_fp:
+        raise PackRefused(f"cannot continue {redact_uri(how.uri)}: the tokenizer differs from the one it was "
+                          "packed with (tokenizer_fingerprint)")
     if parent.num_streams != cfg.num_streams:
         raise PackRefused(f"cannot continue {redact_uri(how.uri)}: it has {parent.num_streams} streams, "
                           f"this config {cfg.num_streams}")
