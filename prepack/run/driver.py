@@ -133,16 +133,17 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
     from prepack.run.catalog import ensure_catalog
 
     loc = resolve_location(out)
+    tokenizer_fp = tokenizer_fingerprint(tokenizer)  # once: it hashes the whole vocabulary (~0.5 s)
     link = None
     if continue_from is not None:
-        link, chain = _settle_parent(continue_from, cfg, loc, tokenizer_fingerprint(tokenizer))
+        link, chain = _settle_parent(continue_from, cfg, loc, tokenizer_fp)
         reuse = tuple(reuse) + tuple(u for u in chain if u not in reuse)
     reuse = check_old_packs(reuse, loc)
     try:
         loc.fs.create_dir(loc.base, recursive=True)  # on a store too: its bucket HEAD and PUTs are the early probe
     except OSError as e:  # no such bucket, no access, store unreachable: the user's to fix, in one line
         raise PackRefused(f"cannot write to {redact_uri(out)}: {str(e).strip().splitlines()[0]}") from None
-    pack = settle_identity(loc, cfg, tokenizer_fingerprint(tokenizer), special, other_jobs=lambda: live_leases(loc),
+    pack = settle_identity(loc, cfg, tokenizer_fp, special, other_jobs=lambda: live_leases(loc),
                            parent=link)
     budget = cfg.prepack.budget()
     dones = {s: StreamSummary.read(loc, s) for s in wanted}
