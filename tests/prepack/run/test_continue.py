@@ -406,3 +406,16 @@ def test_a_parent_still_packing_is_waited_for(base, tokenizer_and_special, tmp_p
     waiting.join(300)
     assert not errors, errors
     assert_chain_is_the_reference(new, [base["cfg_a"], cfg_b], [5], tokenizer_and_special)
+
+
+def test_every_reader_reads_the_chain(base, tokenizer_and_special):
+    """build_dataloader (2 DataLoader workers) and a following reader give what PackedShardDataset gives."""
+    from loader import build_dataloader
+
+    raw_b = changed(base["raw_a"], t2i_pretrain__weight=4.0, prepack__batches_per_stream=2)
+    _, new = continue_pack(base, "readers", raw_b, tokenizer_and_special, after=3)
+    ids = lambda batches: [(b.sequence_length, repr(b.batch_data_indexes)) for b in batches]  # noqa: E731
+    plain = ids(PackedShardDataset(new, rank=0, world_size=1))
+    assert len(plain) == 2 * (3 + 2)
+    assert ids(build_dataloader(new, rank=0, world_size=1, num_workers=2, pin_memory=False)) == plain
+    assert ids(PackedShardDataset(new, rank=0, world_size=1, follow=True, timeout_s=30)) == plain
