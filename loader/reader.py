@@ -34,8 +34,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import xxhash
 
-from schemas.errors import DamagedFile, FollowTimeout, NotAPack, PackIntegrityError, UsageError
-from schemas.location import PackLocation, resolve_location
+from schemas.errors import DamagedFile, FollowTimeout, NotAPack, PackIntegrityError, ShardTrimmed, UsageError
+from schemas.location import PackLocation, redact_uri, resolve_location
 from schemas.views import SeekableView
 from schemas.layout import (
     CHECKPOINT_FILES,
@@ -48,7 +48,8 @@ from schemas.layout import (
     stream_dir,
     stream_lineage_file,
 )
-from schemas.manifest import PackSummary, ShardEntry, StreamIndex, StreamSummary, expected_shard_metadata
+from schemas.manifest import (PackSummary, ShardEntry, StreamIndex, StreamSummary, TrimmedShards,
+                              expected_shard_metadata)
 from schemas.pack_info import PackInfo
 from schemas.record import RECORD_SCHEMA, record_digest
 
@@ -161,6 +162,10 @@ class Pack:
             raise DamagedFile(f"{where}: stream {stream} of {link.uri} changed since this pack continued it "
                               f"(record {n - 1} differs)")
         self._linked.add(stream)
+
+    def trimmed(self, stream: int) -> set[int]:
+        """The stream's shards whose records file was trimmed (read fresh: a restore may have run)."""
+        return set(TrimmedShards.read(self.location, stream).shards)
 
     def record_digest(self, stream: int, record: int) -> str:
         """The digest of ``record`` of ``stream``, counted over the whole chain."""
@@ -367,6 +372,12 @@ def read_shard(
     try:
         source = loc.fs.open_input_file(path)
     except FileNotFoundError:
+        if shard.shard in pack.trimmed(shard.stream):
+            a, b = shard.first_record, shard.first_record + len(shard.records) - 1
+            s = shard.stream
+            raise ShardTrimmed(f"{path}: trimmed (stream {s} records {a}-{b}, behind the training checkpoints "
+                               f"kept); pack it again with: prepack restore {redact_uri(loc.base)} --streams {s} "
+                               f"--records {a}-{b}") from None
         raise fail(first, "shard file is missing") from None
     with source:
         size = source.size()

@@ -142,3 +142,42 @@ def merge_states(states: Iterable[LoaderState]) -> MergedState:
             positions[stream] = pos
             last[stream] = digest
     return MergedState(packs.pop(), positions, last)
+
+
+def read_state_file(path: str) -> Any:
+    """A saved loader state (or a list of them, one per rank): JSON, or a ``.pt`` a training wrote
+    with ``torch.save`` (loaded weights-only: plain values).  ``ValueError`` names the file."""
+    try:
+        if str(path).endswith(".pt"):
+            import torch
+
+            return torch.load(path, weights_only=True)
+        import json
+
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{path}: not a readable loader state ({e})") from None
+
+
+def positions_in(pack: Any, states: "Iterable[Any]") -> dict[int, int]:
+    """Per stream of ``pack`` (a ``loader.reader.Pack``), the earliest next record over ``states``:
+    each a loader state as saved (one rank's, a list of every rank's, or merged), of this pack or of
+    a pack it continues, checked against its record digests.  Every stream must be covered.
+    ``ValueError`` (one line) otherwise."""
+    out: dict[int, int] = {}
+    for given in states:
+        parsed = [state_from_dict(st) for st in (given if isinstance(given, list) else [given])]
+        merged = parsed[0] if len(parsed) == 1 and isinstance(parsed[0], MergedState) else merge_states(parsed)
+        if merged.pack not in pack.fingerprints():
+            raise ValueError("a loader state of another pack")
+        for s, p in merged.positions.items():
+            if p and (not pack.wait_for(s, p - 1, None) or pack.record_digest(s, p - 1) != merged.last[s]):
+                raise ValueError(f"a loader state that does not match stream {s} (record {p - 1} differs or is "
+                                 "not there)")
+            out[s] = min(out.get(s, p), p)
+    missing = [s for s in range(pack.num_streams) if s not in out]
+    if missing:
+        raise ValueError(f"loader states that lack streams {missing[:8]}{'...' if len(missing) > 8 else ''}: give "
+                         "every rank's state (PackedShardDataset.merge_states merges them)")
+    return out

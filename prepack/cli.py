@@ -16,7 +16,7 @@ import textwrap
 from typing import NoReturn
 
 from prepack.demo import command as demo_data_command
-from prepack.run import catalog_command
+from prepack.run import catalog_command, trim_command
 from prepack.run import command as run_command
 from prepack.tools import audit_command, inspect_record_command, plan_command, stats_command, verify_command
 from schemas.errors import PrepackError
@@ -34,6 +34,9 @@ EPILOG = textwrap.dedent(
       prepack stats out/demo --html stats.html
       prepack index out/demo                            # sort its pixel indexes for later --reuse runs
       prepack run new.yaml --out out/new --reuse out/demo   # another mix, the old pack's pixels
+      prepack run anneal.yaml --out out/anneal --continue out/demo --after 3   # change the mix mid-run
+      prepack trim out/demo --state loader.json         # drop shards training has checkpointed past
+      prepack restore out/demo --streams 0 --records 0-2   # pack trimmed shards again, byte for byte
 
     A config is a NeMo AutoModel BAGEL recipe YAML (seed, tokenizer, dataset, dataloader.num_workers)
     plus a 'prepack:' section (world_size, batches_per_stream | tokens_per_stream | passes,
@@ -58,6 +61,7 @@ COMMANDS = (
     catalog_command.add_command,         # index      prepack/run/catalog_command.py
     inspect_record_command.add_command,  # inspect    prepack/tools/inspect_record_command.py
     stats_command.add_command,           # stats      prepack/tools/stats_command.py
+    trim_command.add_command,            # trim, restore  prepack/run/trim_command.py
 )
 
 

@@ -75,5 +75,10 @@ class PackingError(PrepackError, RuntimeError):
     """The packer cannot go on (e.g. batches refused too many times in a row)."""
 
 
+class ShardTrimmed(PrepackError, RuntimeError):
+    """A committed shard's records file was trimmed (``prepack trim``): its index, digests and
+    checkpoint stay, and ``prepack restore`` packs it again byte for byte."""
+
+
 class FollowTimeout(PrepackError, TimeoutError):
     """A followed stream got no new committed shard within the timeout."""

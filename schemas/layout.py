@@ -11,6 +11,7 @@ Layout of a pack (every name deterministic, no uuids or timestamps)::
     OUT/stream-00003/ckpt-00001.json (+ .arrow)   stream state after shard 0 = at the start of shard 1
     OUT/stream-00003/index.arrow                  one row per committed shard: THE commit marker
     OUT/stream-00003/done.json                    the stream finished its budget: totals, drops, digest root
+    OUT/stream-00003/trimmed.json                 shards whose records file was trimmed (prepack trim; restorable)
     OUT/lineage/stream-00003.parquet              the stream's lineage once it is done (its shard files are then removed)
     OUT/manifest.json                             a summary of every stream once all are done (O(streams))
     OUT/pixels/...                                the pack's pixel catalog (its names: schemas.pixel_catalog)
@@ -37,6 +38,7 @@ LINEAGE_DIR = "lineage"
 LEASE_DIR = ".prepack/leases"
 INDEX_NAME = "index.arrow"
 DONE_NAME = "done.json"
+TRIMMED_NAME = "trimmed.json"
 TMP_SUFFIX = ".tmp"  # a file being written under its final name + this, renamed when complete (local disks)
 
 _STREAM_DIR = "stream-{stream:05d}"
@@ -52,6 +54,7 @@ CKPT_JSON = "ckpt_json"
 CKPT_ARROW = "ckpt_arrow"
 INDEX = "index"
 DONE = "done"
+TRIMMED = "trimmed"
 STREAM_LINEAGE = "stream_lineage"
 
 # kind -> name relative to the pack's root: {stream} and {shard} are numbers, {holder} a lease's holder id
@@ -66,6 +69,7 @@ LAYOUT: dict[str, str] = {
     CKPT_ARROW: _STREAM_DIR + "/ckpt-{shard:05d}.arrow",
     INDEX: _STREAM_DIR + "/" + INDEX_NAME,
     DONE: _STREAM_DIR + "/" + DONE_NAME,
+    TRIMMED: _STREAM_DIR + "/" + TRIMMED_NAME,
     STREAM_LINEAGE: LINEAGE_DIR + "/stream-{stream:05d}.parquet",
 }
 SHARD_FILES = (SHARD, PIXELS, SHARD_LINEAGE)  # numbered by the shard they belong to
@@ -103,6 +107,10 @@ def index_file(stream: int) -> str:
 
 def done_file(stream: int) -> str:
     return LAYOUT[DONE].format(stream=stream)
+
+
+def trimmed_file(stream: int) -> str:
+    return LAYOUT[TRIMMED].format(stream=stream)
 
 
 def lease_file(holder: str) -> str:

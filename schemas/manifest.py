@@ -39,6 +39,7 @@ from schemas.layout import (  # noqa: F401  (re-exported: the tools and tests ta
     shard_pixels_file,
     stream_dir,
     stream_lineage_file,
+    trimmed_file,
 )
 from schemas.pack_info import FORMAT_VERSION, SHARD_KEYS, PackInfo  # noqa: F401  (FORMAT_VERSION re-exported)
 from schemas.record import RECORD_SCHEMA_VERSION
@@ -127,6 +128,25 @@ class PackSummary(Document):
         except FileNotFoundError:
             return None
         return cls.from_json(data, loc.path(MANIFEST_NAME))
+
+
+@dataclass
+class TrimmedShards(Document):
+    """``trimmed.json``: the shards of a stream whose records file was trimmed.  Written before a
+    file is deleted (a crash between leaves a listed shard whose file is still there: read as any
+    shard) and after a restored file is in place, so the list never hides a missing file."""
+
+    stream: int
+    shards: list[int] = field(default_factory=list)
+
+    @classmethod
+    def read(cls, loc: "PackLocation", stream: int) -> "TrimmedShards":
+        """The stream's trimmed shards (none when the file is absent)."""
+        try:
+            data = loc.read_bytes(trimmed_file(stream))
+        except FileNotFoundError:
+            return cls(stream)
+        return cls.from_json(data, loc.path(trimmed_file(stream)))
 
 
 # -- the per-stream index -------------------------------------------------------------------------

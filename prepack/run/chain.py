@@ -17,13 +17,12 @@ that would not reproduce OLD is refused instead of continued.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
 
 from loader.reader import Pack
-from loader.state import MergedState, merge_states, state_from_dict
+from loader.state import positions_in, read_state_file
 from prepack.engine.checkpoint import state_from_payload, state_to_payload
 from prepack.engine.packer import StreamPacker, StreamState
 from prepack.engine.reuse.earlier_pixels import PixelReuse
@@ -58,15 +57,9 @@ class Continue:
         state = None
         if after_state_path is not None:
             try:
-                if after_state_path.endswith(".pt"):  # as a training saves it (torch.save), plain values only
-                    import torch
-
-                    state = torch.load(after_state_path, weights_only=True)
-                else:
-                    with open(after_state_path) as f:
-                        state = json.load(f)
-            except (OSError, ValueError, RuntimeError) as e:
-                raise UsageError(f"--after-state {after_state_path}: {e}") from None
+                state = read_state_file(after_state_path)
+            except ValueError as e:
+                raise UsageError(f"--after-state {e}") from None
         return cls(uri, after, state)
 
 
@@ -97,23 +90,11 @@ def switch_points(parent: Pack, how: Continue) -> list[int]:
     """Per stream, after how many of the parent's records the continuation starts."""
     if how.after is not None:
         return [how.after] * parent.num_streams
-    states = how.after_state if isinstance(how.after_state, list) else [how.after_state]
     try:
-        parsed = [state_from_dict(st) for st in states]
-        merged = parsed[0] if len(parsed) == 1 and isinstance(parsed[0], MergedState) else merge_states(parsed)
+        at = positions_in(parent, [how.after_state])
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise UsageError(f"--after-state: not a loader state ({e})") from None
-    if merged.pack not in parent.fingerprints():
-        raise PackRefused(f"--after-state is a loader state of another pack than {redact_uri(how.uri)}")
-    missing = [s for s in range(parent.num_streams) if s not in merged.positions]
-    if missing:
-        raise PackRefused(f"--after-state lacks streams {missing[:8]}{'...' if len(missing) > 8 else ''}: save the "
-                          "state of every rank (PackedShardDataset.merge_states merges them)")
-    for s, p in merged.positions.items():
-        if p and (not parent.wait_for(s, p - 1, None) or parent.record_digest(s, p - 1) != merged.last[s]):
-            raise PackRefused(f"--after-state: stream {s} of {redact_uri(how.uri)} has no record {p - 1} with the "
-                              "digest the state recorded (a state of another pack)")
-    return [merged.positions[s] for s in range(parent.num_streams)]
+        raise PackRefused(f"--after-state: {e} ({redact_uri(how.uri)})") from None
+    return [at[s] for s in range(parent.num_streams)]
 
 
 def wait_for_parent(parent: Pack, after: list[int], uri: str, poll_s: float = 2.0) -> None:

@@ -14,7 +14,7 @@ import pyarrow.fs as pafs
 from schemas.errors import DamagedFile
 from schemas.layout import CHECKPOINT_FILES, SHARD_FILES, is_temporary, parse, shard_file, stream_dir
 from schemas.location import PackLocation, resolve_location
-from schemas.manifest import StreamIndex
+from schemas.manifest import StreamIndex, TrimmedShards
 
 log = logging.getLogger(__name__)
 
@@ -27,15 +27,19 @@ def recover_stream(
     Committed shards are the rows of ``index.arrow``.  Deleted: every temporary file, shard files
     (records, pixel index, lineage) numbered at or beyond the next shard, and checkpoints beyond it
     (``ckpt-next`` is the state to resume from, so it stays).  A committed shard file that is
-    missing or has the wrong size is damage a restart must not paper over: ``DamagedFile``.
+    missing (and not trimmed) or has the wrong size is damage a restart must not paper over:
+    ``DamagedFile``.
     """
     loc = resolve_location(out, filesystem)
     sdir = loc.path(stream_dir(stream))
     infos = loc.list(stream_dir(stream))
     sizes = {i.base_name: i.size for i in infos if i.type == pafs.FileType.File}
     index = StreamIndex.read(loc, stream) or StreamIndex(stream, [])
+    trimmed = set(TrimmedShards.read(loc, stream).shards)
     for entry in index.shards:
         name = shard_file(stream, entry.shard).rsplit("/", 1)[1]
+        if name not in sizes and entry.shard in trimmed:
+            continue  # its records file was trimmed on purpose (prepack trim); prepack restore brings it back
         if sizes.get(name) != entry.nbytes:
             raise DamagedFile(f"{sdir}/{name}: committed shard file missing or not {entry.nbytes} bytes")
     next_shard = len(index.shards)

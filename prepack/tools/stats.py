@@ -112,10 +112,16 @@ class PackStats:
 _PER_BATCH = ("num_samples", "images", "vit_uses", "vae_uses")
 
 
-def _stream_records(pack: Pack, stream: int) -> Iterator[tuple[int, int, BatchCounts]]:
+def _stream_records(pack: Pack, stream: int) -> Iterator[tuple[int, int, BatchCounts | None]]:
     """(tokens, samples, token composition) per record of ``stream``, from a projected read of
-    each shard (``composition.COLUMNS``: position arrays and image ids, never the pixel table)."""
+    each shard (``composition.COLUMNS``: position arrays and image ids, never the pixel table); a
+    trimmed shard's records from its index row alone (no composition: None)."""
+    trimmed = pack.trimmed(stream)
     for sh in pack.index(stream).shards:
+        if sh.shard in trimmed and not pack.location.fs.get_file_info(pack.location.path(sh.file)).size:
+            for r in sh.records:
+                yield r.num_tokens, r.num_samples, None
+            continue
         for (_, b), r in zip(read_shard(pack, sh, columns=list(COLUMNS)), sh.records):
             yield r.num_tokens, r.num_samples, record_counts(b)
     pack.forget(stream)
@@ -127,19 +133,23 @@ def _batch_tables(pack: Pack, max_tokens: int) -> tuple[dict, pl.DataFrame, pl.D
     counts = {q: Counter() for q in _PER_BATCH}
     bins: Counter = Counter()
     composition = Composition()
-    n = tokens = samples = 0
+    n = tokens = samples = trimmed = 0
     fill_sum, fill_min, fill_max = 0.0, float("inf"), 0.0
     for s in range(pack.num_streams):
         for toks, smp, c in _stream_records(pack, s):
-            composition.add(c)
             fill = toks / max(max_tokens, 1)
             n, tokens, samples, fill_sum = n + 1, tokens + toks, samples + smp, fill_sum + fill
             fill_min, fill_max = min(fill_min, fill), max(fill_max, fill)
             bins[int(fill / FILL_BIN)] += 1
+            if c is None:  # a trimmed shard's record: its tokens and samples are in the index, no more
+                trimmed += 1
+                counts["num_samples"][smp] += 1
+                continue
+            composition.add(c)
             for q, v in zip(_PER_BATCH, (smp, c.batch["images"], c.batch["vit_images"], c.batch["vae_images"])):
                 counts[q][v] += 1
     totals = {"batches": n, "tokens": tokens, "samples": samples, "fill_mean": fill_sum / n if n else 0.0,
-              "fill_min": fill_min if n else 0.0, "fill_max": fill_max}
+              "fill_min": fill_min if n else 0.0, "fill_max": fill_max, "trimmed": trimmed}
     per_batch = pl.DataFrame([(q, v, c) for q in _PER_BATCH for v, c in sorted(counts[q].items())],
                              schema={"quantity": pl.String, "value": pl.Int64, "batches": pl.Int64}, orient="row")
     top = max(int(1.0 / FILL_BIN), max(bins, default=0) + 1)
@@ -291,6 +301,9 @@ def format_stats(st: PackStats) -> str:
         lines += ["", "a continuation: each segment's mix (records a reader takes from it; samples in them):"]
         lines += text_table(st.segments.with_columns((pl.col("share") * 100).round(1).alias("share %"))
                             .drop("share"))
+    if t.get("trimmed"):
+        lines += ["", f"trimmed: {t['trimmed']:,} batches' records files were trimmed (prepack trim): their tokens, "
+                  "samples and lineage count above; their images and token kinds do not"]
     lines += ["", f"samples per batch: {_summary(st, 'num_samples')}",
               f"images per batch:  stored {_summary(st, 'images')}",
               f"                   ViT uses {_summary(st, 'vit_uses')}; VAE uses {_summary(st, 'vae_uses')}", ""]

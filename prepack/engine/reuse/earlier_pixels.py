@@ -41,7 +41,7 @@ from prepack.engine.reuse.source_pictures import RESIZE_IMPL, ReuseCounts
 from prepack.engine.sources.readahead import ReadAheadSettings
 from schemas.compression import decompress_frame, frame_codec
 from schemas.location import PackLocation, resolve_location
-from schemas.manifest import StreamIndex, shard_file, shard_pixels_file
+from schemas.manifest import StreamIndex, TrimmedShards, shard_file, shard_pixels_file
 from schemas.pixel_index import DecodeFacts, PictureSource, PixelEntry, frame_digest, read_pixel_index
 from schemas.pixel_table import StoredImage, image_digest
 
@@ -227,8 +227,9 @@ class PixelReuse:
             self._written_bytes -= len(self._written.popitem(last=False)[1].frame)
 
     def add_stream(self, loc: PackLocation, index: StreamIndex) -> None:
-        """Every committed shard of one stream, read from its pixel index files."""
-        self._add_shards(loc, index.stream, [CommittedShard.of(e) for e in index.shards])
+        """Every committed shard of one stream that is there (not trimmed), read from its pixel index files."""
+        trimmed = set(TrimmedShards.read(loc, index.stream).shards)
+        self._add_shards(loc, index.stream, [CommittedShard.of(e) for e in index.shards if e.shard not in trimmed])
 
     def _add_shards(self, loc: PackLocation, stream: int, shards: "list[CommittedShard]") -> None:
         for entry in shards:

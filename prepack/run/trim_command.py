@@ -1,0 +1,68 @@
+"""``prepack trim`` and ``prepack restore``: their parsers and handlers (``prepack.run.trim``).
+
+Registered by ``prepack.cli`` (``add_command``); light to import: the tool is imported when it runs.
+"""
+
+from __future__ import annotations
+
+from schemas.errors import UsageError
+
+
+def cmd_trim(args) -> int:
+    from loader.state import read_state_file
+    from prepack.run.trim import trim_pack
+
+    try:
+        states = [read_state_file(p) for p in args.state]
+    except ValueError as e:
+        raise UsageError(f"--state {e}") from None
+    for line in trim_pack(args.dir, states).lines():
+        print(line)
+    return 0
+
+
+def cmd_restore(args) -> int:
+    from loader.reader import Pack
+    from loader.state import read_state_file
+    from prepack.run.command import parse_streams
+    from prepack.run.trim import parse_records, restore, spans_of_state
+
+    if (args.state is None) == (args.streams is None):
+        raise UsageError("restore takes --state STATE.json, or --streams S with --records A-B")
+    if args.state is not None:
+        try:
+            spans = spans_of_state(Pack.open(args.dir), read_state_file(args.state))
+        except ValueError as e:
+            raise UsageError(f"--state {e}") from None
+    else:
+        span = parse_records(args.records) if args.records else (0, None)
+        spans = {s: span for s in parse_streams(args.streams)}
+    done = restore(args.dir, spans)
+    n = sum(len(v) for v in done.values())
+    print(f"restored {n} shard(s)" + (f" of stream(s) {', '.join(map(str, sorted(done)))}: each file is the "
+                                      "one its index recorded" if n else ": none of those records was trimmed"))
+    return 0
+
+
+def add_command(subparsers) -> None:
+    t = subparsers.add_parser(
+        "trim", help="delete the records files of shards every training has checkpointed past (restorable)",
+        description="Delete the records file of every shard of DIR whose records all lie before the positions of "
+        "the loader states given (the oldest checkpoint each training keeps: a crash rolls back at most that "
+        "far). Its index row, digests, checkpoints, pixel index and lineage stay; 'prepack restore' packs it "
+        "again byte for byte, and a reader of a trimmed shard is told so.")
+    t.add_argument("dir", help="pack directory or URI")
+    t.add_argument("--state", action="append", required=True, metavar="STATE",
+                   help="a loader state (JSON, or a .pt a training saved; one rank's, a list of every rank's, or "
+                   "merged); repeat for several trainings or checkpoints: nothing at or after any of them is trimmed")
+    t.set_defaults(func=cmd_trim)
+    r = subparsers.add_parser(
+        "restore", help="pack trimmed shards again from their checkpoints, byte for byte",
+        description="Re-pack the trimmed shards of DIR that hold the records asked for, each from its checkpoint, "
+        "and check every file against the size and digest its index recorded before it counts.")
+    r.add_argument("dir", help="pack directory or URI")
+    r.add_argument("--state", metavar="STATE",
+                   help="a loader state: restore everything it will read (each stream from its position on)")
+    r.add_argument("--streams", help="stream ids, e.g. 0,5,8-15 (with --records; default every record)")
+    r.add_argument("--records", help="chain record numbers A-B (inclusive), A- (to the end) or A")
+    r.set_defaults(func=cmd_restore)
