@@ -145,19 +145,16 @@ def merge_states(states: Iterable[LoaderState]) -> MergedState:
 
 
 def read_state_file(path: str) -> Any:
-    """A saved loader state (or a list of them, one per rank): JSON, or a ``.pt`` a training wrote
-    with ``torch.save`` (loaded weights-only: plain values).  ``ValueError`` names the file."""
+    """A saved loader state (or a list of them, one per rank), as JSON: ``state_dict()`` is plain
+    values, so ``json.dump`` writes it (a state inside a torch checkpoint: load that, dump the
+    loader's part); nothing executable is loaded.  ``ValueError`` names the file."""
+    import json
+
     try:
-        if str(path).endswith(".pt"):
-            import torch
-
-            return torch.load(path, weights_only=True)
-        import json
-
         with open(path) as f:
             return json.load(f)
-    except (OSError, ValueError, RuntimeError) as e:
-        raise ValueError(f"{path}: not a readable loader state ({e})") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable loader state as JSON ({e})") from None
 
 
 def positions_in(pack: Any, states: "Iterable[Any]") -> dict[int, int]:

@@ -45,8 +45,17 @@ class Continue:
 
     uri: str
     after: int | None = None
-    # a loader state, or a list of them (one per rank), or a merged one: JSON, or torch.save'd (.pt)
+    # a loader state, or a list of them (one per rank), or a merged one (read from JSON)
     after_state: dict | list | None = None
+
+    @classmethod
+    def from_cli(cls, args) -> "Continue | None":
+        """From ``--continue/--after/--after-state`` (``prepack run`` and ``prepack plan``); None without them."""
+        if args.continue_from is None and args.after is None and args.after_state is None:
+            return None
+        if args.continue_from is None:
+            raise UsageError("--after and --after-state go with --continue OLD")
+        return cls.from_args(args.continue_from, args.after, args.after_state)
 
     @classmethod
     def from_args(cls, uri: str, after: int | None, after_state_path: str | None) -> "Continue":

@@ -29,17 +29,12 @@ def parse_streams(text: str | None) -> list[int] | None:
 
 
 def cmd_run(args) -> int:
+    from prepack.run.chain import Continue
     from prepack.run.driver import run_pack
     from schemas.config import load_config
 
     cfg = load_config(args.config)
-    continue_from = None
-    if args.continue_from is not None or args.after is not None or args.after_state is not None:
-        from prepack.run.chain import Continue
-
-        if args.continue_from is None:
-            raise UsageError("--after and --after-state go with --continue OLD")
-        continue_from = Continue.from_args(args.continue_from, args.after, args.after_state)
+    continue_from = Continue.from_cli(args)
     if args.no_ray:  # this process packs: give it a packing worker's allocator and GC settings
         from prepack.run.worker_process import settle_worker_process
 
@@ -76,8 +71,8 @@ def add_command(subparsers) -> None:
     r.add_argument("--after", type=int, metavar="N",
                    help="with --continue: switch every stream after its N-th batch (counted over OLD's whole chain)")
     r.add_argument("--after-state", metavar="STATE.json",
-                   help="with --continue: switch each stream where this loader state (JSON, or a .pt a training saved: "
-                        "state_dict, one rank's, a list of every rank's, or merged) leaves it")
+                   help="with --continue: switch each stream where this loader state leaves it (JSON of a training's "
+                        "state_dict: one rank's, a list of every rank's, or merged)")
     r.add_argument("--no-ray", action="store_true",
                    help="pack in this process, one stream after another (debugging; same bytes as with Ray)")
     r.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,

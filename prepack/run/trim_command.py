@@ -53,7 +53,7 @@ def add_command(subparsers) -> None:
         "again byte for byte, and a reader of a trimmed shard is told so.")
     t.add_argument("dir", help="pack directory or URI")
     t.add_argument("--state", action="append", required=True, metavar="STATE",
-                   help="a loader state (JSON, or a .pt a training saved; one rank's, a list of every rank's, or "
+                   help="a loader state as JSON (one rank's state_dict, a list of every rank's, or "
                    "merged); repeat for several trainings or checkpoints: nothing at or after any of them is trimmed")
     t.set_defaults(func=cmd_trim)
     r = subparsers.add_parser(

@@ -15,18 +15,13 @@ from schemas.errors import UsageError
 def cmd_plan(args) -> int:
     import json
 
+    from prepack.run.chain import Continue
     from prepack.tools.plan import plan_pack
     from schemas.config import load_config
 
     if args.cores is not None and args.cores < 1:
         raise UsageError(f"--cores must be at least 1, got {args.cores}")
-    continue_from = None
-    if args.continue_from is not None or args.after is not None or args.after_state is not None:
-        from prepack.run.chain import Continue
-
-        if args.continue_from is None:
-            raise UsageError("--after and --after-state go with --continue OLD")
-        continue_from = Continue.from_args(args.continue_from, args.after, args.after_state)
+    continue_from = Continue.from_cli(args)
     plan = plan_pack(load_config(args.config), cores=args.cores, sample_batches=args.sample_batches,
                      sample_streams_n=args.sample_streams, max_seconds=args.max_seconds, reuse=args.reuse or (),
                      continue_from=continue_from)

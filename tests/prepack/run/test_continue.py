@@ -182,10 +182,8 @@ def test_each_stream_switches_where_a_training_state_leaves_it(base, tokenizer_a
     for _ in range(5):  # round robin: stream 0 has given 3 batches, stream 1 two
         next(it)
     state = json.loads(json.dumps(ds.state_dict()))
-    import torch
-
-    torch.save(ds.state_dict(), tmp_path / "loader.pt")  # --after-state reads what a training saved, .pt or JSON
-    assert Continue.from_args(base["old"], None, str(tmp_path / "loader.pt")).after_state == state
+    (tmp_path / "loader.json").write_text(json.dumps(ds.state_dict()))  # --after-state reads a saved state
+    assert Continue.from_args(base["old"], None, str(tmp_path / "loader.json")).after_state == state
     raw_b = changed(base["raw_a"], t2i_pretrain__weight=4.0, prepack__batches_per_stream=AFTER)
     cfg_b, new = continue_pack(base, "at_state", raw_b, tokenizer_and_special, after_state=state)
     assert Pack.open(new).info.parent.after == [3, 2]
