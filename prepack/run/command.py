@@ -28,6 +28,17 @@ def parse_streams(text: str | None) -> list[int] | None:
     return out
 
 
+def add_continue_arguments(parser, help_continue: str) -> None:
+    """``--continue OLD`` with ``--after N`` or ``--after-state``: a continuation (``prepack run``) or its
+    plan (``prepack plan``); ``prepack.run.chain.Continue.from_cli`` reads them."""
+    parser.add_argument("--continue", dest="continue_from", metavar="OLD", help=help_continue)
+    parser.add_argument("--after", type=int, metavar="N",
+                        help="with --continue: switch every stream after its N-th batch (counted over OLD's whole chain)")
+    parser.add_argument("--after-state", metavar="STATE.json",
+                        help="with --continue: switch each stream where this loader state leaves it (JSON of a "
+                        "training's state_dict: one rank's, a list of every rank's, or merged)")
+
+
 def cmd_run(args) -> int:
     from prepack.run.chain import Continue
     from prepack.run.driver import run_pack
@@ -63,16 +74,11 @@ def add_command(subparsers) -> None:
                    help="an earlier pack (any config over the same pictures, finished or still packing, local or "
                         "s3://) whose resized pixels are copied instead of decoding and resizing again: the output "
                         "is byte-identical to a fresh pack; repeat for several")
-    r.add_argument("--continue", dest="continue_from", metavar="OLD",
-                   help="continue the pack OLD under CONFIG (a mix change: new weights, mandatory groups, token "
-                        "budgets, dropouts, transforms, appended groups): every stream goes on from OLD's state after "
-                        "--after N of its batches (or where --after-state leaves it), nothing repeated or skipped; "
-                        "readers read --out as OLD's first batches, then its own. OLD may still be packing")
-    r.add_argument("--after", type=int, metavar="N",
-                   help="with --continue: switch every stream after its N-th batch (counted over OLD's whole chain)")
-    r.add_argument("--after-state", metavar="STATE.json",
-                   help="with --continue: switch each stream where this loader state leaves it (JSON of a training's "
-                        "state_dict: one rank's, a list of every rank's, or merged)")
+    add_continue_arguments(r, "continue the pack OLD under CONFIG (a mix change: new weights, mandatory groups, "
+                           "token budgets, dropouts, transforms, appended groups): every stream goes on from OLD's "
+                           "state after --after N of its batches (or where --after-state leaves it), nothing repeated "
+                           "or skipped; readers read --out as OLD's first batches, then its own. OLD may still be "
+                           "packing")
     r.add_argument("--no-ray", action="store_true",
                    help="pack in this process, one stream after another (debugging; same bytes as with Ray)")
     r.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,

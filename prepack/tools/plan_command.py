@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import textwrap
 
+from prepack.run.command import add_continue_arguments
 from schemas.errors import UsageError
 
 
@@ -77,11 +78,7 @@ def add_command(subparsers) -> None:
                     help="an earlier pack the run will take pixels from (prepack run --reuse): the sample takes them "
                     "too, so the CPU is projected with them, and the plan says what share it found; repeat for several "
                     "(reads OLD's pixel catalog if it has one, else every shard's pixel index: 'prepack index OLD')")
-    pl.add_argument("--continue", dest="continue_from", metavar="OLD",
-                    help="plan a continuation of OLD (prepack run --continue): the sampled streams start from OLD's "
-                    "state at the switch, and the plan says where each group's data stands there")
-    pl.add_argument("--after", type=int, metavar="N", help="with --continue: the switch, after batch N of every stream")
-    pl.add_argument("--after-state", metavar="STATE.json", help="with --continue: the switch, where a loader state "
-                    "leaves each stream")
+    add_continue_arguments(pl, "plan a continuation of OLD (prepack run --continue): the sampled streams start "
+                           "from OLD's state at the switch, and the plan says where each group's data stands there")
     # skip_teardown: the program ends a plan without the interpreter's teardown (prepack.cli._exit_now)
     pl.set_defaults(func=cmd_plan, skip_teardown=True)
