@@ -20,33 +20,11 @@ from typing import Any, Mapping
 import yaml
 
 from schemas.compression import Compression
+from schemas.config_checks import check_keys, closest, is_kind, load_mapping, resolve, typed
 from schemas.errors import ConfigError
 from schemas.kinds import KINDS, SourceKind
-from schemas.location import redact_uri, refuse_credentials
 
 DEFAULT_MAX_IMAGE_PIXELS = 400_000_000  # the reference's effective limit: 2 x PIL.MAX_IMAGE_PIXELS(2e8)
-
-
-def _closest(key: str, valid: list[str]) -> str:
-    match = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-    return f"; did you mean '{match[0]}'?" if match else f"; valid keys: {', '.join(sorted(valid))}"
-
-
-def _check_keys(where: str, given: Mapping[str, Any], valid: list[str]) -> None:
-    for key in given:
-        if key not in valid:
-            raise ConfigError(f"unknown key '{key}' in {where}{_closest(str(key), valid)}")
-
-
-def _typed(where: str, value: Any, typ: type | tuple, name: str) -> Any:
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, bool) and typ in (int, float):
-        raise ConfigError(f"{where}.{name} must be a number, got {value!r}")
-    if not isinstance(value, typ):
-        tname = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
-        raise ConfigError(f"{where}.{name} must be {tname}, got {value!r}")
-    return value
 
 
 def _optional(cls: type, d: Mapping[str, Any] | None) -> Any:
@@ -70,14 +48,14 @@ class TransformArgs:
         if not isinstance(d, Mapping):
             raise ConfigError(f"{where} must be a mapping")
         valid = ["max_image_size", "min_image_size", "image_stride", "max_pixels", "image_mean", "image_std"]
-        _check_keys(where, d, valid)
+        check_keys(where, d, valid)
         for req in valid[:3]:
             if req not in d:
                 raise ConfigError(f"{where} is missing '{req}'")
         kw: dict[str, Any] = {}
         for k in valid[:4]:
             if k in d:
-                kw[k] = _typed(where, d[k], (int, float), k)
+                kw[k] = typed(where, d[k], (int, float), k)
                 if kw[k] <= 0:
                     raise ConfigError(f"{where}.{k} must be positive, got {d[k]!r}")
         kw["image_stride"] = int(kw["image_stride"])
@@ -105,7 +83,7 @@ class FrameSamplerArgs:
     def parse(cls, where: str, d: Any) -> "FrameSamplerArgs":
         if not isinstance(d, Mapping):
             raise ConfigError(f"{where} must be a mapping")
-        _check_keys(where, d, ["max_num_frames", "min_num_frames", "sample"])
+        check_keys(where, d, ["max_num_frames", "min_num_frames", "sample"])
         out = cls(**d)
         if out.sample == "rand" or out.sample == "middle":
             if out.max_num_frames < out.min_num_frames:
@@ -135,13 +113,13 @@ class DatasetInfo:
         """Paths resolve against ``base`` (the config's folder); ``check_files`` also requires them to exist."""
         if not isinstance(raw, Mapping) or "data_dir" not in raw:
             raise ConfigError(f"{where} must be a mapping with 'data_dir'")
-        _check_keys(where, raw, list(kind.dataset_keys))
+        check_keys(where, raw, list(kind.dataset_keys))
         di = cls(
             name=name,
-            data_dir=_resolve(base, raw["data_dir"], f"{where}.data_dir"),
-            jsonl_path=_resolve(base, raw["jsonl_path"], f"{where}.jsonl_path") if "jsonl_path" in raw else None,
+            data_dir=resolve(base, raw["data_dir"], f"{where}.data_dir"),
+            jsonl_path=resolve(base, raw["jsonl_path"], f"{where}.jsonl_path") if "jsonl_path" in raw else None,
             parquet_info_path=(
-                _resolve(base, raw["parquet_info_path"], f"{where}.parquet_info_path")
+                resolve(base, raw["parquet_info_path"], f"{where}.parquet_info_path")
                 if "parquet_info_path" in raw
                 else None
             ),
@@ -150,10 +128,10 @@ class DatasetInfo:
             if need.key not in raw:
                 raise ConfigError(need.missing(where))
         if check_files:
-            if not _is_kind(di.data_dir, directory=True):
+            if not is_kind(di.data_dir, directory=True):
                 raise ConfigError(f"{where}.data_dir: directory not found: {di.data_dir}")
             for label, p in (("jsonl_path", di.jsonl_path), ("parquet_info_path", di.parquet_info_path)):
-                if p is not None and not _is_kind(p, directory=False):
+                if p is not None and not is_kind(p, directory=False):
                     raise ConfigError(f"{where}.{label}: file not found: {p}")
         return di
 
@@ -185,10 +163,10 @@ class GroupConfig:
         where = f"dataset.grouped_datasets.{name}"
         kind = KINDS.get(name)
         if kind is None:
-            raise ConfigError(f"unknown group name '{name}' in dataset.grouped_datasets{_closest(name, list(KINDS))}")
+            raise ConfigError(f"unknown group name '{name}' in dataset.grouped_datasets{closest(name, list(KINDS))}")
         if not isinstance(raw, Mapping):
             raise ConfigError(f"{where} must be a mapping")
-        _check_keys(where, raw, list(kind.group_keys))
+        check_keys(where, raw, list(kind.group_keys))
         names = raw.get("dataset_names")
         if not isinstance(names, list) or not names:
             raise ConfigError(f"{where}.dataset_names must be a non-empty list")
@@ -205,11 +183,11 @@ class GroupConfig:
         for ds in names:
             if ds not in group_infos:
                 raise ConfigError(
-                    f"dataset.dataset_info.{name} has no dataset '{ds}'{_closest(str(ds), list(group_infos))}"
+                    f"dataset.dataset_info.{name} has no dataset '{ds}'{closest(str(ds), list(group_infos))}"
                 )
             iw = f"dataset.dataset_info.{name}.{ds}"
             datasets.append(DatasetInfo.parse(iw, str(ds), group_infos[ds], kind, base, check_files))
-        weight = _typed(where, raw.get("weight", 0.0), (int, float), "weight")
+        weight = typed(where, raw.get("weight", 0.0), (int, float), "weight")
         if weight < 0:
             raise ConfigError(f"{where}.weight must be >= 0, got {weight!r}")
         img = (
@@ -235,12 +213,12 @@ class GroupConfig:
             datasets=tuple(datasets),
             num_used_data=tuple(int(u) for u in used),
             weight=weight,
-            is_mandatory=bool(_typed(where, raw.get("is_mandatory", False), bool, "is_mandatory")),
+            is_mandatory=bool(typed(where, raw.get("is_mandatory", False), bool, "is_mandatory")),
             image_transform=img,
             vit_image_transform=vit,
             frame_sampler=frames,
-            shuffle_lines=bool(_typed(where, raw.get("shuffle_lines", False), bool, "shuffle_lines")),
-            shuffle_seed=int(_typed(where, raw.get("shuffle_seed", 0), int, "shuffle_seed")),
+            shuffle_lines=bool(typed(where, raw.get("shuffle_lines", False), bool, "shuffle_lines")),
+            shuffle_seed=int(typed(where, raw.get("shuffle_seed", 0), int, "shuffle_seed")),
         )
 
     @classmethod
@@ -282,7 +260,7 @@ class PackingKnobs:
         for f in fields(cls):
             if f.name in raw:
                 typ = bool if isinstance(f.default, bool) else type(f.default)
-                kw[f.name] = _typed(where, raw[f.name], typ, f.name)
+                kw[f.name] = typed(where, raw[f.name], typ, f.name)
         knobs = cls(**kw)
         for k in ("text_cond_dropout_prob", "vit_cond_dropout_prob", "vae_cond_dropout_prob"):
             if not 0.0 <= getattr(knobs, k) <= 1.0:
@@ -320,14 +298,14 @@ class PrepackSection:
         raw = raw or {}
         if not isinstance(raw, Mapping):
             raise ConfigError(f"{where} must be a mapping")
-        _check_keys(where, raw, [f.name for f in fields(cls)])
+        check_keys(where, raw, [f.name for f in fields(cls)])
         for k, v in raw.items():
             if k in ("compression",):
-                _typed(where, v, str, k)
+                typed(where, v, str, k)
             elif k == "strict":
-                _typed(where, v, bool, k)
+                typed(where, v, bool, k)
             elif v is not None:
-                _typed(where, v, int, k)
+                typed(where, v, int, k)
                 if v <= 0:
                     raise ConfigError(f"{where}.{k} must be positive, got {v!r}")
         section = cls(**raw)
@@ -416,51 +394,6 @@ _DATASET_KEYS = ["grouped_datasets", "grouped_datasets_path", "dataset_info", "d
 _OUR_TOP_KEYS = ["seed", "tokenizer", "dataset", "dataloader", "prepack"]
 
 
-def _resolve(base: str, p: Any, where: str) -> str:
-    if not isinstance(p, str) or not p:
-        raise ConfigError(f"{where} must be a non-empty path string, got {p!r}")
-    if "://" in p:
-        refuse_credentials(p, where)
-        return p
-    p = os.path.expanduser(p)
-    if os.path.isabs(p):
-        # kept verbatim: the reference joins and compares these strings as given (parquet_info
-        # keys, sort order of file paths), so normalising them could change which files match
-        return p
-    return os.path.normpath(os.path.join(base, p))
-
-
-def _is_kind(path: str, directory: bool) -> bool:
-    """Whether ``path`` (local, or a URI read through pyarrow) is a directory / a file."""
-    if "://" not in path:
-        return os.path.isdir(path) if directory else os.path.isfile(path)
-    import pyarrow.fs as pafs
-
-    try:
-        fs, p = pafs.FileSystem.from_uri(path)
-        kind = fs.get_file_info(p).type
-    except OSError as e:  # unreachable store, unknown bucket, no credentials: say so in one line
-        raise ConfigError(f"cannot reach {redact_uri(path)}: {str(e).splitlines()[0]}") from None
-    return kind == (pafs.FileType.Directory if directory else pafs.FileType.File)
-
-
-def _load_mapping(base: str, d: Mapping, key: str) -> dict:
-    inline, path = d.get(key), d.get(f"{key}_path")
-    if path is not None:
-        full = _resolve(base, path, f"dataset.{key}_path")
-        if not os.path.isfile(full):
-            raise ConfigError(f"dataset.{key}_path: file not found: {full}")
-        with open(full) as f:
-            value = yaml.safe_load(f) if full.endswith((".yaml", ".yml")) else json.load(f)
-    elif inline is not None:
-        value = inline
-    else:
-        raise ConfigError(f"dataset needs '{key}' or '{key}_path'")
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"dataset.{key} must be a mapping, got {type(value).__name__}")
-    return dict(value)
-
-
 def _parse_tokenizer(tok: Any, base_dir: str) -> str | dict:
     """A tokenizer name, path or mapping; what looks like a local path resolves against the config's folder."""
     if isinstance(tok, Mapping):
@@ -469,10 +402,10 @@ def _parse_tokenizer(tok: Any, base_dir: str) -> str | dict:
         tok = dict(tok)
         p = tok["pretrained_model_name_or_path"]
         if isinstance(p, str) and (p.startswith((".", "/", "~")) or os.path.exists(os.path.join(base_dir, p))):
-            tok["pretrained_model_name_or_path"] = _resolve(base_dir, p, "tokenizer.pretrained_model_name_or_path")
+            tok["pretrained_model_name_or_path"] = resolve(base_dir, p, "tokenizer.pretrained_model_name_or_path")
     elif isinstance(tok, str):
         if tok != "qwen2-offline" and (tok.startswith((".", "/", "~")) or os.path.exists(os.path.join(base_dir, tok))):
-            tok = _resolve(base_dir, tok, "tokenizer")
+            tok = resolve(base_dir, tok, "tokenizer")
     else:
         raise ConfigError(f"tokenizer must be a path, a mapping or 'qwen2-offline', got {tok!r}")
     return tok
@@ -491,9 +424,9 @@ def _parse_dataset(ds: Any, base_dir: str, check_files: bool) -> tuple[tuple[Gro
     """The NeMo dataset block: its groups (each with its ``dataset_info``) and the packing knobs beside them."""
     if not isinstance(ds, Mapping):
         raise ConfigError("the config needs a 'dataset' mapping (the NeMo dataset block)")
-    _check_keys("dataset", ds, _DATASET_KEYS)
-    grouped = _load_mapping(base_dir, ds, "grouped_datasets")
-    infos = _load_mapping(base_dir, ds, "dataset_info")
+    check_keys("dataset", ds, _DATASET_KEYS)
+    grouped = load_mapping(base_dir, ds, "grouped_datasets")
+    infos = load_mapping(base_dir, ds, "dataset_info")
     if not grouped:
         raise ConfigError("dataset.grouped_datasets is empty")
     groups = tuple(GroupConfig.parse(str(n), g, infos, base_dir, check_files) for n, g in grouped.items())

@@ -81,7 +81,7 @@ assert rep.ok, rep.lines()[-1]
 
 _LINEAGE_IMPORTS = """
 import polars as pl
-from prepack.tools.stats import scan_lineage
+from prepack.tools.lineage_queries import scan_lineage
 """
 _LINEAGE = """
 lin = scan_lineage({out!r})

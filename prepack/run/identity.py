@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 
 # The modules whose code decides the bytes of a pack (the CLI, driver and reports do not).
 _CONTENT_MODULES = (
-    "prepack/engine", "schemas/checkpoint.py", "schemas/config.py", "schemas/pixel_table.py", "schemas/record.py",
+    "prepack/engine", "schemas/checkpoint.py", "schemas/config.py", "schemas/config_checks.py",
+    "schemas/pixel_table.py", "schemas/record.py",
 )
 
 

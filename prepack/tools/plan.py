@@ -16,7 +16,6 @@ batches at the sampled rates.  ``docs/architecture.md`` and the README say how c
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import os
@@ -27,6 +26,7 @@ from typing import Mapping
 import pyarrow as pa
 
 from prepack.tools.composition import Composition, packed_batch_counts
+from prepack.tools.plan_report import GroupPlan, PackPlan, size_text
 from schemas.compression import Compression
 from schemas.config import PrepackConfig
 from schemas.record import RECORD_SCHEMA, encode_record
@@ -38,111 +38,6 @@ GOOD_SHARD_MIN, GOOD_SHARD_MAX = 64 * MIB, 2048 * MIB  # "a few hundred MB", giv
 SMALL_FILES_BYTES = 4096  # per stream: index.arrow, done.json (measured ~1-3 KB)
 MAX_SAMPLE_FRACTION = 0.25  # of the pack's batches, at most (a small pack is sampled less)
 SETTLED_TOLERANCE = 0.05  # stop sampling a stream once a batch moves the bytes-per-batch mean less than this
-
-
-@dataclass
-class GroupPlan:
-    name: str
-    token_share: float  # of the packed tokens in the sample
-    drop_rate: float  # rows the source dropped / rows it read
-    rows_per_batch: float  # rows the source consumed per batch (packed or dropped)
-    rows_per_pass: int  # rows in one stream's slice of this group's data (estimated from footers for parquet)
-    passes: float  # how many times a stream reads its slice under the budget
-
-    def to_json(self) -> dict:
-        return {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in dataclasses.asdict(self).items()}
-
-
-@dataclass
-class PackPlan:
-    config: str
-    streams: int
-    cores: int
-    budget: dict
-    batches_per_stream: float
-    records: int
-    tokens: int
-    output_bytes: int
-    shards_per_stream: int
-    shard_bytes: int  # a full shard's size (the last one of a stream is smaller)
-    record_bytes: float
-    cpu_core_hours: float
-    wall_hours: float
-    groups: list[GroupPlan]
-    packer_drop_rate: float  # samples the packer discarded (over-long, no fit) per sample read
-    fill: float  # tokens per batch / max_num_tokens
-    warnings: list[str]
-    sample: dict = field(default_factory=dict)
-    composition: Composition = field(default_factory=Composition, repr=False)  # of the sampled batches
-    reuse: dict = field(default_factory=dict)  # with --reuse: the packs, the sampled images and those found there
-    # with --continue: the pack continued, the switch, and where each group's data stands there (the
-    # sampled streams' mean: completed passes + the share of the pass read), from which NEW goes on
-    continues: dict = field(default_factory=dict)
-
-    def to_json(self) -> dict:
-        d = dataclasses.asdict(dataclasses.replace(self, composition=None))
-        d["composition"] = self.composition.to_json()
-        d["groups"] = {g.name: g.to_json() for g in self.groups}
-        for k in ("batches_per_stream", "record_bytes", "cpu_core_hours", "wall_hours", "packer_drop_rate", "fill"):
-            d[k] = float(f"{d[k]:.4g}")  # 4 significant digits: a demo's core-hours are tiny
-        return d
-
-    def lines(self) -> list[str]:
-        s = self.sample
-        out = [
-            f"plan for {self.config}: {self.streams} streams, budget {_budget_text(self.budget)}",
-            f"  sampled {s['batches']} batches of {len(s['streams'])} stream(s) in {s['seconds']:.1f} s "
-            f"({s['cpu_s_per_batch'] * 1e3:.0f} ms CPU and {_size(self.record_bytes)} per batch)",
-            f"  records       {self.records:,} ({self.batches_per_stream:,.0f} per stream)",
-            f"  tokens        {self.tokens:,} ({self.fill:.0%} of max_num_tokens per batch)",
-            f"  output        {_size(self.output_bytes)} ({self.shards_per_stream} shard(s) per stream of "
-            f"~{_size(self.shard_bytes)}; checkpoints and lineage included)",
-            f"  CPU           {self.cpu_core_hours:,.2f} core-hours = {self.cpu_core_hours * 3600:,.0f} core-seconds "
-            "(this machine's cores)",
-            f"  wall          {_duration(self.wall_hours * 3600)} on {self.cores} cores "
-            f"({min(self.cores, self.streams)} streams at a time, after each worker loads the tokenizer; Ray's own "
-            "start not included)",
-            "  groups        token share / rows dropped / passes over its data per stream:",
-        ]
-        for g in self.groups:
-            out.append(f"    {g.name:14s} {g.token_share:6.1%} / {g.drop_rate:6.2%} / {g.passes:8.2f}"
-                       f"  ({g.rows_per_batch:.1f} rows per batch of {g.rows_per_pass:,} per pass)")
-        out.append(f"  packer drops  {self.packer_drop_rate:.2%} of samples (over-long, no fit in the buffer)")
-        if self.continues:
-            c = self.continues
-            out.append(f"  continues     {c['from']} after {c['after']}; each group's data stands there at "
-                       "(passes read before the switch; the passes above are the run's own):")
-            for name, at in sorted(c["groups"].items()):
-                out.append(f"    {name:14s} {at:8.2f}" if at is not None else f"    {name:14s}      new (starts at "
-                           "its data's beginning)")
-        if self.reuse:
-            images, reused = self.reuse["images"], self.reuse["reused"]
-            out.append(f"  reuse         {reused / images if images else 0:.0%} of the sampled images found in "
-                       f"{' + '.join(self.reuse['from'])} ({reused:,} of {images:,}); CPU above is with them")
-        out += [f"  {line}" if line else line for line in self.composition.lines()]
-        out += [f"  warning: {w}" for w in self.warnings] or ["  no warnings"]
-        return out
-
-
-def _budget_text(budget: dict) -> str:
-    return ", ".join(f"{k}={v:,}" for k, v in budget.items())
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _duration(s: float) -> str:
-    if s >= 2 * 86400:
-        return f"{s / 86400:.1f} days"
-    if s >= 2 * 3600:
-        return f"{s / 3600:.1f} h"
-    if s >= 120:
-        return f"{s / 60:.0f} min"
-    return f"{s:.0f} s"
 
 
 @dataclass
@@ -458,13 +353,13 @@ def _knob_warnings(cfg: PrepackConfig, plan: PackPlan, records_per_shard: int) -
     p, k = cfg.prepack, cfg.knobs
     out = []
     if records_per_shard == 1 and plan.shards_per_stream > 1:
-        out.append(f"shard_bytes={p.shard_bytes:,} is smaller than one record (~{_size(plan.record_bytes)}): "
+        out.append(f"shard_bytes={p.shard_bytes:,} is smaller than one record (~{size_text(plan.record_bytes)}): "
                    "every record becomes a shard with its own checkpoint; use a few hundred MB")
     elif plan.shards_per_stream > 1 and not GOOD_SHARD_MIN <= plan.shard_bytes <= GOOD_SHARD_MAX:
-        out.append(f"shards of ~{_size(plan.shard_bytes)} (shard_bytes={p.shard_bytes:,}): far from a few hundred MB "
+        out.append(f"shards of ~{size_text(plan.shard_bytes)} (shard_bytes={p.shard_bytes:,}): far from a few hundred MB "
                    f"({plan.shards_per_stream:,} per stream, each with a checkpoint); 268435456 is the default")
     elif p.shard_bytes > GOOD_SHARD_MAX:
-        out.append(f"shard_bytes={p.shard_bytes:,} is over {_size(GOOD_SHARD_MAX)}: a killed run redoes up to a "
+        out.append(f"shard_bytes={p.shard_bytes:,} is over {size_text(GOOD_SHARD_MAX)}: a killed run redoes up to a "
                    "whole shard per stream, and audits re-pack whole shards")
     for g in plan.groups:
         if g.passes > 1.0 and p.passes is None:

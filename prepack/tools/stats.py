@@ -10,11 +10,7 @@ shard (a projected read: the pixel table is not read), accumulated one stream at
 counts, a fill histogram and fixed-size distributions: memory does not grow with the pack.  ``--html`` renders the same
 tables with plots into one self-contained page (inline SVG).
 
-The lineage is a dataset of parquet files, never merged: ``lineage/stream-SSSSS.parquet`` per
-finished stream and ``stream-SSSSS/shard-KKKKK.lineage.parquet`` per committed shard of a stream
-still packing.  ``scan_lineage`` scans them lazily; the two lineage questions
-(``batches_with_row``, ``rows_of_batch``) are plain polars queries over it, here so that tests
-and users share one spelling of them.
+The lineage is scanned lazily, never merged (``prepack.tools.lineage_queries``).
 """
 
 from __future__ import annotations
@@ -32,60 +28,13 @@ import polars as pl
 
 from loader.reader import Pack, read_shard
 from prepack.tools.composition import COLUMNS, BatchCounts, Composition, record_counts, table_lines
-from schemas.location import resolve_location
-from schemas.layout import SHARD_LINEAGE, STREAM_LINEAGE, parse
+from prepack.tools.lineage_queries import ROW_KEY, scan_lineage
 from schemas.manifest import StreamSummary
 from schemas.pack_info import PackInfo
 
 log = logging.getLogger(__name__)
 
 FILL_BIN = 0.05
-_ROW_KEY = ["source_file", "source_row_group", "source_row"]
-
-
-# -- lineage queries ------------------------------------------------------------------------------
-def lineage_files(out) -> list[str]:
-    """Filesystem paths of every lineage file of a pack (finished streams, then shards of the rest)."""
-    import pyarrow.fs as pafs
-
-    loc = resolve_location(out)
-    infos = loc.list("", recursive=True)
-    base = loc.base.rstrip("/") + "/"
-    rel = sorted(i.path[len(base):] for i in infos if i.type == pafs.FileType.File and i.path.startswith(base))
-    files = [(r, f) for r, f in ((r, parse(r)) for r in rel) if f is not None]
-    done = [r for r, f in files if f.kind == STREAM_LINEAGE]
-    finished = {f.stream for _, f in files if f.kind == STREAM_LINEAGE}
-    shards = [r for r, f in files if f.kind == SHARD_LINEAGE and f.stream not in finished]
-    return [loc.path(r) for r in done + shards]
-
-
-def scan_lineage(out) -> pl.LazyFrame:
-    """The whole lineage as one lazy frame (no merge, no read until ``collect``)."""
-    from schemas.manifest import LINEAGE_SCHEMA
-
-    loc = resolve_location(out)
-    files = lineage_files(loc)
-    if not files:
-        return pl.from_arrow(LINEAGE_SCHEMA.empty_table()).lazy()
-    if loc.is_local:
-        return pl.scan_parquet(files)
-    import pyarrow.dataset as pads
-
-    return pl.scan_pyarrow_dataset(pads.dataset(files, filesystem=loc.fs, format="parquet", schema=LINEAGE_SCHEMA))
-
-
-def batches_with_row(out, source_file: str, source_row: int, source_row_group: int | None = None) -> pl.DataFrame:
-    """Which packed batches contain source row X: (stream, record, sample) rows, in stream order."""
-    q = scan_lineage(out).filter((pl.col("source_file") == source_file) & (pl.col("source_row") == source_row))
-    if source_row_group is not None:
-        q = q.filter(pl.col("source_row_group") == source_row_group)
-    return q.select("stream", "record", "sample", "group", "num_tokens").sort("stream", "record", "sample").collect()
-
-
-def rows_of_batch(out, stream: int, record: int) -> pl.DataFrame:
-    """Which source rows formed batch (stream, record), in packing order."""
-    return (scan_lineage(out).filter((pl.col("stream") == stream) & (pl.col("record") == record))
-            .sort("sample").select("sample", "group", "dataset", *_ROW_KEY, "data_indexes", "num_tokens").collect())
 
 
 # -- numbers --------------------------------------------------------------------------------------
@@ -234,7 +183,7 @@ def compute_stats(out) -> PackStats:
     lazy = scan_lineage(loc)
     groups = lazy.group_by("group").agg(pl.len().cast(pl.Int64).alias("samples")).collect()
     totals, per_batch, fill_hist, composition = _batch_tables(pack, max_tokens)
-    per_row = lazy.group_by("group", *_ROW_KEY).agg(pl.len().cast(pl.Int64).alias("uses")).collect()
+    per_row = lazy.group_by("group", *ROW_KEY).agg(pl.len().cast(pl.Int64).alias("uses")).collect()
     return PackStats(
         title=f"pack {loc.base}",
         max_num_tokens=max_tokens,
@@ -244,7 +193,7 @@ def compute_stats(out) -> PackStats:
         group_mix=_group_mix(pack.info, groups),
         drops=_drops(summaries),
         row_use=per_row.group_by("uses").agg(pl.len().cast(pl.Int64).alias("rows")).sort("uses"),
-        top_rows=per_row.sort(["uses", *_ROW_KEY], descending=[True, False, False, False]).head(10),
+        top_rows=per_row.sort(["uses", *ROW_KEY], descending=[True, False, False, False]).head(10),
         streams=_streams(summaries),
         token_batch=pl.DataFrame(composition.batch_rows(), schema={"quantity": pl.String, **_DISTRIBUTION}),
         token_group=pl.DataFrame(composition.group_rows(),

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from prepack.tools.stats import scan_lineage
+from prepack.tools.lineage_queries import scan_lineage
 from tests.helpers.ray_helpers import (
     lease_files,
     RayRun,

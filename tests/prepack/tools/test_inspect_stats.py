@@ -16,7 +16,8 @@ from loader.reader import Pack
 from prepack.cli import main
 from prepack.tools.inspect_record import attention_mask, inspect_record
 from prepack.tools.composition import BATCH_QUANTITIES, LABELS
-from prepack.tools.stats import batches_with_row, compute_stats, pack_stats, rows_of_batch
+from prepack.tools.lineage_queries import batches_with_row, rows_of_batch
+from prepack.tools.stats import compute_stats, pack_stats
 from schemas.manifest import MANIFEST_NAME, PackSummary
 from schemas.pixel_table import image_table
 from schemas.record import ATTN_MODE_CODES, PackedBatch, SampleOrigin, record_to_batch

@@ -24,10 +24,10 @@ from loader import open_stream
 from loader.reader import Pack, read_shard
 from prepack.run.checkpoints import read_checkpoint
 from prepack.tools.audit import AuditRefused, audit_pack, first_difference
-from prepack.tools.stats import scan_lineage
+from prepack.tools.lineage_queries import scan_lineage
 from schemas.errors import DamagedFile, PackFormatError, PackIntegrityError
 from prepack.cli import main
-from prepack.tools.stats import batches_with_row
+from prepack.tools.lineage_queries import batches_with_row
 from prepack.tools.verify import verify_pack
 from prepack.run.atomic_files import write_bytes_atomic, write_json_atomic
 from schemas.compression import Compression
