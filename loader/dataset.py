@@ -24,6 +24,18 @@ Changing the world size mid-training: merge the dataset states of every old rank
 worker) with ``PackedShardDataset.merge_states(states)`` and load the merged state on every new
 rank; each stream then continues at its next unread record under the new assignment, so every
 batch is read exactly once overall.
+
+``progress`` (a folder, ``file://`` or ``s3://`` URI; ``schemas.progress``) publishes where the
+training stands, for a pack that is bounded by it: ``prepack run --ahead N --progress P`` packs
+at most N batches past the live position, ``prepack trim --progress P`` trims behind the K
+newest checkpoints.  Live: each iterator's next record per stream, at most every
+``live_every_s`` seconds, and at once when it starts (a resumed position), ends, or is about to
+wait for a batch (so a packer holding back hears that training caught up).  Checkpoint:
+``state_dict()`` in the training process appends the state's positions and last digests, unless
+``publish_checkpoints`` is False; inside a DataLoader worker it never does, since torchdata's
+``StatefulDataLoader`` calls it there at every step (``build_dataloader`` publishes the rank's
+checkpoint from the loader's own ``state_dict()`` instead).  A folder that cannot be written
+costs a warning, never a step; None (the default) publishes nothing.
 """
 
 from __future__ import annotations
@@ -37,9 +49,11 @@ import torch
 
 from loader.batch import SimpleCustomBatch
 from loader.prefetch import Prefetcher
+from loader.progress import ProgressPublisher
 from loader.reader import Follow, Pack
 from loader.state import LoaderState, MergedState, WorkerState, merge_states, state_from_dict
 from loader.stream import interleaved_batches
+from schemas.progress import ProgressFolder
 
 
 def streams_for_rank(
@@ -82,6 +96,9 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         poll_s: float = 1.0,
         timeout_s: float | None = None,
         filesystem: pafs.FileSystem | None = None,
+        progress: "str | os.PathLike | ProgressFolder | None" = None,
+        live_every_s: float = 5.0,
+        publish_checkpoints: bool = True,
     ):
         super().__init__()
         self.pack = Pack.open(path, filesystem)
@@ -99,6 +116,8 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         self._firsts = [0] * len(self.streams)
         self._pending: LoaderState | None = None
         self._pid = os.getpid()
+        self.progress = None if progress is None else ProgressPublisher(progress, live_every_s=live_every_s)
+        self.publish_checkpoints = publish_checkpoints
 
     def num_batches(self) -> int:
         """Batches committed for this rank so far (all DataLoader workers together); final once the
@@ -143,11 +162,25 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
 
     def _hand_out(self, prefetcher: Prefetcher, streams: list[int]) -> Iterator[SimpleCustomBatch]:
         slot_of = {s: k for k, s in enumerate(streams)}
+        live = None
+        if self.progress is not None:
+            live = self.progress.live(self.fingerprint, self.world_size, self.rank, self._split[0], streams)
+            live.update(self._positions, now=True)
         try:
-            for stream, record, batch in prefetcher:
+            while True:
+                if live is not None and not prefetcher.ready():
+                    live.update(self._positions, now=True)  # about to wait: the packer may be holding back
+                try:
+                    stream, record, batch = next(prefetcher)
+                except StopIteration:
+                    break
                 self._cursor += 1
                 self._positions[slot_of[stream]] = record + 1
+                if live is not None:
+                    live.update(self._positions)
                 yield batch
+            if live is not None:
+                live.update(self._positions, now=True)
         finally:
             prefetcher.close()
 
@@ -171,11 +204,15 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         (``loader.state.WorkerState.to_dict``)."""
         worker, workers = self._split
         streams = self._worker_streams()
-        return WorkerState(
+        state = WorkerState(
             pack=self.fingerprint, rank=self.rank, world_size=self.world_size, worker=worker, num_workers=workers,
             streams=streams, cursor=self._cursor, firsts=list(self._firsts), positions=list(self._positions),
             last=self._last_digests(streams, self._positions),
-        ).to_dict()
+        )
+        if self.progress is not None and self.publish_checkpoints and torch.utils.data.get_worker_info() is None:
+            self.progress.checkpoint(self.fingerprint, self.world_size, self.rank, dict(zip(streams, state.positions)),
+                                     dict(zip(streams, state.last)))
+        return state.to_dict()
 
     @staticmethod
     def merge_states(states: list[dict[str, Any]]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ YAML::
     recipe: loader.nemo.PackedPretrainRecipeForMultimodal   # or PackedFinetuneRecipeForMultimodal
     dataset:
       packed_dir: /data/packed
+      progress: /data/progress    # optional: where training stands, for a pack bounded by it
     dataloader: {num_workers: 2, pin_memory: true, prefetch_factor: 2}
 
 This module imports ``nemo_automodel``; ``import loader`` does not import this module.
@@ -59,7 +60,10 @@ class PackedBagelDataloaderConfig:
 
     Defaults are NeMo's (``num_workers=1``, ``pin_memory=True``, ``prefetch_factor=2``).
     ``verify`` (record digest check) and ``prefetch`` (records read ahead per reader thread)
-    are the loader's own.
+    are the loader's own, and so is ``progress``: a folder or ``s3://`` URI where the training
+    publishes its live position and each checkpoint (NeMo's checkpointer saves the dataloader's
+    ``state_dict()``), which ``prepack run --ahead N --progress`` and ``prepack trim --progress``
+    bound a pack by (``loader.dataloader``).
     """
 
     packed_dir: str
@@ -68,6 +72,7 @@ class PackedBagelDataloaderConfig:
     prefetch_factor: int = 2
     verify: bool = True
     prefetch: int = 2
+    progress: str | None = None
 
     def build(
         self,
@@ -100,6 +105,7 @@ class PackedBagelDataloaderConfig:
             prefetch_factor=self.prefetch_factor,
             verify=self.verify,
             prefetch=self.prefetch,
+            progress=self.progress,
         )
         dataset: PackedShardDataset = loader.dataset
         _check_identity(dataset.pack.info, special_tokens, global_seed)

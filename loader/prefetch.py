@@ -73,6 +73,11 @@ class Prefetcher(Generic[T], Iterator[T]):
             raise value
         raise StopIteration
 
+    def ready(self) -> bool:
+        """Whether ``next()`` returns without waiting (an item, the end or an error is queued, or the
+        iteration is over): a consumer about to wait can say so first."""
+        return self._finished or not self._queue.empty()
+
     def close(self) -> None:
         """Stop the producer and wait for it (it finishes the item it is working on)."""
         self._finished = True

@@ -159,3 +159,24 @@ def test_loader_state_through_nemos_checkpointer(pack, tmp_path, workers):
     ckpt.load_on_dp_ranks(resumed, "dataloader", str(tmp_path))
     assert head + [batch_id(b) for b in resumed] == full
     assert torch.load(tmp_path / "dataloader" / "dataloader_dp_rank_0.pt", weights_only=True)
+
+
+def test_dataset_progress_publishes_each_checkpoint(pack, tmp_path):
+    """``dataset.progress: P`` in the recipe: the loader NeMo's checkpointer saves publishes the rank's
+    checkpoint to P each time its ``state_dict()`` is taken (what a bounded pack trims behind)."""
+    from schemas.progress import ProgressFolder
+
+    progress = str(tmp_path / "progress")
+    cfg = PackedRecipeConfig(_node({"dataset": {"packed_dir": pack, "progress": progress},
+                                    "dataloader": {"num_workers": 0}})).bagel_dataloader
+    assert cfg.progress == progress
+    built = cfg.build(tokenizer=None, special_tokens=SPECIAL, rank=0, world_size=1, batch_size=1, global_seed=42)
+    it = iter(built.dataloader)
+    for _ in range(3):
+        next(it)
+    state = built.dataloader.state_dict()
+    read = ProgressFolder(progress).read()
+    assert read.packs == {built.dataset.fingerprint}
+    positions = state["dataset_state"]["positions"]
+    assert [read.checkpoints[s][-1].positions[s] for s in built.dataset.streams] == positions
+    assert sum(positions) == 3
