@@ -7,9 +7,13 @@ are imported when the command runs, not when ``prepack --help`` builds its parse
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
+from prepack.run.ahead import DEFAULT_KEEP_CHECKPOINTS
 from schemas.errors import UsageError
+
+log = logging.getLogger(__name__)
 
 
 def parse_streams(text: str | None) -> list[int] | None:
@@ -39,7 +43,19 @@ def add_continue_arguments(parser, help_continue: str) -> None:
                         "training's state_dict: one rank's, a list of every rank's, or merged)")
 
 
+_BAR = "<bar>"  # --progress without a folder: force the progress bar (as before there were folders)
+
+
+def add_bound_arguments(parser, what: str) -> None:
+    """``--progress P`` (repeatable) and ``--keep-checkpoints K``: the trainings a bounded pack follows
+    (``prepack.run.ahead``), for ``run`` and ``trim``."""
+    parser.add_argument("--keep-checkpoints", type=int, default=DEFAULT_KEEP_CHECKPOINTS, metavar="K",
+                        help=f"{what}: nothing a training's K newest checkpoints may read again is trimmed (a "
+                        f"crash rolls back at most that far; default {DEFAULT_KEEP_CHECKPOINTS})")
+
+
 def cmd_run(args) -> int:
+    from prepack.run.ahead import BoundSpec
     from prepack.run.chain import Continue
     from prepack.run.driver import run_pack
     from schemas.config import load_config
@@ -50,10 +66,14 @@ def cmd_run(args) -> int:
         from prepack.run.worker_process import settle_worker_process
 
         settle_worker_process()
+    folders = [p for p in args.progress or () if p is not _BAR]
+    bound = BoundSpec(args.ahead, tuple(folders), args.keep_checkpoints) if folders or args.ahead is not None else None
+    for line in bound.warnings() if bound is not None else ():
+        log.warning("%s", line)
     summary = run_pack(cfg, args.out, streams=parse_streams(args.streams), address=args.address,
-                       progress=not args.no_progress and sys.stderr.isatty() or args.progress,
+                       progress=not args.no_progress and sys.stderr.isatty() or _BAR in (args.progress or ()),
                        num_cpus=args.num_cpus, inline=args.no_ray, reuse=args.reuse or (),
-                       continue_from=continue_from)
+                       continue_from=continue_from, bound=bound)
     for line in summary.lines():
         print(line)
     return 0
@@ -68,7 +88,14 @@ def add_command(subparsers) -> None:
     r.add_argument("--streams", help="stream ids to pack, e.g. 0,5,8-15 (default: all W*K); other jobs may pack the rest")
     r.add_argument("--address", help="Ray cluster address (default: $RAY_ADDRESS, else a local Ray)")
     r.add_argument("--num-cpus", type=int, help="CPUs for the local Ray (default: all)")
-    r.add_argument("--progress", action="store_true", help="force the progress bar (default: when stderr is a terminal)")
+    r.add_argument("--progress", action="append", nargs="?", const=_BAR, metavar="P",
+                   help="a training's progress folder or s3:// prefix (PackedShardDataset(..., progress=P)): with "
+                   "--ahead, pack just ahead of it; and trim behind its checkpoints as it goes; repeat for several "
+                   "trainings. Without P: force the progress bar (default: when stderr is a terminal)")
+    r.add_argument("--ahead", type=int, metavar="N",
+                   help="a bounded pack: each stream packs at most N batches (plus the shard it is in) past the "
+                   "furthest training's position, and waits otherwise; the disk holds what the trainings still need")
+    add_bound_arguments(r, "with --progress")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--reuse", action="append", metavar="OLD",
                    help="an earlier pack (any config over the same pictures, finished or still packing, local or "

@@ -35,6 +35,7 @@ from schemas.manifest import FORMAT_VERSION, MANIFEST_NAME, PackSummary, StreamI
 from schemas.pack_info import PackInfo, ParentLink
 
 if TYPE_CHECKING:
+    from prepack.run.ahead import BoundSpec
     from prepack.run.chain import Continue
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ def output_bytes(loc) -> int:
 def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, address: str | None = None,
              progress: bool = True, num_cpus: int | None = None, inline: bool = False,
              tokenizer=None, reuse: "list[str] | tuple[str, ...]" = (),
-             continue_from: "Continue | None" = None) -> RunSummary:
+             continue_from: "Continue | None" = None, bound: "BoundSpec | None" = None) -> RunSummary:
     """Pack ``streams`` (default: all) of ``cfg`` into ``out``: new, resumed or extended.
 
     ``inline`` packs the streams one after another in this process, without Ray (debugging,
@@ -120,7 +121,8 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
     earlier packs whose pixels the streams may take (``prepack.engine.reuse.earlier_pixels``); the output is the
     same bytes with or without them, and pack.json does not name them.  ``continue_from``: the pack
     this one continues, and after which record (``prepack.run.chain``); its chain's pictures are
-    reused.
+    reused.  ``bound``: pack just ahead of the trainings and trim behind them (``prepack.run.ahead``):
+    a stream waits before each new shard, the job trims its streams as the trainings checkpoint.
     """
     from prepack.engine.tokenizer import load_tokenizer, special_token_ids, tokenizer_fingerprint
 
@@ -174,11 +176,20 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
                 for line in run.new_kinds():
                     log.warning("%s", line)
 
-            for s in todo:
-                lease.check()
-                pack_one_stream(cfg, out, s, tokenizer, special, pack.metadata, report, olds, pack.info.parent)
+            waiting = _Waiting(loc, todo, bound, pack.info.parent)
+            while waiting.streams:
+                for s in waiting.ready():
+                    lease.check()
+                    waiting.started(s)
+                    # one process: a waiting stream lets the others go on; the last one trims while it waits
+                    give_up = 0.0 if len(waiting.streams) > 1 else None
+                    waiting.returned(pack_one_stream(cfg, out, s, tokenizer, special, pack.metadata, report, olds,
+                                                     pack.info.parent, bound, give_up, waiting.trim))
+                waiting.idle()
+            waiting.trim(force=True)
         else:
-            _run_tasks(cfg, out, todo, pack.metadata, address, progress, num_cpus, lease, run, olds, pack.info.parent)
+            _run_tasks(cfg, out, todo, pack.metadata, address, progress, num_cpus, lease, run, olds, pack.info.parent,
+                       bound)
         lease.check()  # never write the manifest over a run that took our streams over
         written, _ = finalize(loc, cfg)
         entries = [StreamSummary.read(loc, s) for s in wanted]
@@ -190,6 +201,64 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
                           packed_now=packed_now, retried=run.retry_summary(), reuse_from=reuse)
     finally:
         lease.release()
+
+
+class _Waiting:
+    """The streams of a job not finished yet, and which of them may pack now.  Without a bound every
+    stream is ready once; with one (``--ahead``), a stream that returned ``Paused`` is ready again when
+    its trainings come close enough, and the job trims its streams behind their checkpoints."""
+
+    TRIM_EVERY_S = 5.0
+
+    def __init__(self, loc: PackLocation, todo: list[int], bound: "BoundSpec | None", parent):
+        self.streams: dict[int, int | None] = {s: None for s in todo}  # stream -> chain records when paused
+        self.todo = list(todo)  # a finished stream is still read: it is trimmed too
+        self.gate = None
+        self._trimmed_at = -1e9
+        if bound is not None and bound.active:
+            from loader.reader import Pack
+            from prepack.run.ahead import Bound
+
+            self.gate = Bound(bound, Pack.open(loc))
+        self.running: set[int] = set()
+
+    def ready(self) -> list[int]:
+        out = []
+        for s, records in self.streams.items():
+            if s in self.running:
+                continue
+            if records is None or self.gate is None or self.gate.may_pack(s, records):
+                out.append(s)
+        return out
+
+    def started(self, stream: int) -> None:
+        self.running.add(stream)
+
+    def returned(self, result) -> None:
+        from prepack.run.stream_job import Paused
+
+        self.running.discard(result.stream)
+        if isinstance(result, Paused):
+            self.streams[result.stream] = result.records
+        else:
+            self.streams.pop(result.stream, None)
+
+    def trim(self, force: bool = False) -> None:
+        """Trim this job's streams behind the trainings' kept checkpoints, every few seconds."""
+        if self.gate is None or (not force and time.monotonic() - self._trimmed_at < self.TRIM_EVERY_S):
+            return
+        from prepack.run.ahead import trim_behind
+
+        self._trimmed_at = time.monotonic()
+        trim_behind(self.gate, self.todo)
+
+    def idle(self) -> None:
+        """Between rounds: trim, and wait a moment when no stream may pack."""
+        self.trim()
+        if self.streams and not self.ready():
+            from prepack.run.ahead import POLL_S
+
+            time.sleep(POLL_S)
 
 
 def _settle_parent(how: "Continue", cfg: PrepackConfig, loc: PackLocation,
@@ -308,19 +377,33 @@ class _Watch:
         return lines
 
 
+PAUSE_AFTER_S = 30.0  # a stream task waiting for its trainings longer than this lets its CPU go
+
+
 def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus, lease: StreamLease,
-               run: RunProgress, reuse: tuple = (), parent: "ParentLink | None" = None) -> None:
+               run: RunProgress, reuse: tuple = (), parent: "ParentLink | None" = None,
+               bound: "BoundSpec | None" = None) -> None:
     ray = init_ray(address, num_cpus)
     try:
         from prepack.run.ray_tasks import Progress, stream_task
+        from prepack.run.stream_job import Paused
 
         watch = _Watch(ray, _pinned_progress(ray, Progress))
         watch.wait_ready()
         local = not (address or os.environ.get("RAY_ADDRESS"))
         level = logging.getLogger().getEffectiveLevel()
         reuse = ray.put(reuse) if reuse else reuse  # once in the object store, not once per task
-        pending = {stream_task.options(name=f"stream_task[{s}]").remote(cfg, out, s, metadata, watch.progress, local,
-                                                                      level, reuse, parent): s for s in todo}
+        waiting = _Waiting(resolve_location(out), todo, bound, parent)
+        # a waiting task holds its CPU: with more streams than CPUs it lets it go after a while (and is
+        # started again when its trainings come close), or the streams behind it would never start
+        give_up = None if len(todo) <= int(ray.cluster_resources().get("CPU", 1)) else PAUSE_AFTER_S
+
+        def submit(s: int):
+            waiting.started(s)
+            return stream_task.options(name=f"stream_task[{s}]").remote(cfg, out, s, metadata, watch.progress, local,
+                                                                        level, reuse, parent, bound, give_up)
+
+        pending = {submit(s): s for s in waiting.ready()}
         started = last_log = time.monotonic()
         bar = None
         if show_progress:
@@ -336,23 +419,28 @@ def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus, lease
                 log.warning("%s", line)
 
         try:
-            while pending:
+            while waiting.streams:
                 try:
                     lease.check()  # another run took our streams over: stop writing at once
                 except Exception:
                     for ref in pending:
                         ray.cancel(ref, force=True)
                     raise
-                ready, _ = ray.wait(list(pending), timeout=0.5)
+                ready, _ = ray.wait(list(pending), timeout=0.5) if pending else ([], None)
                 for ref in ready:
                     s = pending.pop(ref)
                     try:
-                        ray.get(ref)
+                        waiting.returned(ray.get(ref))
                     except Exception as e:
                         for other in pending:
                             ray.cancel(other, force=True)
                         cause = getattr(e, "cause", None) or e
                         raise StreamFailed(f"stream {s} failed: {type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}") from e
+                for s in waiting.ready():  # paused streams their trainings came close to
+                    pending[submit(s)] = s
+                waiting.trim()
+                if not pending:
+                    time.sleep(0.5)
                 watch.poll()
                 for report in watch.reports.values():
                     run.update(report)
@@ -366,6 +454,7 @@ def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus, lease
                 elif time.monotonic() - last_log >= LOG_EVERY_S:  # no terminal (e.g. ray job logs)
                     last_log = time.monotonic()
                     log.info("%d batches; %s", run.batches, run.postfix(last_log - started))
+            waiting.trim(force=True)
             watch.poll()  # the last word on retries and on the streams' final counts: every task has ended
             for report in watch.reports.values():
                 run.update(report)

@@ -43,6 +43,8 @@ class Progress:
         """``attempt``: Ray's attempt number for the task (-1 unknown).  Attempts that died before
         they could report are filled in as "?", so a retry is known even then."""
         nodes = self.attempts.setdefault(stream, [])
+        if attempt == 0:  # a new task for the stream (a bounded run starts a paused stream again): not a retry
+            nodes.clear()
         while len(nodes) < attempt:
             nodes.append("?")
         nodes.append(node)
@@ -55,7 +57,8 @@ class Progress:
 
 
 @ray.remote(num_cpus=1, max_retries=TASK_RETRIES)
-def stream_task(cfg, out, stream, metadata, progress, local_ray=False, log_level=logging.WARNING, reuse=(), parent=None):
+def stream_task(cfg, out, stream, metadata, progress, local_ray=False, log_level=logging.WARNING, reuse=(), parent=None,
+                bound=None, give_up_s=None):
     def tell(method, *args) -> None:  # progress is best effort: it may never fail the stream
         try:
             getattr(progress, method).remote(*args)
@@ -95,4 +98,4 @@ def stream_task(cfg, out, stream, metadata, progress, local_ray=False, log_level
 
     check_raylet()
     settle_worker_process()
-    return pack_one_stream(cfg, out, stream, tokenizer, special, metadata, report, reuse, parent)
+    return pack_one_stream(cfg, out, stream, tokenizer, special, metadata, report, reuse, parent, bound, give_up_s)

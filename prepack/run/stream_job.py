@@ -18,6 +18,7 @@ from typing import Callable
 from prepack.engine.packer import StreamPacker
 from prepack.engine.reuse.earlier_packs import OldPack
 from prepack.engine.reuse.earlier_pixels import PixelReuse, own_reuse_on
+from prepack.run.ahead import Bound, BoundSpec, wait_to_pack
 from prepack.run.atomic_files import write_bytes_atomic
 from prepack.run.chain import open_parent, state_at
 from prepack.run.checkpoints import read_checkpoint, state_files
@@ -134,34 +135,65 @@ def finish_stream(cfg: PrepackConfig, loc: PackLocation, started: StartedStream)
     return result
 
 
+@dataclass(frozen=True)
+class Paused:
+    """A stream of a bounded run (``--ahead``) that stopped after a committed shard to wait for its
+    trainings; ``records``: its chain's records so far.  It resumes from that shard's checkpoint."""
+
+    stream: int
+    records: int
+
+
 def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, tokenizer, special,
                     metadata: dict[str, str], report: Callable[[StreamProgress], None] | None = None,
-                    reuse: "tuple[str | OldPack, ...] | list" = (), parent: ParentLink | None = None) -> StreamSummary:
+                    reuse: "tuple[str | OldPack, ...] | list" = (), parent: ParentLink | None = None,
+                    bound: BoundSpec | None = None, give_up_s: float | None = None,
+                    on_wait: Callable[[], None] | None = None) -> "StreamSummary | Paused":
     """Pack (or continue, or extend) stream ``stream`` into ``out``; returns its summary (done.json).
 
     ``reuse``: earlier packs whose pixels may be taken instead of decoding (no byte changes): paths or
     URIs, or ``OldPack`` snapshots the driver read once for every stream.  ``parent``: what a
-    continuation continues (its pack.json's link)."""
+    continuation continues (its pack.json's link).  ``bound`` with ``ahead``: before each new shard,
+    wait until the trainings are close enough (``prepack.run.ahead``); after ``give_up_s`` of waiting
+    return ``Paused`` instead (None: wait as long as it takes); ``on_wait`` runs while it waits."""
     loc = resolve_location(out)
     started = start_stream(cfg, loc, stream, tokenizer, special, reuse, parent)
     if isinstance(started, StreamSummary):
         return started
     packer = started.packer
+    gate = None
+    if bound is not None and bound.ahead is not None:
+        from loader.reader import Pack
+
+        gate = Bound(bound, Pack.open(loc))
+    offset = parent.after[stream] if parent is not None else 0  # the chain's records before this pack's
+    paused = None
     try:
         # a new stream's writer writes ckpt-00000 here, before the packer's first batch
         with StreamWriter(loc, stream, shard_bytes=cfg.prepack.shard_bytes, compression=cfg.prepack.compression,
                           metadata=metadata, index=started.index, state=lambda: state_files(packer.state())) as writer:
-            for batch in packer:
-                started.committed(loc, writer, writer.append(batch))
+            if gate is not None and not wait_to_pack(gate, stream, offset + writer.next_record, give_up_s, on_wait):
+                paused = Paused(stream, offset + writer.next_record)
+            for batch in () if paused else packer:
+                entry = writer.append(batch)
+                started.committed(loc, writer, entry)
                 if report is not None:
                     report(StreamProgress.of(stream, packer.batches, packer.tokens, packer.counters))
-            started.committed(loc, writer, writer.finish())
+                if (entry is not None and gate is not None and not packer.budget_spent()
+                        and not wait_to_pack(gate, stream, offset + writer.next_record, give_up_s, on_wait)):
+                    paused = Paused(stream, offset + writer.next_record)  # at a shard boundary: nothing open
+                    break
+            if paused is None:
+                started.committed(loc, writer, writer.finish())
     except BaseException:
         packer.close()  # the sources' read-ahead threads end with the stream, on errors too
         raise
     finally:
         if started.pixels is not None:
             started.pixels.close()
+    if paused is not None:
+        packer.close()
+        return paused
     result = finish_stream(cfg, loc, started)
     if report is not None:  # what done.json says
         report(StreamProgress(stream, packer.batches, packer.tokens, True, dict(result.drops), dict(result.warnings),

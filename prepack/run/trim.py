@@ -92,6 +92,27 @@ def trim_pack(out, states: "list[dict | list]") -> TrimResult:
     return result
 
 
+def trim_to_progress(out, folders: "list[str]", keep: int) -> TrimResult:
+    """Trim every shard behind the ``keep`` newest checkpoints the trainings publishing to ``folders``
+    kept (``prepack.run.ahead.Bound.trim_before``); a stream some training has not checkpointed
+    ``keep`` times yet is left whole."""
+    from prepack.run.ahead import Bound, BoundSpec
+
+    pack = Pack.open(out)
+    bound = Bound(BoundSpec(None, tuple(folders), keep), pack)
+    bound.refresh(force=True)
+    result = TrimResult()
+    for stream in range(pack.num_streams):
+        before = bound.trim_before(stream)
+        if before:
+            shards, freed = trim_stream(pack, stream, before)
+            if shards:
+                result.shards[stream] = shards
+                result.freed_bytes += freed
+        pack.forget(stream)
+    return result
+
+
 def _restore_shard(pack: Pack, index: StreamIndex, shard: ShardEntry, tokenizer, special, cfg) -> None:
     """Pack ``shard`` again from its checkpoint into its file; DamagedFile (and no file) unless it is
     byte for byte the one the index recorded."""

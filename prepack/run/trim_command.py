@@ -5,18 +5,31 @@ Registered by ``prepack.cli`` (``add_command``); light to import: the tool is im
 
 from __future__ import annotations
 
+import logging
+
 from schemas.errors import UsageError
+
+log = logging.getLogger(__name__)
 
 
 def cmd_trim(args) -> int:
     from loader.state import read_state_file
-    from prepack.run.trim import trim_pack
+    from prepack.run.ahead import BoundSpec
+    from prepack.run.trim import trim_pack, trim_to_progress
 
-    try:
-        states = [read_state_file(p) for p in args.state]
-    except ValueError as e:
-        raise UsageError(f"--state {e}") from None
-    for line in trim_pack(args.dir, states).lines():
+    if bool(args.state) == bool(args.progress):
+        raise UsageError("trim takes --progress P (a training's progress folder), or --state STATE.json")
+    if args.progress:
+        for line in BoundSpec(None, tuple(args.progress), args.keep_checkpoints).warnings():  # checks: one line
+            log.warning("%s", line)
+        result = trim_to_progress(args.dir, args.progress, args.keep_checkpoints)
+    else:
+        try:
+            states = [read_state_file(p) for p in args.state]
+        except ValueError as e:
+            raise UsageError(f"--state {e}") from None
+        result = trim_pack(args.dir, states)
+    for line in result.lines():
         print(line)
     return 0
 
@@ -45,15 +58,21 @@ def cmd_restore(args) -> int:
 
 
 def add_command(subparsers) -> None:
+    from prepack.run.command import add_bound_arguments
+
     t = subparsers.add_parser(
         "trim", help="delete the records files of shards every training has checkpointed past (restorable)",
-        description="Delete the records file of every shard of DIR whose records all lie before the positions of "
-        "the loader states given (the oldest checkpoint each training keeps: a crash rolls back at most that "
-        "far). Its index row, digests, checkpoints, pixel index and lineage stay; 'prepack restore' packs it "
+        description="Delete the records file of every shard of DIR whose records all lie before what the trainings "
+        "may still read: the earliest of the K newest checkpoints each published to its --progress folder (a crash "
+        "rolls back at most that far), or the loader states given. Its index row, digests, checkpoints, pixel index and lineage stay; 'prepack restore' packs it "
         "again byte for byte, and a reader of a trimmed shard is told so.")
     t.add_argument("dir", help="pack directory or URI")
-    t.add_argument("--state", action="append", required=True, metavar="STATE",
-                   help="a loader state as JSON (one rank's state_dict, a list of every rank's, or "
+    t.add_argument("--progress", action="append", metavar="P",
+                   help="a training's progress folder or s3:// prefix (PackedShardDataset(..., progress=P)): trim "
+                   "behind its --keep-checkpoints newest checkpoints; repeat for several trainings (the slowest counts)")
+    add_bound_arguments(t, "with --progress")
+    t.add_argument("--state", action="append", metavar="STATE",
+                   help="instead of --progress: a loader state as JSON (one rank's state_dict, a list of every rank's, or "
                    "merged); repeat for several trainings or checkpoints: nothing at or after any of them is trimmed")
     t.set_defaults(func=cmd_trim)
     r = subparsers.add_parser(

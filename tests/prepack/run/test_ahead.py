@@ -1,0 +1,391 @@
+"""A bounded pack (issue 35): ``prepack run --ahead N --progress P`` packs just ahead of the trainings
+reading it and trims behind the checkpoints they keep; ``prepack trim --progress P`` does the same
+afterwards.  Trainings here are real loaders (``PackedShardDataset(..., progress=P)``) in threads;
+nothing asserted depends on timing: the bound is checked against the positions the trainings
+themselves report, which only grow while the packer may lag behind them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import threading
+import time
+
+import pytest
+
+from loader import PackedShardDataset
+from loader.reader import Pack
+from prepack.cli import main
+from prepack.run import ahead as ahead_module
+from prepack.run.ahead import Bound, BoundSpec, trim_behind
+from prepack.run.driver import run_pack
+from prepack.run.trim import restore, trim_to_progress
+from prepack.tools.verify import verify_pack
+from schemas.config import load_config
+from schemas.errors import UsageError
+from schemas.manifest import TrimmedShards
+from schemas.progress import ProgressFolder
+from tests.helpers.packs import make_dataset, pack_in_process, small_config, small_dataset
+
+pytestmark = pytest.mark.slow
+
+BATCHES = 10
+
+
+@pytest.fixture(scope="module")
+def unbounded(tmp_path_factory, tokenizer_and_special):
+    """The same config packed at once: what every bounded pack must equal, record for record."""
+    root = str(tmp_path_factory.mktemp("ahead"))
+    config = small_dataset(root, batches=BATCHES, shard_bytes=150_000)
+    out = pack_in_process(config, os.path.join(root, "out"), tokenizer_and_special)
+    return {"config": config, "out": out}
+
+
+@pytest.fixture(autouse=True)
+def quick_polls(monkeypatch):
+    monkeypatch.setattr(ahead_module, "POLL_S", 0.05)
+
+
+def digests(out: str) -> dict[int, list[str]]:
+    p = Pack.open(out)
+    return {s: [r.digest for sh in p.index(s).shards for r in sh.records] for s in range(p.num_streams)}
+
+
+def records_per_shard(out: str) -> int:
+    p = Pack.open(out)
+    return max(len(sh.records) for s in range(p.num_streams) for sh in p.index(s).shards)
+
+
+def ids(batches) -> list:
+    return [(b.sequence_length, repr(b.batch_data_indexes)) for b in batches]
+
+
+class Trainer(threading.Thread):
+    """One rank of a training: reads its stream as it is packed, publishes to ``progress``, saves a
+    checkpoint (its loader state) every ``every`` batches, and checks the packer never ran further
+    ahead of it than the bound allows."""
+
+    def __init__(self, out, rank, world_size, progress, *, every, pause_s, ahead, per_shard):
+        super().__init__(daemon=True)
+        self.args = (out, rank, world_size, progress)
+        self.every, self.pause_s, self.ahead, self.per_shard = every, pause_s, ahead, per_shard
+        self.states, self.seen, self.error = [], [], None
+
+    def run(self):
+        try:
+            out, rank, world_size, progress = self.args
+            ds = PackedShardDataset(out, rank=rank, world_size=world_size, follow=True, progress=progress,
+                                    live_every_s=0)
+            for i, batch in enumerate(ds):
+                self.seen.append(batch)
+                pack = Pack.open(out)
+                committed = sum(pack.num_records(s) for s in ds.streams)
+                # the packer starts a shard of a stream only while it is less than `ahead` past a
+                # position the trainer reported (never more than this one), and finishes the shard
+                # it started: over this rank's streams, at most that much past the batches read
+                slack = len(ds.streams) * (self.ahead + self.per_shard)
+                assert committed <= i + 1 + slack, (ds.streams, i, committed)
+                if (i + 1) % self.every == 0:
+                    self.states.append(json.loads(json.dumps(ds.state_dict())))
+                time.sleep(self.pause_s)
+        except BaseException as e:  # noqa: BLE001 (re-raised by the test)
+            self.error = e
+
+
+def wait_for_pack_json(out: str, thread: threading.Thread) -> None:
+    for _ in range(600):
+        if os.path.exists(os.path.join(out, "pack.json")) or not thread.is_alive():
+            return
+        time.sleep(0.05)
+
+
+def test_ahead_packs_each_stream_just_ahead_of_its_own_rank(unbounded, tmp_path, tokenizer_and_special):
+    """Two ranks at different speeds on one pack: each stream is held to its own reader, the batches
+    and records are those of a pack made at once, and the job trims behind both trainings."""
+    out, progress, ahead = str(tmp_path / "out"), str(tmp_path / "progress"), 2
+    per_shard = records_per_shard(unbounded["out"])
+    bound = BoundSpec(ahead, (progress,), keep=2)
+    result = {}
+
+    def pack():
+        try:
+            result["summary"] = run_pack(load_config(unbounded["config"]), out, inline=True,
+                                         tokenizer=tokenizer_and_special, progress=False, bound=bound)
+        except BaseException as e:  # noqa: BLE001
+            result["error"] = e
+
+    packer = threading.Thread(target=pack, daemon=True)
+    packer.start()
+    wait_for_pack_json(out, packer)
+    trainers = [Trainer(out, r, 2, progress, every=3, pause_s=0.0 if r == 0 else 0.05, ahead=ahead,
+                        per_shard=per_shard) for r in (0, 1)]
+    for t in trainers:
+        t.start()
+    for t in trainers + [packer]:
+        t.join(timeout=300)
+        assert not t.is_alive(), "a bounded pack and its trainings must never wait on each other for ever"
+    assert "error" not in result, result.get("error")
+    for t in trainers:
+        assert t.error is None, t.error
+    # the same records as a pack made at once, and each training read its stream whole, in order
+    assert digests(out) == digests(unbounded["out"])
+    whole = {r: ids(PackedShardDataset(unbounded["out"], rank=r, world_size=2)) for r in (0, 1)}
+    assert {r: ids(t.seen) for r, t in enumerate(trainers)} == whole
+    # trimmed by the job, behind the earliest of each training's two newest checkpoints only
+    p = Pack.open(out)
+    trimmed_any = False
+    for r, t in enumerate(trainers):
+        kept = min(st["positions"][0] for st in t.states[-2:])
+        trimmed = set(TrimmedShards.read(p.location, r).shards)
+        for sh in p.index(r).shards:
+            behind = sh.first_record + len(sh.records) <= kept
+            assert (sh.shard in trimmed) <= behind, (r, sh.shard, kept)
+            assert os.path.exists(os.path.join(out, sh.file)) == (sh.shard not in trimmed)
+        trimmed_any |= bool(trimmed)
+    assert trimmed_any
+    assert verify_pack(out).ok
+
+
+def test_the_job_trims_records_packed_after_it_first_looked(tmp_path, tokenizer_and_special):
+    """The running job's view of the pack is read once and grows with it: a checkpoint past what it
+    first read still trims every shard wholly behind it (a stale index would trim nothing more)."""
+    data = make_dataset(str(tmp_path / "data"))
+    out, progress = str(tmp_path / "out"), str(tmp_path / "progress")
+    run_pack(small_config(data, shard_bytes=150_000, batches_per_stream=4), out, inline=True,
+             tokenizer=tokenizer_and_special, progress=False)
+    bound = Bound(BoundSpec(None, (progress,), keep=2), Pack.open(out))
+    assert trim_behind(bound, [0, 1]) == (0, 0)  # no checkpoint yet; the job has read 4 records a stream
+    run_pack(small_config(data, shard_bytes=150_000, batches_per_stream=BATCHES), out, inline=True,
+             tokenizer=tokenizer_and_special, progress=False)  # the same pack, extended
+    ds = PackedShardDataset(out, rank=0, world_size=1, progress=progress)
+    it = iter(ds)
+    states = []
+    for n in (2 * BATCHES - 4, 2):
+        for _ in range(n):
+            next(it)
+        states.append(ds.state_dict())
+    bound.refresh(force=True)
+    trimmed_now, freed = trim_behind(bound, [0, 1])
+    assert trimmed_now and freed > 0
+    p = Pack.open(out)
+    for slot, s in enumerate(ds.streams):
+        kept = min(st["positions"][slot] for st in states)
+        assert kept > 4
+        behind = {sh.shard for sh in p.index(s).shards if sh.first_record + len(sh.records) <= kept}
+        assert set(TrimmedShards.read(p.location, s).shards) == behind, (s, kept)
+        assert any(sh.first_record >= 4 for sh in p.index(s).shards if sh.shard in behind)
+
+
+def read_from(out: str, state: "dict | None") -> list:
+    ds = PackedShardDataset(out, rank=0, world_size=1)
+    if state is not None:
+        ds.load_state_dict(state)
+    return ids(ds)
+
+
+def test_trim_to_progress_never_removes_what_a_kept_checkpoint_reads(unbounded, tmp_path, monkeypatch):
+    """Random reading, checkpoints, crashes (a training rolled back to one of its kept checkpoints,
+    publishing again from there), a second slower training, and trims killed half-way: after each
+    trim every checkpoint a training keeps reads exactly what the untrimmed pack gives."""
+    out = str(tmp_path / "out")
+    shutil.copytree(unbounded["out"], out)
+    whole = read_from(unbounded["out"], None)
+    rng = random.Random(35)
+    keep = 2
+    folders = [str(tmp_path / "a"), str(tmp_path / "b")]
+
+    class Training:
+        def __init__(self, folder):
+            self.folder, self.kept, self.ds, self.it, self.read = folder, [], None, None, 0
+            self.start(None)
+
+        def start(self, state):
+            self.ds = PackedShardDataset(out, rank=0, world_size=1, progress=self.folder, live_every_s=0)
+            if state is not None:
+                self.ds.load_state_dict(state)
+            self.it = iter(self.ds)
+
+        def step(self, n):
+            for _ in range(n):
+                if next(self.it, None) is None:
+                    return
+
+        def checkpoint(self):
+            st = json.loads(json.dumps(self.ds.state_dict()))
+            self.kept = (self.kept + [st])[-keep:]
+
+        def crash(self):  # back to one of the checkpoints it keeps (or the start), a new process
+            st = rng.choice(self.kept) if self.kept else None
+            self.start(st)
+
+    trainings = [Training(f) for f in folders]
+    import prepack.run.trim as trim_module
+
+    real_shard_file = trim_module.shard_file
+    for round_ in range(14):
+        t = trainings[0] if rng.random() < 0.7 else trainings[1]
+        action = rng.choice(["step", "step", "checkpoint", "crash"])
+        if action == "step":
+            t.step(rng.randint(1, 4))
+        elif action == "checkpoint":
+            t.checkpoint()
+        else:
+            t.crash()
+        if round_ % 3 == 2:  # a trim killed after its list is written and its first file deleted, then run again
+            calls = []
+
+            def killed_after_one(stream, shard, calls=calls):
+                calls.append(shard)
+                if len(calls) > 1:
+                    raise KeyboardInterrupt("killed")
+                return real_shard_file(stream, shard)
+
+            monkeypatch.setattr(trim_module, "shard_file", killed_after_one)
+            try:
+                trim_to_progress(out, folders, keep)
+            except KeyboardInterrupt:
+                pass
+            monkeypatch.setattr(trim_module, "shard_file", real_shard_file)
+        trim_to_progress(out, folders, keep)
+        for tr in trainings:
+            for st in tr.kept:
+                assert read_from(out, st) == whole[sum(st["positions"]):], (round_, st["positions"])
+    assert verify_pack(out).ok
+
+
+def test_a_killed_bounded_run_gives_the_same_records(unbounded, tmp_path, tokenizer_and_special, monkeypatch):
+    """The packer killed mid-way (after a random shard) and started again: the same records, the
+    training's position and checkpoints are followed from where they stand."""
+    from prepack.run.writer import StreamWriter
+
+    out, progress = str(tmp_path / "out"), str(tmp_path / "progress")
+    fp = Pack.open(unbounded["out"]).info.fingerprint
+    folder = ProgressFolder(progress)
+    folder.publish_live(fp, 1, 0, 0, {0: 4, 1: 4})  # a training at batch 4 of each stream
+    bound = BoundSpec(3, (progress,), keep=1)
+    real_append = StreamWriter.append
+    kill_at = random.Random(3).randint(2, 6)
+    count = [0]
+
+    def killed_append(self, batch):
+        count[0] += 1
+        if count[0] == kill_at:
+            raise KeyboardInterrupt("killed")
+        return real_append(self, batch)
+
+    cfg = load_config(unbounded["config"])
+    monkeypatch.setattr(StreamWriter, "append", killed_append)
+    with pytest.raises(KeyboardInterrupt):
+        run_pack(cfg, out, inline=True, tokenizer=tokenizer_and_special, progress=False, bound=bound)
+    monkeypatch.setattr(StreamWriter, "append", real_append)
+    threading.Thread(target=lambda: (time.sleep(0.5), folder.publish_live(fp, 1, 0, 0, {0: BATCHES, 1: BATCHES})),
+                     daemon=True).start()
+    run_pack(cfg, out, inline=True, tokenizer=tokenizer_and_special, progress=False, bound=bound)
+    assert digests(out) == digests(unbounded["out"])
+    assert verify_pack(out).ok
+
+
+def test_bounded_cli_and_refusals(unbounded, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    shutil.copytree(unbounded["out"], out)
+    with pytest.raises(UsageError, match="--ahead needs --progress"):
+        BoundSpec(3, ())
+    with pytest.raises(UsageError, match="--keep-checkpoints"):
+        BoundSpec(None, ("p",), keep=0)
+    assert BoundSpec(None, ("p",), keep=1).warnings() and not BoundSpec(None, ("p",)).warnings()
+    assert main(["run", unbounded["config"], "--out", str(tmp_path / "x"), "--ahead", "2", "--no-ray"]) == 2
+    assert "--ahead needs --progress" in capsys.readouterr().err
+    assert main(["trim", out]) == 2  # neither --progress nor --state
+    # a progress folder of another pack is refused, by name
+    other = ProgressFolder(str(tmp_path / "other"))
+    other.publish_checkpoint("f" * 32, 1, 0, {0: 1, 1: 1}, {0: "0" * 32, 1: "0" * 32})
+    assert main(["trim", out, "--progress", str(tmp_path / "other")]) == 1  # refused (PackRefused)
+    assert "another pack" in capsys.readouterr().err
+    # no checkpoint yet: nothing trimmed; two checkpoints with --keep-checkpoints 1: behind the newest
+    ds = PackedShardDataset(out, rank=0, world_size=1, progress=str(tmp_path / "p"), live_every_s=0)
+    assert main(["trim", out, "--progress", str(tmp_path / "p")]) == 0
+    assert "nothing to trim" in capsys.readouterr().out
+    it = iter(ds)
+    for _ in range(6):
+        next(it)
+    ds.state_dict()
+    for _ in range(4):
+        next(it)
+    st = json.loads(json.dumps(ds.state_dict()))
+    assert main(["trim", out, "--progress", str(tmp_path / "p"), "--keep-checkpoints", "2"]) == 0
+    two = {s: list(TrimmedShards.read(Pack.open(out).location, s).shards) for s in (0, 1)}
+    assert main(["trim", out, "--progress", str(tmp_path / "p"), "--keep-checkpoints", "1"]) == 0
+    one = {s: list(TrimmedShards.read(Pack.open(out).location, s).shards) for s in (0, 1)}
+    assert all(set(two[s]) < set(one[s]) for s in (0, 1)), (two, one)
+    assert read_from(out, st) == read_from(unbounded["out"], None)[10:]
+    assert main(["restore", out, "--streams", "0,1"]) == 0
+    assert digests(out) == digests(unbounded["out"]) and verify_pack(out).ok
+
+
+def test_trim_and_restore_on_s3(unbounded, s3, tokenizer_and_special):
+    """A pack and a training's progress folder on the S3 server: trimmed behind the training's
+    checkpoints, then restored, object for object."""
+    out = pack_in_process(unbounded["config"], s3.new_prefix("bounded"), tokenizer_and_special)
+    progress = s3.new_prefix("progress")
+    before = s3.objects(out)
+    ds = PackedShardDataset(out, rank=0, world_size=1, progress=progress, live_every_s=0)
+    it = iter(ds)
+    for _ in range(8):
+        next(it)
+    ds.state_dict()
+    st = json.loads(json.dumps(ds.state_dict()))
+    result = trim_to_progress(out, [progress], 2)
+    assert result.shards and result.freed_bytes > 0
+    after_trim = s3.objects(out)
+    p = Pack.open(out)
+    for s, shards in result.shards.items():
+        for sh in p.index(s).shards:
+            assert (sh.file in after_trim) == (sh.shard not in shards), (s, sh.shard)
+    assert read_from(out, st) == read_from(unbounded["out"], None)[8:]
+    done = restore(out, {s: (0, None) for s in (0, 1)}, tokenizer=tokenizer_and_special)
+    assert done
+    now = s3.objects(out)
+    assert {k: v for k, v in now.items() if not k.endswith("trimmed.json")} == before
+    assert verify_pack(out).ok
+
+
+def test_the_readme_command_packs_beside_a_training_on_a_local_ray(unbounded, tmp_path):
+    """The README's "Pack just ahead of training" command, run as written (paths and N replaced) on a
+    local Ray, with a training reading beside it: it ends when the training has read the budget."""
+    import shlex
+    import subprocess
+    import sys
+
+    from tests.helpers.paths import REPO
+    from tests.helpers.readme import readme_tested_blocks
+
+    block = [line for line in readme_tested_blocks()[4].splitlines() if line.strip()]
+    assert len(block) == 1 and "--ahead" in block[0], "README block changed shape"
+    out, progress, ahead = str(tmp_path / "packed"), str(tmp_path / "progress"), 2
+    words = [{"cfg.yaml": unbounded["config"], "/data/packed": out, "/data/progress": progress, "200": str(ahead)}
+             .get(w, w) for w in shlex.split(block[0])]
+    assert words[0] == "prepack"
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    proc = subprocess.Popen([sys.executable, "-m", "prepack.cli", *words[1:], "--num-cpus", "2"], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(1200):
+            if os.path.exists(os.path.join(out, "pack.json")) or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        trainer = Trainer(out, 0, 1, progress, every=4, pause_s=0.0, ahead=ahead,
+                          per_shard=records_per_shard(unbounded["out"]))
+        trainer.run()  # in this thread: the pack can only finish as it reads
+        assert trainer.error is None, trainer.error
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, stderr[-2000:]
+    assert ids(trainer.seen) == ids(PackedShardDataset(unbounded["out"], rank=0, world_size=1))
+    assert digests(out) == digests(unbounded["out"])
