@@ -205,7 +205,8 @@ def estimate_settled(record_bytes: list[int], tolerance: float = SETTLED_TOLERAN
 
 def plan_pack(cfg: PrepackConfig, *, cores: int | None = None, sample_batches: int = 4, sample_streams_n: int = 2,
               max_seconds: float = 60.0, tokenizer=None, max_fraction: float = MAX_SAMPLE_FRACTION,
-              reuse: "tuple[str, ...] | list[str]" = (), continue_from=None) -> PackPlan:
+              reuse: "tuple[str, ...] | list[str]" = (), continue_from=None,
+              bounded: "dict | None" = None) -> PackPlan:
     """Sample up to ``sample_batches`` batches of ``sample_streams_n`` streams and project the whole run.
 
     A stream stops early once it has packed its least batches and the estimate of bytes per batch
@@ -216,6 +217,8 @@ def plan_pack(cfg: PrepackConfig, *, cores: int | None = None, sample_batches: i
     takes them too, so CPU is projected with them, and the plan says how many it found.
     ``continue_from``: a ``prepack.run.chain.Continue``: the sampled streams start where the
     continuation would (OLD's state at the switch, its records there already packed).
+    ``bounded``: ``{"ahead": N, "keep_checkpoints": K, "checkpoint_every": C}`` of a bounded run
+    (``prepack run --ahead``): the plan adds its disk high-water mark (``bounded_peak_bytes``).
     """
     from prepack.tools.plan_tokenizer import load_plan_tokenizer
 
@@ -259,7 +262,7 @@ def plan_pack(cfg: PrepackConfig, *, cores: int | None = None, sample_batches: i
         from schemas.errors import StreamFailed
 
         raise StreamFailed("plan: the sampled streams produced no batch (see the drop counts in the log)")
-    plan = _project(cfg, acc, cores or os.cpu_count() or 1, time.monotonic() - start, worker_start_s)
+    plan = _project(cfg, acc, cores or os.cpu_count() or 1, time.monotonic() - start, worker_start_s, bounded)
     if parent is not None:
         from schemas.location import redact_uri
 
@@ -287,7 +290,8 @@ def _reuse_provider(reuse: "tuple[str, ...] | list[str]", compression: Compressi
     return PixelReuse(check_old_packs(reuse), frame_format=compression.frame_format)
 
 
-def _project(cfg: PrepackConfig, acc: _Sample, cores: int, seconds: float, worker_start_s: float = 0.0) -> PackPlan:
+def _project(cfg: PrepackConfig, acc: _Sample, cores: int, seconds: float, worker_start_s: float = 0.0,
+             bounded: "dict | None" = None) -> PackPlan:
     p, k = cfg.prepack, cfg.knobs
     n_streams = cfg.num_streams
     per_batch_tokens = acc.tokens / acc.batches
@@ -346,7 +350,21 @@ def _project(cfg: PrepackConfig, acc: _Sample, cores: int, seconds: float, worke
                 "cpu_s_per_batch": round(cpu_per_batch, 4)},
     )
     plan.warnings += _knob_warnings(cfg, plan, records_per_shard)
+    if bounded:
+        plan.bounded = dict(bounded, peak_bytes=bounded_peak_bytes(
+            plan, records_per_stream, records_per_shard, max(cfg.num_workers, 1), **bounded))
     return plan
+
+
+def bounded_peak_bytes(plan: PackPlan, records_per_stream: int, records_per_shard: int, workers: int, *,
+                       ahead: int, keep_checkpoints: int, checkpoint_every: int) -> int:
+    """The most a bounded run holds on disk at once: every stream's records from the earliest kept
+    checkpoint (K checkpoints of C training steps, a stream advancing once per ``workers`` steps) to
+    ``ahead`` past the reader, plus the shard being finished past that and the shard the trim bound
+    falls inside; the rest of the pack (checkpoints, indexes, lineage) is never trimmed."""
+    held = ahead + keep_checkpoints * math.ceil(checkpoint_every / workers) + 2 * records_per_shard
+    records = plan.record_bytes * records_per_stream * plan.streams
+    return int(plan.output_bytes - records + plan.record_bytes * min(held, records_per_stream) * plan.streams)
 
 
 def _knob_warnings(cfg: PrepackConfig, plan: PackPlan, records_per_shard: int) -> list[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import textwrap
 
-from prepack.run.command import add_continue_arguments
+from prepack.run.command import add_bound_arguments, add_continue_arguments
 from schemas.errors import UsageError
 
 
@@ -23,9 +23,18 @@ def cmd_plan(args) -> int:
     if args.cores is not None and args.cores < 1:
         raise UsageError(f"--cores must be at least 1, got {args.cores}")
     continue_from = Continue.from_cli(args)
+    bounded = None
+    if args.ahead is not None:
+        from prepack.run.ahead import BoundSpec
+
+        BoundSpec(args.ahead, ("(plan)",), args.keep_checkpoints)  # the run's own checks
+        if args.checkpoint_every < 1:
+            raise UsageError(f"--checkpoint-every takes training steps >= 1, got {args.checkpoint_every}")
+        bounded = {"ahead": args.ahead, "keep_checkpoints": args.keep_checkpoints,
+                   "checkpoint_every": args.checkpoint_every}
     plan = plan_pack(load_config(args.config), cores=args.cores, sample_batches=args.sample_batches,
                      sample_streams_n=args.sample_streams, max_seconds=args.max_seconds, reuse=args.reuse or (),
-                     continue_from=continue_from)
+                     continue_from=continue_from, bounded=bounded)
     if args.json:
         print(json.dumps(plan.to_json(), sort_keys=True))
     else:
@@ -58,6 +67,7 @@ def add_command(subparsers) -> None:
               prepack plan cfg.yaml --sample-batches 16 --sample-streams 4   # a larger, slower sample
               prepack plan new.yaml --reuse /data/packed   # how many pictures an old pack saves, and the CPU
               prepack plan anneal.yaml --continue /data/packed --after 15000   # a mix change from batch 15000
+              prepack plan cfg.yaml --ahead 200 --checkpoint-every 500   # a bounded run's disk peak
 
             It samples each stream's first batches and measures CPU here: expect the projection within
             tens of percent, not exactly (docs/performance.md says how close it came on the demo).
@@ -80,5 +90,10 @@ def add_command(subparsers) -> None:
                     "(reads OLD's pixel catalog if it has one, else every shard's pixel index: 'prepack index OLD')")
     add_continue_arguments(pl, "plan a continuation of OLD (prepack run --continue): the sampled streams start "
                            "from OLD's state at the switch, and the plan says where each group's data stands there")
+    pl.add_argument("--ahead", type=int, metavar="N",
+                    help="plan a bounded run (prepack run --ahead N): add its disk high-water mark next to the total")
+    add_bound_arguments(pl, "with --ahead")
+    pl.add_argument("--checkpoint-every", type=int, default=1000, metavar="C",
+                    help="with --ahead: training steps between the training's checkpoints (default 1000)")
     # skip_teardown: the program ends a plan without the interpreter's teardown (prepack.cli._exit_now)
     pl.set_defaults(func=cmd_plan, skip_teardown=True)

@@ -48,6 +48,8 @@ class PackPlan:
     # with --continue: the pack continued, the switch, and where each group's data stands there (the
     # sampled streams' mean: completed passes + the share of the pass read), from which NEW goes on
     continues: dict = field(default_factory=dict)
+    # with --ahead: the bounded run asked for (ahead, keep_checkpoints, checkpoint_every) and its disk peak
+    bounded: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(dataclasses.replace(self, composition=None))
@@ -78,6 +80,11 @@ class PackPlan:
             out.append(f"    {g.name:14s} {g.token_share:6.1%} / {g.drop_rate:6.2%} / {g.passes:8.2f}"
                        f"  ({g.rows_per_batch:.1f} rows per batch of {g.rows_per_pass:,} per pass)")
         out.append(f"  packer drops  {self.packer_drop_rate:.2%} of samples (over-long, no fit in the buffer)")
+        if self.bounded:
+            b = self.bounded
+            out.append(f"  bounded       disk peak ~{size_text(b['peak_bytes'])} of {size_text(self.output_bytes)} "
+                       f"({b['peak_bytes'] / max(self.output_bytes, 1):.0%}): --ahead {b['ahead']}, "
+                       f"{b['keep_checkpoints']} checkpoint(s) kept, one every {b['checkpoint_every']:,} steps")
         if self.continues:
             c = self.continues
             out.append(f"  continues     {c['from']} after {c['after']}; each group's data stands there at "

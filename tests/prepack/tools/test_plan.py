@@ -177,3 +177,29 @@ def test_the_packer_drop_rate_counts_lost_samples_not_refused_batches():
     by_group, packer = lost_samples(drops)
     assert by_group == {"t2i": 3, "edit": 4}
     assert packer == 7 + 2 + 1  # samples of refused batches, overlength, an undeclared reason: not batches or buffer
+
+
+def test_a_bounded_plan_reports_the_disk_high_water_mark(tmp_path, tokenizer_and_special, capsys):
+    """``plan --ahead N``: a bounded run holds a window of records per stream (N ahead of the reader, K
+    checkpoints of C steps behind it, a shard at each end), never more than the whole pack."""
+    from prepack.cli import main
+
+    config = small_dataset(str(tmp_path), batches=400, shard_bytes=1000)  # a record per shard
+    cfg = load_config(config)
+    bound = {"ahead": 10, "keep_checkpoints": 2, "checkpoint_every": 6}
+    plan = plan_pack(cfg, sample_batches=2, sample_streams_n=1, tokenizer=tokenizer_and_special, bounded=bound)
+    b = plan.bounded
+    assert {k: b[k] for k in bound} == bound
+    kept_bytes = plan.output_bytes - plan.record_bytes * plan.records  # checkpoints, indexes, lineage
+    held = (b["peak_bytes"] - kept_bytes) / plan.record_bytes / plan.streams  # records a stream holds at most
+    # 10 ahead, 2 checkpoints 6 steps apart over K=2 workers (3 records of a stream each), 2 shards of 1
+    assert round(held) == 10 + 2 * 3 + 2, held
+    assert kept_bytes < b["peak_bytes"] < plan.output_bytes / 2
+    assert any(line.startswith("  bounded       disk peak") for line in plan.lines())
+    more = plan_pack(cfg, sample_batches=2, sample_streams_n=1, tokenizer=tokenizer_and_special,
+                     bounded=dict(bound, ahead=10_000))
+    assert more.bounded["peak_bytes"] == more.output_bytes  # a window past the budget: the whole pack
+    for argv, why in ((["--ahead", "0"], "--ahead takes"), (["--ahead", "5", "--keep-checkpoints", "0"],
+                      "--keep-checkpoints takes"), (["--ahead", "5", "--checkpoint-every", "0"], "--checkpoint-every")):
+        assert main(["plan", config, *argv]) == 2
+        assert why in capsys.readouterr().err
