@@ -40,7 +40,8 @@ def take(iterator, n: int) -> None:
 
 
 def files(folder) -> set[str]:
-    return set(os.listdir(folder)) if os.path.isdir(folder) else set()
+    """The published files (not the temporary one a worker still writing may have open)."""
+    return {n for n in os.listdir(folder) if not n.endswith(".tmp")} if os.path.isdir(folder) else set()
 
 
 def positions_of(state: dict) -> dict[int, int]:
