@@ -28,7 +28,7 @@ import polars as pl
 
 from loader.reader import Pack, read_shard
 from prepack.tools.composition import COLUMNS, BatchCounts, Composition, record_counts, table_lines
-from prepack.tools.lineage_queries import ROW_KEY, scan_lineage
+from prepack.tools.lineage_queries import ROW_KEY, chain_segments, scan_chain_lineage, scan_lineage
 from schemas.manifest import StreamSummary
 from schemas.pack_info import PackInfo
 
@@ -124,27 +124,17 @@ def _group_mix(info: PackInfo, lineage: pl.DataFrame) -> pl.DataFrame:
 
 def _segments(pack: Pack) -> pl.DataFrame:
     """A continuation's chain, oldest segment first: per segment, the records a reader takes from it
-    and its group mix (configured weight, samples packed in those records: its lineage below each
-    stream's limit).  Empty for a pack of its own."""
+    and its group mix (configured weight, samples packed in those records).  Empty for a pack of
+    its own."""
     if pack.parent is None:
         return pl.DataFrame()
-    limits = {s: None for s in range(pack.num_streams)}  # per stream: records of the segment read (None: all)
-    rows, seg = [], []
-    p = pack
-    while p is not None:
-        switch = [p.switch(s) for s in range(p.num_streams)]
-        own = {s: (p.index(s).num_records if limits[s] is None else max(0, limits[s] - switch[s]))
-               for s in range(p.num_streams)}
-        cut = pl.DataFrame({"stream": list(own), "below": list(own.values())},
-                           schema={"stream": pl.Int32, "below": pl.Int64})
-        mix = (scan_lineage(p.location).join(cut.lazy(), on="stream").filter(pl.col("record") < pl.col("below"))
-               .group_by("group").agg(pl.len().cast(pl.Int64).alias("samples")).collect())
-        seg.append((p.location.base, sum(own.values()), _group_mix(p.info, mix)))
-        limits = {s: switch[s] if limits[s] is None else min(limits[s], switch[s]) for s in limits}
-        p = p.parent
-    for i, (base, records, mix) in enumerate(reversed(seg)):
+    segments = chain_segments(pack)
+    counts = scan_chain_lineage(pack).group_by("segment", "group").agg(pl.len().cast(pl.Int64).alias("samples")).collect()
+    rows = []
+    for i, seg in enumerate(segments):
+        mix = _group_mix(seg.pack.info, counts.filter(pl.col("segment") == i).drop("segment"))
         for group, _, weight, _, samples, share in mix.iter_rows():
-            rows.append((i, base, records, group, weight, samples, share))
+            rows.append((i, seg.pack.location.base, seg.records, group, weight, samples, share))
     return pl.DataFrame(rows, schema={"segment": pl.Int32, "pack": pl.String, "records": pl.Int64, "group": pl.String,
                                       "weight": pl.Float64, "samples": pl.Int64, "share": pl.Float64}, orient="row")
 

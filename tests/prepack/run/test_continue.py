@@ -170,6 +170,19 @@ def test_a_chain_of_two_continues_as_the_reference(base, tokenizer_and_special):
     assert segs["samples"].sum() == sum(per_record)
     t2i = st.segments.filter(pl.col("group") == "t2i_pretrain")["weight"].to_list()
     assert t2i == [1.0, 3.0, 3.0] and "each segment's mix" in format_stats(st)
+    # lineage over the chain: a reader's record numbers, each row naming the segment it was packed in
+    from prepack.tools.lineage_queries import batches_with_row, rows_of_batch
+
+    for s in (0, 1):
+        for r, b in enumerate(open_stream(new, s)):
+            rows = rows_of_batch(new, s, r)
+            want = [(d["dataset_name"], d["data_indexes"] if isinstance(d["data_indexes"], list)
+                     else [d["data_indexes"]], int(n)) for d, n in zip(b.batch_data_indexes, b.sample_lens)]
+            assert list(zip(rows["group"], rows["data_indexes"].to_list(), rows["num_tokens"])) == want, (s, r)
+            assert set(rows["segment"]) == {0 if r < 2 else 1 if r < 4 else 2}, (s, r)
+        row = rows_of_batch(new, s, 5).row(0, named=True)
+        hits = batches_with_row(new, row["source_file"], row["source_row"], row["source_row_group"])
+        assert (s, 5, 2) in set(zip(hits["stream"], hits["record"], hits["segment"]))
     # and switching before mid's own switch takes OLD's state there (N counts the whole chain)
     cfg_d, early = continue_pack(base, "chain_early", raw_c, tokenizer_and_special, old=mid, after=1)
     assert_chain_is_the_reference(early, [base["cfg_a"], cfg_d], [1], tokenizer_and_special)
