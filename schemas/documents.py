@@ -16,7 +16,6 @@ import hashlib
 import json
 import types
 import typing
-from dataclasses import asdict
 from typing import Any
 
 from schemas.errors import DamagedFile
@@ -89,11 +88,28 @@ def _check(value: Any, hint: Any, where: str) -> Any:
     raise DamagedFile(f"{where}: {value!r} is not {getattr(hint, '__name__', hint)}")
 
 
+_ATOMS = frozenset((int, float, str, bool, type(None)))
+
+
+def _plain(value: Any) -> Any:
+    """``asdict`` for JSON: the same dict, without deep-copying every leaf (a checkpoint holds
+    thousands of ints: RNG states, buffered token ids)."""
+    if type(value) in _ATOMS:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return value
+
+
 class Document:
     """A dataclass saved as JSON: fields declared once, every field type-checked on read."""
 
     def to_json(self) -> str:
-        return dump_checked(asdict(self)).decode()
+        return dump_checked(_plain(self)).decode()
 
     @classmethod
     def from_dict(cls, d: Any, where: str = ""):

@@ -217,7 +217,9 @@ ARRAY_DTYPES = {name: np.dtype(_NUMPY[t]) for name, t in _ARRAY_COLUMNS}
 
 
 def _to_record(batch: PackedBatch, codec: str, stored_pixels, frames: np.ndarray,
-               metadata: dict[str, str] | None) -> pa.RecordBatch:
+               metadata: dict[str, str] | None, arrays: dict[str, np.ndarray] | None = None) -> pa.RecordBatch:
+    """The record of ``batch``; ``arrays`` (when given) receives each array column's values as the
+    record holds them (``record_arrays`` of it, without reading them back)."""
     cols = [pa.array([getattr(batch, n)], type=t) for n, t in _SCALAR_COLUMNS]
     cols.append(pa.array([codec], type=pa.string()))
     cols.append(pa.ListArray.from_arrays(pa.array([0, len(frames)], type=pa.int32()),
@@ -227,7 +229,10 @@ def _to_record(batch: PackedBatch, codec: str, stored_pixels, frames: np.ndarray
             values = pa.py_buffer(stored_pixels) if not isinstance(stored_pixels, pa.Buffer) else stored_pixels
             values = pa.Array.from_buffers(pa.uint8(), values.size, [None, values])
         else:
-            values = pa.array(np.ascontiguousarray(getattr(batch, name), dtype=ARRAY_DTYPES[name]).reshape(-1), type=typ)
+            flat = np.ascontiguousarray(getattr(batch, name), dtype=ARRAY_DTYPES[name]).reshape(-1)
+            values = pa.array(flat, type=typ)
+            if arrays is not None:
+                arrays[name] = flat
         offsets = pa.array([0, len(values)], type=pa.int32())
         cols.append(pa.ListArray.from_arrays(offsets, values))
     for (name, typ), attr in zip(_ORIGIN_COLUMNS, _ORIGIN_ATTRS):
@@ -274,12 +279,13 @@ def encode_record(batch: PackedBatch, compression: Compression | None = None,
             pixels[a:b] = im.coded_pixels()  # another format: stored anew from its pixels
         digests[i] = image_digest(pixels[a:b])
     codec, data, frames = compression.compress_frames(pixels, offsets, given)
-    record = _to_record(batch, codec, data, frames, metadata)
+    arrays: dict[str, np.ndarray] = {}
+    record = _to_record(batch, codec, data, frames, metadata, arrays)
     view = memoryview(data if not isinstance(data, np.ndarray) else data.data).cast("B")
     bounds = frames.tolist()
     frame_digests = np.fromiter((xxhash.xxh3_64_intdigest(view[a:b]) for a, b in zip(bounds[:-1], bounds[1:])),
                                 np.uint64, count=len(stored))
-    return EncodedRecord(record, _digest(record, digests), fmt, digests, frame_digests)
+    return EncodedRecord(record, _digest(record, digests, arrays), fmt, digests, frame_digests)
 
 
 def batch_to_record(batch: PackedBatch, metadata: dict[str, str] | None = None) -> pa.RecordBatch:
@@ -383,12 +389,14 @@ def record_to_batch(record: pa.RecordBatch) -> PackedBatch:
     return PackedBatch(**kwargs)
 
 
-def _digest(record: pa.RecordBatch, image_digests: np.ndarray) -> str:
+def _digest(record: pa.RecordBatch, image_digests: np.ndarray, arrays: dict[str, np.ndarray] | None = None) -> str:
+    """``arrays``: the record's array columns but ``image_pixels`` (``record_arrays``), if at hand."""
     h = xxhash.xxh3_128()
     for name, _ in _SCALAR_COLUMNS:
         h.update(name.encode())
         h.update(repr(record.column(name)[0].as_py()).encode())
-    arrays = record_arrays(record)
+    if arrays is None:
+        arrays = record_arrays(record)
     for name, _ in _ARRAY_COLUMNS:
         h.update(name.encode())
         if name == "image_pixels":  # the table by its images' digests (``image_digest``)

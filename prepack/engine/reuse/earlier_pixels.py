@@ -48,6 +48,7 @@ from schemas.pixel_table import StoredImage, image_digest
 log = logging.getLogger(__name__)
 
 WRITTEN_LIMIT_BYTES = 128 << 20  # frames of the open shard kept in memory for a stream's later passes
+RECENT_PICTURES = 512  # pictures whose catalog rows are kept (a row pins its ~20 KB block: <= 10 MB)
 OWN_SETTING = "PREPACK_REUSE_OWN"  # 0: a stream's later passes decode again instead of reading its own shards
 
 
@@ -96,7 +97,7 @@ class PixelReuse:
         self._open: OrderedDict[int, None] = OrderedDict()
         self._open_files = open_files
         self._catalogs: list[CatalogView | None] = []
-        self._last: "tuple[tuple[bytes, str], list] | None" = None
+        self._recent: OrderedDict[tuple[bytes, str], list] = OrderedDict()  # catalog rows of the last pictures
         self._loaded = not self.olds
         self.indexed = 0  # pictures the loaded indexes list (catalogs included)
 
@@ -164,10 +165,14 @@ class PixelReuse:
 
     # -- catalogs -------------------------------------------------------------------------------
     def _catalog_rows(self, content: bytes, decode: str) -> "list[tuple[int, dict, CatalogView]]":
-        """Every catalog's rows of a picture (the last picture's are kept: a stream asks for its
-        facts, then for each of its targets)."""
-        if self._last is not None and self._last[0] == (content, decode):
-            return self._last[1]
+        """Every catalog's rows of a picture.  The last ``RECENT_PICTURES`` pictures' are kept: a
+        stream asks for a picture's facts when it samples it, then for each of its targets when it
+        plans its batch (the read-ahead) and again when it builds it, other pictures in between."""
+        key = (content, decode)
+        found = self._recent.get(key)
+        if found is not None:
+            self._recent.move_to_end(key)
+            return found
         found = []
         for i, view in enumerate(self._catalogs):
             if view is None:
@@ -176,7 +181,9 @@ class PixelReuse:
             if damaged and not rows:
                 self.counts.fallback("pixel_catalog_damaged")
             found.extend((i, row, view) for row in rows)
-        self._last = ((content, decode), found)
+        self._recent[key] = found
+        if len(self._recent) > RECENT_PICTURES:
+            self._recent.popitem(last=False)
         return found
 
     def _catalog_where(self, source: PictureSource, width: int, height: int) -> _Where | None:

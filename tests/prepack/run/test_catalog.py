@@ -91,6 +91,37 @@ def test_the_catalog_lists_the_first_copy_of_every_picture(pack, tmp_path):
     assert _digest_tree(os.path.join(out, "pixels")) == _digest_tree(os.path.join(again, "pixels"))
 
 
+def test_a_picture_asked_again_after_others_is_not_looked_up_again(pack, tmp_path, monkeypatch):
+    """A stream asks a picture's facts when it samples it, and its targets when it plans and builds
+    its batch, other pictures in between: the catalog is read once per picture, within a bound."""
+    from prepack.engine.reuse import earlier_packs, earlier_pixels
+
+    out = _copy(pack, tmp_path)
+    build_catalog(out)
+    first: dict = {}
+    for r in _shard_rows(out):
+        first.setdefault((r["content"], r["decode"]), r)
+    pictures = list(first.values())
+    assert len(pictures) > 2
+    reads = []
+    real_rows = earlier_packs.CatalogView.rows
+    monkeypatch.setattr(earlier_packs.CatalogView, "rows", lambda self, c, d: reads.append(c) or real_rows(self, c, d))
+    reuse = PixelReuse([out], ReuseCounts())
+    for r in pictures:  # every picture sampled first, then every one fetched
+        assert reuse.facts((r["content"], r["decode"])) is not None
+    for r in pictures:
+        source = PictureSource(r["content"], r["decode"], None)
+        assert reuse.fetch(source, r["width"], r["height"]) is not None
+    assert sorted(reads) == sorted(r["content"] for r in pictures)  # once each
+    monkeypatch.setattr(earlier_pixels, "RECENT_PICTURES", 1)
+    reuse, reads[:] = PixelReuse([out], ReuseCounts()), []
+    for r in pictures:
+        reuse.facts((r["content"], r["decode"]))
+    for r in pictures:
+        reuse.facts((r["content"], r["decode"]))
+    assert len(reads) == 2 * len(pictures) and len(reuse._recent) == 1  # the bound holds
+
+
 def _digest_tree(folder: str) -> dict:
     return {os.path.relpath(os.path.join(d, n), folder): hashlib.sha256(open(os.path.join(d, n), "rb").read()).hexdigest()
             for d, _, names in os.walk(folder) for n in names}
