@@ -17,9 +17,10 @@ reason: never a wrong byte, never a failed run.
 Only committed shards are read (the ones a stream's ``index.arrow`` lists), so an earlier pack may
 still be packing.  Lookups go to the earlier pack's pixel catalog (``schemas.pixel_catalog``: the
 same rows sorted by content in blocks) where it covers a shard: memory is its block fences (~40
-bytes per 1,024 pictures) and a few cached blocks, whatever the size of the pack.  Shards the
-catalog does not cover (committed after it was built, or no catalog at all) and this stream's own
-shards are held in memory, ~150 bytes a picture, loaded once per stream at its first picture.
+bytes per 256 pictures), a few cached blocks and the rows of the last pictures looked up, whatever
+the size of the pack.  Shards the catalog does not cover (committed after it was built, or no
+catalog at all) and this stream's own shards are held in memory, ~150 bytes a picture, loaded once
+per stream at its first picture.
 """
 
 from __future__ import annotations
