@@ -49,7 +49,7 @@ from schemas.pixel_table import StoredImage, image_digest
 log = logging.getLogger(__name__)
 
 WRITTEN_LIMIT_BYTES = 128 << 20  # frames of the open shard kept in memory for a stream's later passes
-RECENT_PICTURES = 512  # pictures whose catalog rows are kept (a row pins its ~20 KB block: <= 10 MB)
+RECENT_PICTURES = 512  # pictures whose catalog rows are kept (a row pins its 22 KB block: <= ~11 MB)
 OWN_SETTING = "PREPACK_REUSE_OWN"  # 0: a stream's later passes decode again instead of reading its own shards
 
 
