@@ -7,8 +7,10 @@ OLD is a finished pack of config A (W=1, K=2: 2 streams): ``--data demo`` (defau
 (``prepack demo-data``) under ``configs/demo.yaml``; ``--data photos`` ``bench_pack.py``'s
 camera-sized photographs under NeMo's pretrain knobs (as ``bench_reuse.py`` and ``bench_s3.py
 --data photos``).  ``--mix vlm`` makes A VLM-heavy (weights t2i 1, edit 1, vlm 8; with the
-photographs also a smaller token budget, expected_num_tokens 10240).  B is A annealed: one
-group's weight x4 (``--anneal``), a budget of batches per stream.  OLD runs ``--after`` batches
+photographs also a smaller token budget, expected_num_tokens 10240).  ``--tokens N`` sets the
+budget of either (``--data demo --mix vlm --tokens 10240``: small pictures at a 10k-token budget);
+``--shard-bytes`` the shards' size (the demo config's 16 MiB commit a shard every few batches).
+B is A annealed: one group's weight x4 (``--anneal``), a budget of batches per stream.  OLD runs ``--after`` batches
 plus enough beyond them to hold what NEW reads next (a training that switches mid-run).
 
 Both sides run in this process as ``prepack run --no-ray`` does (``run_pack(..., inline=True)``,
@@ -51,6 +53,7 @@ Last line, exactly:
 
     python scripts/bench_continue.py --fresh-reuse --profile               # demo data, ~1 min on 2 cores
     python scripts/bench_continue.py --fresh-reuse --profile --mix vlm
+    python scripts/bench_continue.py --fresh-reuse --mix vlm --tokens 10240
     python scripts/bench_continue.py --fresh-reuse --profile --data photos  # ~1.5 min
 """
 
@@ -72,10 +75,13 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "helpers"), os.path.dirname(os
 
 GROUPS = ("t2i_pretrain", "unified_edit", "vlm_sft")
 VLM_WEIGHTS = {"t2i_pretrain": 1, "unified_edit": 1, "vlm_sft": 8}
-# NeMo's pretrain knobs with a smaller token budget: the VLM-heavy mix's batches (photographs only;
-# the demo's own knobs are smaller still, expected 6144)
-VLM_PHOTO_KNOBS = dict(expected_num_tokens=10240, max_num_tokens=16384, max_num_tokens_per_sample=16384,
-                       prefer_buffer_before=8192)
+VLM_PHOTO_TOKENS = 10240  # the photographs' VLM-heavy mix's budget (the demo's own is smaller, expected 6144)
+
+
+def token_knobs(expected: int) -> dict:
+    """A token budget in the proportions of NeMo's pretrain knobs (10240 -> max 16384, buffer 8192)."""
+    return dict(expected_num_tokens=expected, max_num_tokens=expected * 8 // 5,
+                max_num_tokens_per_sample=expected * 8 // 5, prefer_buffer_before=expected * 4 // 5)
 
 
 def config_a(args, tmp: str) -> tuple[dict, str]:
@@ -88,13 +94,16 @@ def config_a(args, tmp: str) -> tuple[dict, str]:
         path = ds.config(knobs=NEMO_PRETRAIN_KNOBS, num_workers=2, prepack={"batches_per_stream": 1})
         raw = yaml.safe_load(open(path))
         raw["prepack"].pop("shard_bytes", None)  # the default 256 MiB, as bench_reuse.py
-        if args.mix == "vlm":
-            raw["dataset"].update(VLM_PHOTO_KNOBS)
     else:
         from ray_helpers import make_demo
 
         path = make_demo(tmp)  # tmp/demo-data (prepack demo-data) and tmp/configs/demo.yaml
         raw = yaml.safe_load(open(path))
+    tokens = args.tokens or (VLM_PHOTO_TOKENS if args.data == "photos" and args.mix == "vlm" else None)
+    if tokens:
+        raw["dataset"].update(token_knobs(tokens))
+    if args.shard_bytes:
+        raw["prepack"]["shard_bytes"] = args.shard_bytes
     if args.mix == "vlm":
         for group, w in VLM_WEIGHTS.items():
             raw["dataset"]["grouped_datasets"][group]["weight"] = w
@@ -289,6 +298,11 @@ def main() -> None:
                          "camera-sized photographs under NeMo's pretrain knobs")
     ap.add_argument("--mix", choices=("default", "vlm"), default="default",
                     help="vlm: weights t2i 1, edit 1, vlm 8 (photos: expected_num_tokens 10240)")
+    ap.add_argument("--tokens", type=int, default=None,
+                    help="expected_num_tokens of both configs (max_num_tokens 1.6x, prefer_buffer_before 0.8x, as "
+                         "NeMo's pretrain knobs; default: the data's own, 10240 for photos with --mix vlm)")
+    ap.add_argument("--shard-bytes", type=int, default=None,
+                    help="shard_bytes of both configs (default: the demo config's 16 MiB; photos: prepack's 256 MiB)")
     ap.add_argument("--anneal", choices=GROUPS, default="unified_edit", help="the group whose weight B multiplies by 4")
     ap.add_argument("--after", type=int, default=None,
                     help="OLD's batches before the switch (default: 10 demo, 6 photos)")

@@ -56,3 +56,11 @@ def test_a_function_without_a_category_is_charged_to_its_callers():
     assert abs(spent["layout and packing"] - (1.0 + 0.5 + 0.25)) < 1e-9
     assert abs(spent["shard files and index"] - (0.5 + 0.5 + 0.25 + 1.5)) < 1e-9
     assert abs(sum(spent.values()) - 4.5) < 1e-9
+
+
+def test_a_token_budget_keeps_nemo_pretrain_proportions():
+    knobs = bench_continue.token_knobs(10240)  # the photographs' VLM-heavy budget
+    assert knobs == dict(expected_num_tokens=10240, max_num_tokens=16384, max_num_tokens_per_sample=16384,
+                         prefer_buffer_before=8192)
+    small = bench_continue.token_knobs(6000)
+    assert small["expected_num_tokens"] < small["prefer_buffer_before"] * 2 <= small["max_num_tokens"] * 2
