@@ -14,7 +14,8 @@ import difflib
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+import copy
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Mapping
 
 import yaml
@@ -327,6 +328,16 @@ BUDGET_KEYS = ("batches_per_stream", "tokens_per_stream", "passes")
 
 
 @dataclass(frozen=True)
+class ScheduleStep:
+    """``prepack.schedule``'s step: from the stream's batch ``after`` on, pack under ``config`` (the
+    whole config with the step's ``set`` applied, and every earlier step's), continued from the
+    stream's state there as a continuation is (``schemas.mix_change``)."""
+
+    after: int
+    config: "PrepackConfig"
+
+
+@dataclass(frozen=True)
 class PrepackConfig:
     seed: int
     tokenizer: str | dict
@@ -335,6 +346,7 @@ class PrepackConfig:
     knobs: PackingKnobs
     prepack: PrepackSection
     config_path: str = ""
+    schedule: tuple[ScheduleStep, ...] = field(default=())  # a planned mix change within one pack
 
     @property
     def world_size(self) -> int:
@@ -358,9 +370,25 @@ class PrepackConfig:
         seed = seed * max(1, self.num_workers) + worker
         return seed & 0xFFFFFFFF
 
+    # -- a schedule (``prepack.schedule``) --------------------------------------------------------
+    def step_of(self, batch: int) -> int:
+        """Which step packs the stream's batch ``batch`` (0-based): 0 is the config itself."""
+        return sum(1 for st in self.schedule if st.after <= batch)
+
+    def step_config(self, step: int) -> "PrepackConfig":
+        """The config step ``step`` packs under, without a schedule of its own."""
+        return replace(self, schedule=()) if step == 0 else self.schedule[step - 1].config
+
+    def packed_under(self, batches: int) -> "PrepackConfig":
+        """The config whose packer made a stream's state after ``batches`` batches."""
+        return self.step_config(self.step_of(max(batches - 1, 0)))
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("config_path")
+        d.pop("schedule")
+        if self.schedule:  # absent without one: the stored configs (and hashes) of every other pack stay as they were
+            d["schedule"] = [{"after": st.after, "config": st.config.to_dict()} for st in self.schedule]
         return d
 
     @classmethod
@@ -376,6 +404,8 @@ class PrepackConfig:
             "knobs": PackingKnobs.from_dict(d["knobs"]),
             "prepack": PrepackSection.from_dict(d["prepack"]),
             "config_path": config_path,
+            "schedule": tuple(ScheduleStep(int(st["after"]), cls.from_dict(st["config"], config_path))
+                              for st in d.get("schedule", ())),
         })
 
     def content_hash(self) -> str:
@@ -383,8 +413,9 @@ class PrepackConfig:
         mismatched resumes; a larger budget extends a pack, since every stream is a prefix of an
         endless one."""
         d = self.to_dict()
-        for k in BUDGET_KEYS:
-            d["prepack"].pop(k, None)
+        for part in [d] + [st["config"] for st in d.get("schedule", ())]:
+            for k in BUDGET_KEYS:
+                part["prepack"].pop(k, None)
         blob = json.dumps(d, sort_keys=True, default=list)
         return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -454,7 +485,13 @@ def parse_config(raw: Mapping[str, Any], base_dir: str, *, config_path: str = ""
         raise ConfigError(f"seed must be an integer, got {seed!r}")
     tok = _parse_tokenizer(raw.get("tokenizer", "qwen2-offline"), base_dir)
     num_workers = _parse_num_workers(raw.get("dataloader") or {})
-    section = PrepackSection.parse("prepack", raw.get("prepack"))
+    prepack_raw = raw.get("prepack")
+    steps = None
+    if isinstance(prepack_raw, Mapping) and "schedule" in prepack_raw:
+        steps = prepack_raw["schedule"]
+        raw = {**raw, "prepack": {k: v for k, v in prepack_raw.items() if k != "schedule"}}
+        prepack_raw = raw["prepack"]
+    section = PrepackSection.parse("prepack", prepack_raw)
     groups, knobs = _parse_dataset(raw.get("dataset"), base_dir, check_files)
     need = section.world_size * max(1, num_workers)
     for g in groups:
@@ -463,7 +500,7 @@ def parse_config(raw: Mapping[str, Any], base_dir: str, *, config_path: str = ""
                 f"dataset.grouped_datasets.{g.name}.num_used_data sums to {sum(g.num_used_data)}, smaller than "
                 f"world_size*num_workers = {need}: some stream would get no data"
             )
-    return PrepackConfig(
+    cfg = PrepackConfig(
         seed=seed,
         tokenizer=tok,
         num_workers=num_workers,
@@ -472,6 +509,80 @@ def parse_config(raw: Mapping[str, Any], base_dir: str, *, config_path: str = ""
         prepack=section,
         config_path=config_path,
     )
+    if steps is not None:
+        cfg = replace(cfg, schedule=_parse_schedule(steps, raw, cfg, base_dir, config_path, check_files))
+    return cfg
+
+
+# What a schedule step may set: the dataset block (what a mix change may change is then checked
+# by ``schemas.mix_change``); the streams, the seed, the tokenizer and the prepack section stay.
+_STEP_SETTABLE = ("dataset",)
+
+
+def _parse_schedule(steps: Any, raw: Mapping[str, Any], base: "PrepackConfig", base_dir: str, config_path: str,
+                    check_files: bool) -> tuple[ScheduleStep, ...]:
+    """``prepack.schedule``: a list of ``{after: N, set: {dotted.key: value}}``, ``after`` rising.
+
+    Each step's config is the YAML document with its ``set`` and every earlier step's applied (a
+    value of null removes the key, e.g. a group), parsed as a config of its own, so its paths and
+    checks are a config's; each must be a mix change every earlier step's config allows."""
+    from schemas.mix_change import mix_change_refusal  # it imports this module
+
+    if not isinstance(steps, list) or not steps:
+        raise ConfigError("prepack.schedule must be a non-empty list of {after: N, set: {key: value}} steps")
+    doc = copy.deepcopy({k: v for k, v in raw.items()})
+    out: list[ScheduleStep] = []
+    configs = [base]
+    for i, step in enumerate(steps):
+        where = f"prepack.schedule[{i}]"
+        if not isinstance(step, Mapping):
+            raise ConfigError(f"{where} must be a mapping {{after: N, set: {{key: value}}}}")
+        check_keys(where, step, ["after", "set"])
+        after = step.get("after")
+        if isinstance(after, bool) or not isinstance(after, int) or after < 1:
+            raise ConfigError(f"{where}.after must be a batch number of 1 or more, got {after!r}")
+        if out and after <= out[-1].after:
+            raise ConfigError(f"{where}.after must be above the step before it ({out[-1].after}), got {after}")
+        settings = step.get("set")
+        if not isinstance(settings, Mapping) or not settings:
+            raise ConfigError(f"{where}.set must be a non-empty mapping of dotted keys to values "
+                              "(e.g. dataset.grouped_datasets.vlm_sft.weight: 4)")
+        for key, value in settings.items():
+            _set_dotted(doc, str(key), value, f"{where}.set")
+        try:
+            cfg = parse_config(doc, base_dir, config_path=config_path, check_files=check_files)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
+        for j, earlier in enumerate(configs):
+            why = mix_change_refusal(earlier, cfg)
+            if why:
+                raise ConfigError(f"{where} cannot follow {'the config' if j == 0 else f'step {j - 1}'}: {why}")
+        configs.append(cfg)
+        out.append(ScheduleStep(after, cfg))
+    return tuple(out)
+
+
+def _set_dotted(doc: dict, key: str, value: Any, where: str) -> None:
+    """``doc[a][b][c] = value`` for ``key`` "a.b.c" (None removes it); the mappings on the way must exist."""
+    parts = key.split(".")
+    if parts[0] not in _STEP_SETTABLE or len(parts) < 2 or not all(parts):
+        raise ConfigError(f"{where}: '{key}': a step sets keys under {', '.join(k + '.' for k in _STEP_SETTABLE)} "
+                          "(weights, is_mandatory, knobs, transforms, groups); the streams, seed, tokenizer and "
+                          "prepack section are the whole pack's")
+    node = doc
+    for depth, part in enumerate(parts[:-1]):
+        child = node.get(part) if isinstance(node, Mapping) else None
+        if not isinstance(child, Mapping):
+            raise ConfigError(f"{where}: '{key}': the config has no mapping at "
+                              f"'{'.'.join(parts[:depth + 1])}' to set it in")
+        node[part] = child = dict(child)
+        node = child
+    if value is None:
+        if parts[-1] not in node:
+            raise ConfigError(f"{where}: '{key}' is null (remove) but the config has no such key")
+        del node[parts[-1]]
+    else:
+        node[parts[-1]] = copy.deepcopy(value)
 
 
 def load_config(path: str, *, overrides: Mapping[str, Any] | None = None, check_files: bool = True) -> PrepackConfig:

@@ -152,25 +152,32 @@ class StreamPacker:
         for source, s in zip(self.sources, st.sources, strict=True):
             source.restore(s)
         self.buffer = list(st.buffer)
-        restored = st.counters
-        self.counters.drops, self.counters.warnings = dict(restored.drops), dict(restored.warnings)
-        self.counters.samples_read, self.counters.samples_packed = dict(restored.samples_read), dict(restored.samples_packed)
-        self.counters.examples = dict(restored.examples)
+        self._restore_counters(st.counters)
 
-    def continue_from(self, st: StreamState, groups: list[int | None]) -> None:
+    def continue_from(self, st: StreamState, groups: list[int | None], *, whole_stream: bool = False) -> None:
         """Go on from another config's state (a mix change, ``schemas.mix_change``): its random state and
         buffer, and each matched group's data position (``groups[i]``: the index of group i in the
         state, None for a group that starts fresh).  Budget counts (batches, tokens, passes) and the
-        accounting start again at zero: they are this pack's own."""
+        accounting start again at zero: they are this pack's own; with ``whole_stream`` (a step of a
+        schedule, ``prepack.engine.schedule``) they go on from the state's: the pack's stream goes on."""
         if st.stream != self.stream:
             raise ValueError(f"state is for stream {st.stream}, not {self.stream}")
         self.py.setstate(_py_state_from_json(st.py_rng))
         self.np.set_state(_np_state_from_json(st.np_rng))
         for source, at in zip(self.sources, groups, strict=True):
             if at is not None:
-                source.restore({**st.sources[at], "passes": 0})
+                source.restore(st.sources[at] if whole_stream else {**st.sources[at], "passes": 0})
         self.buffer = list(st.buffer)
         self.refused_in_row = st.refused_in_row
+        if whole_stream:
+            self.batches, self.tokens = st.batches, st.tokens
+            self._restore_counters(st.counters)
+
+    def _restore_counters(self, restored: Counters) -> None:
+        """In place: the sources and the picture store count into this object."""
+        self.counters.drops, self.counters.warnings = dict(restored.drops), dict(restored.warnings)
+        self.counters.samples_read, self.counters.samples_packed = dict(restored.samples_read), dict(restored.samples_packed)
+        self.counters.examples = dict(restored.examples)
 
     def close(self) -> None:
         """Stop the sources' read-ahead and the stream's I/O threads (the cursors stay; packing can go on)."""

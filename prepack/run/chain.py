@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from loader.reader import Pack
 from loader.state import positions_in, read_state_file
 from prepack.engine.checkpoint import state_from_payload, state_to_payload
-from prepack.engine.packer import StreamPacker, StreamState
+from prepack.engine.packer import StreamState
+from prepack.engine.schedule import open_packer
 from prepack.engine.reuse.earlier_pixels import PixelReuse
 from prepack.run.checkpoints import read_checkpoint
 from schemas.config import PrepackConfig
@@ -81,18 +82,26 @@ def open_parent(uri: str) -> Pack:
 
 
 def chain_configs(pack: Pack) -> list[PrepackConfig]:
-    """The config of every segment of ``pack``'s chain, newest first."""
+    """The config of every segment of ``pack``'s chain, newest first (a segment with a schedule: each
+    of its steps' configs)."""
     out = []
     while pack is not None:
-        out.append(pack.info.stored_config())
+        out.extend(reversed(steps_of(pack.info.stored_config())))
         pack = pack.parent
     return out
 
 
+def steps_of(cfg: PrepackConfig) -> list[PrepackConfig]:
+    """The configs a pack of ``cfg`` packs under: itself, or each step of its schedule."""
+    return [cfg.step_config(i) for i in range(len(cfg.schedule) + 1)]
+
+
 def check_continuation(parent: Pack, cfg: PrepackConfig, uri: str) -> None:
-    """``cfg`` may continue every segment of the parent's chain (``schemas.mix_change``)."""
+    """``cfg`` (each step of its schedule) may continue every segment of the parent's chain
+    (``schemas.mix_change``)."""
     for old in chain_configs(parent):
-        check_mix_change(old, cfg, redact_uri(uri))
+        for new in steps_of(cfg):
+            check_mix_change(old, new, redact_uri(uri))
 
 
 def switch_points(parent: Pack, how: Continue) -> list[int]:
@@ -137,7 +146,8 @@ def parent_link(parent: Pack, after: list[int], uri: str) -> ParentLink:
 
 
 def state_at(pack: Pack, stream: int, n: int, tokenizer, special) -> tuple[StreamState, PrepackConfig]:
-    """The stream's state after record ``n`` of ``pack``'s chain, and the config it was packed under."""
+    """The stream's state after record ``n`` of ``pack``'s chain, and the config it was packed under
+    (of a pack with a schedule: the step that packed record ``n - 1``)."""
     m = pack.switch(stream)
     if n < m:
         return state_at(pack.parent, stream, n, tokenizer, special)
@@ -154,7 +164,7 @@ def state_at(pack: Pack, stream: int, n: int, tokenizer, special) -> tuple[Strea
         pixels = PixelReuse((), frame_format=None)
         pixels.add_stream(pack.location, index)  # the replayed batches' pictures are in these shards
         try:
-            with StreamPacker(cfg, stream, tokenizer, special, state=state, pixels=pixels) as packer:
+            with open_packer(cfg, stream, tokenizer, special, state=state, pixels=pixels) as packer:
                 done = 0
                 for batch in packer:
                     record = m + starts[k] + done
@@ -175,4 +185,4 @@ def state_at(pack: Pack, stream: int, n: int, tokenizer, special) -> tuple[Strea
             pixels.close()
     log.info("stream %d: state after record %d from %s (checkpoint %d, %d batches replayed)",
              stream, n, pack.location.base, k, todo)
-    return state, cfg
+    return state, cfg.packed_under(local)

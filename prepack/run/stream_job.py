@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from prepack.engine.packer import StreamPacker
+from prepack.engine.schedule import ScheduledPacker, open_packer
 from prepack.engine.reuse.earlier_packs import OldPack
 from prepack.engine.reuse.earlier_pixels import PixelReuse, own_reuse_on
 from prepack.run.ahead import Bound, BoundSpec, wait_to_pack
@@ -58,7 +59,7 @@ class StartedStream:
 
     stream: int
     index: StreamIndex
-    packer: StreamPacker
+    packer: "StreamPacker | ScheduledPacker"
     pixels: PixelReuse | None
     own: bool  # the stream's own committed shards are among its pixel sources
     cpu_start: float
@@ -97,7 +98,7 @@ def start_stream(cfg: PrepackConfig, loc: PackLocation, stream: int, tokenizer, 
     if index.shards:
         state = read_checkpoint(loc, index, len(index.shards))
         log.info("stream %d: continuing at shard %d (record %d)", stream, len(index.shards), index.num_records)
-    packer = StreamPacker(cfg, stream, tokenizer, special, state=state,
+    packer = open_packer(cfg, stream, tokenizer, special, state=state,
                           reuse_pixel_table=True,  # each batch is written before the next
                           pixels=pixels)
     if parent is not None and not index.shards:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from loader.reader import Pack
 from loader.state import positions_in
-from prepack.engine.packer import StreamPacker
+from prepack.engine.schedule import open_packer
 from prepack.engine.reuse.earlier_pixels import PixelReuse
 from prepack.run.atomic_files import write_bytes_atomic
 from prepack.run.checkpoints import read_checkpoint
@@ -121,7 +121,7 @@ def _restore_shard(pack: Pack, index: StreamIndex, shard: ShardEntry, tokenizer,
     pixels = PixelReuse((), frame_format=compression.frame_format)
     pixels.add_stream(loc, index)  # the stream's shards still there may hold the same pictures
     try:
-        with StreamPacker(cfg, stream, tokenizer, special, state=read_checkpoint(loc, index, shard.shard),
+        with open_packer(cfg, stream, tokenizer, special, state=read_checkpoint(loc, index, shard.shard),
                           reuse_pixel_table=True, pixels=pixels) as packer, \
                 StreamWriter(loc, stream, shard_bytes=2**62, compression=cfg.prepack.compression,
                              metadata=pack.info.shard_metadata(), start_shard=shard.shard,

@@ -233,7 +233,7 @@ def _check_state(ctx: AuditContext, index: StreamIndex, shard: int, packer, rep:
 
 def audit_shard(ctx: AuditContext, index: StreamIndex, shard: ShardEntry, rep: CheckReport) -> None:
     """Re-pack one shard from its start checkpoint; also compare the end state with the next one."""
-    from prepack.engine.packer import StreamPacker
+    from prepack.engine.schedule import open_packer
     from prepack.run.checkpoints import read_checkpoint
 
     try:
@@ -242,7 +242,7 @@ def audit_shard(ctx: AuditContext, index: StreamIndex, shard: ShardEntry, rep: C
         rep.add("checkpoint", checkpoint_file(index.stream, shard.shard), False, str(e))
         return
     try:
-        packer = StreamPacker(ctx.cfg, index.stream, ctx.tokenizer, ctx.special, state=state)
+        packer = open_packer(ctx.cfg, index.stream, ctx.tokenizer, ctx.special, state=state)
     except Exception as e:  # sources that no longer fit the checkpoint
         rep.add("checkpoint", checkpoint_file(index.stream, shard.shard), False,
                 f"cannot start shard {shard.shard} from it: {type(e).__name__}: {_first_line(e)}")
@@ -257,11 +257,11 @@ def audit_stream_from_seed(ctx: AuditContext, index: StreamIndex, rep: CheckRepo
     """Re-pack a whole stream from its seed, checking each shard and each boundary's checkpoint.  A
     continuation's stream starts from its parent's state at the switch, recomputed from the parent
     (``prepack.run.chain.state_at``): its first checkpoint is checked against it."""
-    from prepack.engine.packer import StreamPacker
+    from prepack.engine.schedule import open_packer
 
     link = ctx.pack.info.parent
     try:
-        packer = StreamPacker(ctx.cfg, index.stream, ctx.tokenizer, ctx.special)
+        packer = open_packer(ctx.cfg, index.stream, ctx.tokenizer, ctx.special)
         if link is not None:
             from prepack.run.chain import state_at
             from schemas.mix_change import group_matches

@@ -32,9 +32,20 @@ def cmd_plan(args) -> int:
             raise UsageError(f"--checkpoint-every takes training steps >= 1, got {args.checkpoint_every}")
         bounded = {"ahead": args.ahead, "keep_checkpoints": args.keep_checkpoints,
                    "checkpoint_every": args.checkpoint_every}
-    plan = plan_pack(load_config(args.config), cores=args.cores, sample_batches=args.sample_batches,
-                     sample_streams_n=args.sample_streams, max_seconds=args.max_seconds, reuse=args.reuse or (),
-                     continue_from=continue_from, bounded=bounded)
+    cfg = load_config(args.config)
+    if cfg.schedule:
+        from prepack.tools.plan import plan_schedule
+
+        if bounded is not None:
+            raise UsageError("plan --ahead takes a config without prepack.schedule: plan each step's disk peak "
+                             "with a config of its own")
+        plan = plan_schedule(cfg, cores=args.cores, sample_batches=args.sample_batches,
+                             sample_streams_n=args.sample_streams, max_seconds=args.max_seconds,
+                             reuse=args.reuse or (), continue_from=continue_from)
+    else:
+        plan = plan_pack(cfg, cores=args.cores, sample_batches=args.sample_batches,
+                         sample_streams_n=args.sample_streams, max_seconds=args.max_seconds, reuse=args.reuse or (),
+                         continue_from=continue_from, bounded=bounded)
     if args.json:
         print(json.dumps(plan.to_json(), sort_keys=True))
     else:
@@ -68,6 +79,7 @@ def add_command(subparsers) -> None:
               prepack plan new.yaml --reuse /data/packed   # how many pictures an old pack saves, and the CPU
               prepack plan anneal.yaml --continue /data/packed --after 15000   # a mix change from batch 15000
               prepack plan cfg.yaml --ahead 200 --checkpoint-every 500   # a bounded run's disk peak
+              prepack plan scheduled.yaml   # a config with prepack.schedule: each step, then the totals
 
             It samples each stream's first batches and measures CPU here: expect the projection within
             tens of percent, not exactly (docs/performance.md says how close it came on the demo).

@@ -56,6 +56,8 @@ class PackStats:
     token_group: pl.DataFrame  # group, quantity, samples, min, p50, p90, max, mean, total, share, over its samples
     # a continuation: each segment of the chain (oldest first), its records and its group mix side by side
     segments: pl.DataFrame = field(default_factory=pl.DataFrame)  # segment, pack, records, group, weight, samples, share
+    # a schedule: each step (its first batch of every stream), its records and its group mix side by side
+    steps: pl.DataFrame = field(default_factory=pl.DataFrame)  # step, from_batch, records, group, weight, samples, share
 
 
 _PER_BATCH = ("num_samples", "images", "vit_uses", "vae_uses")
@@ -108,8 +110,9 @@ def _batch_tables(pack: Pack, max_tokens: int) -> tuple[dict, pl.DataFrame, pl.D
     return totals, per_batch, fill_hist, composition
 
 
-def _group_mix(info: PackInfo, lineage: pl.DataFrame) -> pl.DataFrame:
-    groups = (info.config or {}).get("groups") or []
+def _group_mix(info: PackInfo, lineage: pl.DataFrame, groups: list | None = None) -> pl.DataFrame:
+    """Configured weights (``groups``: stored config groups; default the pack's) beside the samples packed."""
+    groups = groups if groups is not None else (info.config or {}).get("groups") or []
     configured = pl.DataFrame(
         {"group": [g["name"] for g in groups], "mandatory": [bool(g.get("is_mandatory")) for g in groups],
          "weight": [float(g.get("weight", 0.0)) for g in groups]},
@@ -136,6 +139,29 @@ def _segments(pack: Pack) -> pl.DataFrame:
         for group, _, weight, _, samples, share in mix.iter_rows():
             rows.append((i, seg.pack.location.base, seg.records, group, weight, samples, share))
     return pl.DataFrame(rows, schema={"segment": pl.Int32, "pack": pl.String, "records": pl.Int64, "group": pl.String,
+                                      "weight": pl.Float64, "samples": pl.Int64, "share": pl.Float64}, orient="row")
+
+
+def _steps(pack: Pack) -> pl.DataFrame:
+    """A pack with a schedule (``prepack.schedule``): per step, the records of every stream it packed and
+    its group mix (the step's weights, samples packed in those records).  Empty without a schedule."""
+    steps = (pack.info.config or {}).get("schedule") or []
+    if not steps:
+        return pl.DataFrame()
+    starts = [0] + [int(st["after"]) for st in steps]
+    configs = [pack.info.config] + [st["config"] for st in steps]
+    step = pl.sum_horizontal([(pl.col("record") >= a).cast(pl.Int32) for a in starts[1:]]).alias("step")
+    counts = (scan_lineage(pack.location).with_columns(step).group_by("step", "group")
+              .agg(pl.len().cast(pl.Int64).alias("samples")).collect())
+    n = [pack.index(s).num_records for s in range(pack.num_streams)]
+    rows = []
+    for i, (start, cfg) in enumerate(zip(starts, configs)):
+        end = starts[i + 1] if i + 1 < len(starts) else None
+        records = sum(max(0, (k if end is None else min(k, end)) - start) for k in n)
+        mix = _group_mix(pack.info, counts.filter(pl.col("step") == i).drop("step"), cfg.get("groups") or [])
+        for group, _, weight, _, samples, share in mix.iter_rows():
+            rows.append((i, start, records, group, weight, samples, share))
+    return pl.DataFrame(rows, schema={"step": pl.Int32, "from_batch": pl.Int64, "records": pl.Int64, "group": pl.String,
                                       "weight": pl.Float64, "samples": pl.Int64, "share": pl.Float64}, orient="row")
 
 
@@ -189,6 +215,7 @@ def compute_stats(out) -> PackStats:
         token_group=pl.DataFrame(composition.group_rows(),
                                  schema={"group": pl.String, "quantity": pl.String, "samples": pl.Int64, **_DISTRIBUTION}),
         segments=_segments(pack),
+        steps=_steps(pack),
     )
 
 
@@ -240,6 +267,9 @@ def format_stats(st: PackStats) -> str:
         lines += ["", "a continuation: each segment's mix (records a reader takes from it; samples in them):"]
         lines += text_table(st.segments.with_columns((pl.col("share") * 100).round(1).alias("share %"))
                             .drop("share"))
+    if st.steps.height:
+        lines += ["", "a schedule (prepack.schedule): each step's mix (the records it packed; samples in them):"]
+        lines += text_table(st.steps.with_columns((pl.col("share") * 100).round(1).alias("share %")).drop("share"))
     if t.get("trimmed"):
         lines += ["", f"trimmed: {t['trimmed']:,} batches' records files were trimmed (prepack trim): their tokens, "
                   "samples and lineage count above; their images and token kinds do not"]

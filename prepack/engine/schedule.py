@@ -1,0 +1,132 @@
+"""A stream packed under a schedule (``prepack.schedule`` in the config): a mix change within one pack.
+
+Step k of the schedule packs the stream's batches from its ``after`` on under its own config; at
+the step's first batch the stream goes on from the state the step before left, exactly as a
+continuation goes on from its parent (``prepack.run.chain``): a ``StreamPacker`` of the step's
+config given that state with ``continue_from`` (groups matched by name), so the pack is what
+``prepack run A --out P0`` with a budget of ``after`` batches, then ``prepack run B --out P1
+--continue P0 --after N`` would make, record for record, and what a reference ``PackedDataset``
+built from B yields after ``load_state_dict`` of A's state at N.  Unlike a chain it is one pack: its
+budget, counts and accounting are the whole stream's, and every reader, follower, bounded run and
+tool reads it as any other pack.
+
+The state after batch n (a checkpoint) was made under the step of batch n - 1; a packer built from
+it at a step's first batch switches there (``open_packer``), so a run killed, extended or audited
+at a switch goes on exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from prepack.engine.checkpoint import state_from_payload, state_to_payload
+from prepack.engine.packer import StreamPacker, StreamState
+from schemas.config import PrepackConfig
+from schemas.mix_change import group_matches
+from schemas.record import PackedBatch
+
+
+def open_packer(cfg: PrepackConfig, stream: int, tokenizer, special, state: StreamState | None = None,
+                **kwargs) -> "StreamPacker | ScheduledPacker":
+    """The packer of ``stream`` under ``cfg`` from ``state`` (None: the stream's start): a plain
+    ``StreamPacker`` for a config without a schedule, else a ``ScheduledPacker``.  ``kwargs`` go to
+    every ``StreamPacker`` (``pixels``, ``reuse_pixel_table``, ``read_ahead``)."""
+    if not cfg.schedule:
+        return StreamPacker(cfg, stream, tokenizer, special, state=state, **kwargs)
+    return ScheduledPacker(cfg, stream, tokenizer, special, state=state, **kwargs)
+
+
+def _detached(state: StreamState) -> StreamState:
+    """The state as a checkpoint holds it: its buffered pictures resized now, while their sources are
+    open (the next step's packer reads none of the last one's sources)."""
+    doc, arrow = state_to_payload(state)
+    return state_from_payload(doc, arrow)
+
+
+class ScheduledPacker:
+    """A ``StreamPacker`` per step, one at a time: each is iterated until the next step's first batch,
+    then its state goes on under the next step's config.  Presents a ``StreamPacker``'s interface
+    (iteration, ``state()``, the counts, ``budget_spent()``, ``final_counters()``, ``close()``)."""
+
+    def __init__(self, cfg: PrepackConfig, stream: int, tokenizer, special, state: StreamState | None = None,
+                 **kwargs):
+        self.cfg = cfg
+        self.stream = stream
+        self._args = (tokenizer, special)
+        self._kwargs = kwargs
+        batches = state.batches if state is not None else 0
+        self.step = cfg.step_of(batches)
+        if state is None or cfg.step_of(max(batches - 1, 0)) == self.step:
+            self._packer = StreamPacker(cfg.step_config(self.step), stream, tokenizer, special, state=state, **kwargs)
+        else:  # a checkpoint at a step's first batch: made under the step before
+            self._packer = self._switched(state, self.step)
+
+    def _switched(self, state: StreamState, step: int) -> StreamPacker:
+        before, now = self.cfg.step_config(step - 1), self.cfg.step_config(step)
+        packer = StreamPacker(now, self.stream, *self._args, **self._kwargs)
+        packer.continue_from(state, group_matches(before, now), whole_stream=True)
+        return packer
+
+    # -- what callers of a StreamPacker use -----------------------------------------------------
+    @property
+    def batches(self) -> int:
+        return self._packer.batches
+
+    @property
+    def tokens(self) -> int:
+        return self._packer.tokens
+
+    @property
+    def counters(self):
+        return self._packer.counters
+
+    @property
+    def pictures(self):
+        return self._packer.pictures
+
+    @property
+    def sources(self):
+        return self._packer.sources
+
+    def state(self) -> StreamState:
+        return self._packer.state()
+
+    def budget_spent(self) -> bool:
+        return self._packer.budget_spent()
+
+    def final_counters(self):
+        return self._packer.final_counters()
+
+    def continue_from(self, st: StreamState, groups: list[int | None], *, whole_stream: bool = False) -> None:
+        """A continuation of another pack starts here (at this pack's batch 0, step 0)."""
+        self._packer.continue_from(st, groups, whole_stream=whole_stream)
+
+    def close(self) -> None:
+        self._packer.close()
+
+    def __enter__(self) -> "ScheduledPacker":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __iter__(self) -> Iterator[PackedBatch]:
+        try:
+            while True:
+                steps = self.cfg.schedule
+                switch_at = steps[self.step].after if self.step < len(steps) else None
+                batches = iter(self._packer)
+                for batch in batches:
+                    yield batch
+                    if switch_at is not None and self._packer.batches >= switch_at:
+                        break
+                else:
+                    return  # the budget is spent
+                batches.close()  # stops this step's sources (the packer's own ``finally``)
+                if self._packer.budget_spent():
+                    return
+                state = _detached(self._packer.state())
+                self.step += 1
+                self._packer = self._switched(state, self.step)
+        finally:
+            self._packer.close()
