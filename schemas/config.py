@@ -531,6 +531,13 @@ def _parse_schedule(steps: Any, raw: Mapping[str, Any], base: "PrepackConfig", b
     if not isinstance(steps, list) or not steps:
         raise ConfigError("prepack.schedule must be a non-empty list of {after: N, set: {key: value}} steps")
     doc = copy.deepcopy({k: v for k, v in raw.items()})
+    dataset = doc.get("dataset")
+    if isinstance(dataset, Mapping):  # a mapping given by file is set in place like an inline one
+        dataset = doc["dataset"] = dict(dataset)
+        for key in ("grouped_datasets", "dataset_info"):
+            if dataset.get(f"{key}_path") is not None:
+                dataset[key] = load_mapping(base_dir, dataset, key)
+                del dataset[f"{key}_path"]
     out: list[ScheduleStep] = []
     configs = [base]
     for i, step in enumerate(steps):

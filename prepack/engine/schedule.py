@@ -125,8 +125,9 @@ class ScheduledPacker:
                 batches.close()  # stops this step's sources (the packer's own ``finally``)
                 if self._packer.budget_spent():
                     return
-                state = _detached(self._packer.state())
+                state, counts = _detached(self._packer.state()), self._packer.pictures.counts
                 self.step += 1
                 self._packer = self._switched(state, self.step)
+                self._packer.pictures.counts = counts  # done.json's reuse counts are the whole stream's too
         finally:
             self._packer.close()

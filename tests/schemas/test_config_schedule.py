@@ -104,3 +104,14 @@ def test_a_later_step_is_checked_against_every_earlier_config_not_only_the_one_b
                                   {"after": 9, "set": {"dataset.grouped_datasets.vlm_sft": vlm}}]
     with pytest.raises(ConfigError, match=r"prepack.schedule\[1\] cannot follow the config: .*vlm_sft.num_used_data"):
         parse(raw)
+
+
+def test_a_step_sets_keys_of_a_mapping_the_config_gives_by_file(tmp_path):
+    raw = demo_raw()
+    groups = tmp_path / "groups.yaml"
+    groups.write_text(yaml.safe_dump(raw["dataset"].pop("grouped_datasets")))
+    raw["dataset"]["grouped_datasets_path"] = str(groups)
+    raw["prepack"]["schedule"] = [{"after": 5, "set": {"dataset.grouped_datasets.vlm_sft.weight": 4}}]
+    cfg = parse(raw)
+    assert [g.weight for g in cfg.step_config(1).groups if g.name == "vlm_sft"] == [4]
+    assert cfg.step_config(0) == parse({**raw, "prepack": {k: v for k, v in raw["prepack"].items() if k != "schedule"}})

@@ -186,3 +186,20 @@ def test_plan_plans_each_step_over_its_batches_and_adds_them_up(sched, tokenizer
     text = "\n".join(plan.lines())
     assert "step 2 (batches 6 on" in text and "whole schedule: 18 records" in text
     assert plan.to_json()["records"] == 2 * TOTAL
+
+
+def test_done_json_counts_the_whole_stream_across_its_steps(sched, tokenizer_and_special, monkeypatch):
+    """Without a pixel provider (no reuse at all) each step's packer has a picture store of its own:
+    the stream's reuse counts still cover every step's images, and its accounting every step's samples."""
+    from loader.reader import iter_records
+    from schemas.manifest import StreamSummary
+
+    monkeypatch.setenv("PREPACK_REUSE_OWN", "0")
+    out = os.path.join(sched["root"], "no-reuse")
+    run_pack(load_config(sched["cfg"]), out, inline=True, tokenizer=tokenizer_and_special, progress=False)
+    pack = Pack.open(out)
+    for s in (0, 1):
+        done = StreamSummary.read(pack.location, s)
+        images = sum(len(rec.column("image_heights")[0]) for _, rec in iter_records(pack, s))
+        assert done.reuse["images"] >= images > 0
+        assert sum(done.group_samples.values()) == sum(len(b.batch_data_indexes) for b in open_stream(out, s))
