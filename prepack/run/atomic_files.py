@@ -33,19 +33,20 @@ class AtomicFile:
     On object stores (atomic PUT, rename = copy) the final name is written directly: the object
     only appears once complete, and the stream index remains the commit marker.  ``direct``: a
     local file is written past the page cache (``DirectFile``; shard files, written once and
-    large, and only ever by the stream's lease holder: under the layout's one temporary name).
+    large, and only ever by the stream's lease holder: under the layout's one temporary name;
+    ``staging``: its staging buffer, lent by the writer).
     Every other file may be written by several jobs at once (``pack.json``, the manifest), so each
     writer's temporary name is its own: with one shared name, one job renamed the other's
     half-written file, or found its own gone.
     """
 
-    def __init__(self, loc: PackLocation, relpath: str, *, direct: bool = False):
+    def __init__(self, loc: PackLocation, relpath: str, *, direct: bool = False, staging=None):
         self.loc = loc
         self.final = loc.path(relpath)
         self.tmp = self.final if loc.atomic_put else temporary(self.final, "" if direct else secrets.token_hex(6))
         if loc.is_local:
             os.makedirs(os.path.dirname(self.final), exist_ok=True)
-            self.raw = DirectFile(self.tmp) if direct else open(self.tmp, "wb")
+            self.raw = DirectFile(self.tmp, staging) if direct else open(self.tmp, "wb")
         else:
             loc.make_dirs(self.final.rsplit("/", 1)[0])
             self.raw = loc.open_output(self.tmp)

@@ -32,15 +32,27 @@ def _round_up(n: int) -> int:
     return -(-n // _BLOCK) * _BLOCK
 
 
+def staging_buffer() -> mmap.mmap:
+    """A page-aligned staging buffer, as ``O_DIRECT`` requires.  A writer that writes one file after
+    another passes the same one to each (``DirectFile(path, staging=...)``): a fresh 4 MiB buffer
+    costs ~1,000 page faults as it is first filled (~2.7 ms of CPU measured here, per file)."""
+    return mmap.mmap(-1, _STAGING)
+
+
 class DirectFile:
     """``open(path, "wb")`` for large sequential writes, without the page cache where possible.
 
-    ``write`` stages bytes; full staging buffers go to disk as they fill.  ``flush`` writes what
-    is staged (the last block padded) and truncates the file to the bytes written so far; more
-    writes may follow it.  ``close`` flushes.  ``direct`` says whether ``O_DIRECT`` is in use.
+    ``write`` stages bytes; full staging buffers go to disk as they fill (``staging``: a buffer from
+    ``staging_buffer()`` lent for this file's lifetime, e.g. the same one for every shard of a
+    stream; what an earlier file left in it past this one's bytes only ever lands in the padding
+    the truncation drops).  ``flush`` writes what is staged (the last block padded) and truncates
+    the file to the bytes written so far; more writes may follow it.  ``close`` flushes.
+    ``direct`` says whether ``O_DIRECT`` is in use.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, staging: "mmap.mmap | None" = None):
+        if staging is not None and len(staging) != _STAGING:
+            raise ValueError(f"a staging buffer is {_STAGING} bytes (staging_buffer()), got {len(staging)}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
         o_direct = getattr(os, "O_DIRECT", 0) if os.environ.get(DIRECT_IO_ENV, "1") != "0" else 0
         self.direct = bool(o_direct)
@@ -54,7 +66,8 @@ class DirectFile:
                 self.direct = False
         if self._fd < 0:
             self._fd = os.open(path, flags, 0o644)
-        self._buf = mmap.mmap(-1, _STAGING)  # page-aligned, as O_DIRECT requires
+        self._own = staging is None  # a buffer of its own is closed with the file; a lent one is not
+        self._buf = staging_buffer() if staging is None else staging
         self._mv = memoryview(self._buf)
         self._offset = 0  # file offset of the staging buffer's first byte (block-aligned)
         self._fill = 0  # bytes staged
@@ -103,7 +116,8 @@ class DirectFile:
             self.closed = True
             os.close(self._fd)
             self._mv.release()
-            self._buf.close()
+            if self._own:
+                self._buf.close()
 
     def __enter__(self) -> "DirectFile":
         return self

@@ -37,6 +37,7 @@ import xxhash
 from prepack.engine.reuse.source_pictures import RESIZE_IMPL
 from prepack.run.atomic_files import AtomicFile, sha256_hex, write_bytes_atomic
 from prepack.run.checkpoints import write_checkpoint
+from prepack.run.direct_file import staging_buffer
 from prepack.run.lineage import lineage_table, parquet_bytes
 from schemas.compression import Compression
 from schemas.layout import index_file, shard_file, shard_lineage_file, shard_pixels_file
@@ -150,6 +151,7 @@ class StreamWriter:
         self._lineage: list[tuple[list, list[int]]] = []  # of the open shard's records (committing writer)
         self.committed_pixels: list[PixelEntry] = []
         self.last_images: list[tuple[PictureSource, StoredImage]] = []
+        self._staging = None  # one direct-I/O staging buffer for every shard file (made at the first)
         if index is not None and not index.shards:
             index.ckpt0_json_sha256, index.ckpt0_arrow_sha256 = self._checkpoint(0)
 
@@ -163,7 +165,9 @@ class StreamWriter:
         return RECORD_SCHEMA.with_metadata(shard_metadata(self.metadata, self.stream, self.next_shard))
 
     def _open(self) -> None:
-        self._file = AtomicFile(self.loc, shard_file(self.stream, self.next_shard), direct=True)
+        if self._staging is None and self.loc.is_local:
+            self._staging = staging_buffer()
+        self._file = AtomicFile(self.loc, shard_file(self.stream, self.next_shard), direct=True, staging=self._staging)
         self._sink = _HashingSink(self._file.raw)
         self._ipc = pa.ipc.new_file(self._sink, self._schema(), options=self.compression.write_options())
         self._records = []

@@ -4,6 +4,7 @@ fallbacks to the page cache when a filesystem refuses O_DIRECT at open or at a w
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 
 import numpy as np
@@ -50,6 +51,24 @@ def test_bytes_and_size_are_exact(tmp_path, total):
             assert f.write(c) == len(c)
         assert f.tell() == total
     assert path.read_bytes() == b"".join(chunks)
+
+
+def test_files_sharing_one_staging_buffer_each_hold_exactly_their_bytes(tmp_path):
+    """A writer lends one buffer to each shard in turn: a shorter file after a longer one must not
+    carry the longer one's leftover bytes, and the lent buffer outlives each file."""
+    staging = direct_file.staging_buffer()
+    sizes = [STAGING + 70_001, 5_000, 0, 2 * STAGING + 3, 1]
+    for i, total in enumerate(sizes):
+        chunks = _chunks(100 + i, total)
+        path = tmp_path / f"f{i}.bin"
+        with DirectFile(str(path), staging) as f:
+            for c in chunks:
+                f.write(c)
+        assert path.read_bytes() == b"".join(chunks), total
+    assert not staging.closed
+    with pytest.raises(ValueError, match="staging buffer"):
+        DirectFile(str(tmp_path / "bad.bin"), staging=mmap.mmap(-1, 4096))
+    assert not (tmp_path / "bad.bin").exists()  # refused before the file was made
 
 
 def test_flush_midway_then_more_writes(tmp_path):
