@@ -203,3 +203,32 @@ def test_done_json_counts_the_whole_stream_across_its_steps(sched, tokenizer_and
         images = sum(len(rec.column("image_heights")[0]) for _, rec in iter_records(pack, s))
         assert done.reuse["images"] >= images > 0
         assert sum(done.group_samples.values()) == sum(len(b.batch_data_indexes) for b in open_stream(out, s))
+
+
+def test_a_continuation_may_itself_have_a_schedule_counted_in_its_own_batches(sched, tokenizer_and_special):
+    """``prepack run B.yaml --continue P --after 4`` where B has a step after 2 of its own batches: the
+    reference switches at 3 (P's step), 4 (the continuation) and 6 (B's step)."""
+    tok, root = tokenizer_and_special, sched["root"]
+    raw = yaml.safe_load(open(sched["steps"][1]))
+    raw["dataset"]["grouped_datasets"]["vlm_sft"]["weight"] = 4.0
+    raw["prepack"]["batches_per_stream"] = 4
+    b0 = write(root, "own-step0", raw)
+    stepped = json.loads(json.dumps(raw))
+    stepped["dataset"]["grouped_datasets"]["t2i_pretrain"]["weight"] = 0.2
+    b1 = write(root, "own-step1", stepped)
+    raw["prepack"]["schedule"] = [{"after": 2, "set": {"dataset.grouped_datasets.t2i_pretrain.weight": 0.2}}]
+    new = os.path.join(root, "own-schedule")
+    run_pack(load_config(write(root, "own-schedule", raw)), new, inline=True, tokenizer=tok, progress=False,
+             continue_from=Continue(sched["out"], 4))
+    configs = [load_config(c) for c in (sched["steps"][0], sched["steps"][1], b0, b1)]
+    changed = False
+    for s in (0, 1):
+        ours = [b.to_dict() for b in open_stream(new, s)]
+        ref = oracle.reference_chain(configs, [STEPS[0], 4, 6], s, tok[0], 8)
+        assert len(ours) == len(ref) == 8
+        for i, (a, b) in enumerate(zip(ours, ref)):
+            assert not diff_batches(a, b), (s, i)
+        # B's own step changed something: without it the reference's last batches differ
+        unstepped = oracle.reference_chain(configs[:3], [STEPS[0], 4], s, tok[0], 8)
+        changed |= any(diff_batches(a, b) for a, b in zip(unstepped[6:], ref[6:]))
+    assert changed
