@@ -288,6 +288,7 @@ class SchedulePlan:
 
     config: str
     steps: list  # (first batch, last batch or None, PackPlan)
+    unreached: list = field(default_factory=list)  # first batches of the steps past a batch budget
 
     def totals(self) -> dict:
         plans = [p for _, _, p in self.steps]
@@ -297,17 +298,19 @@ class SchedulePlan:
                 "wall_hours": float(f"{sum(p.wall_hours for p in plans):.4g}")}
 
     def to_json(self) -> dict:
-        return {"config": self.config, **self.totals(),
+        return {"config": self.config, **self.totals(), "unreached_steps_from_batch": list(self.unreached),
                 "schedule": [{"from_batch": a, "to_batch": b, "plan": p.to_json()} for a, b, p in self.steps]}
 
     def lines(self) -> list[str]:
         t = self.totals()
-        out = [f"plan for {self.config}: a schedule of {len(self.steps)} steps reached by the budget, each sampled "
+        out = [f"plan for {self.config}: a schedule of {len(self.steps) + len(self.unreached)} steps, each sampled "
                "from its config's own start (where a step's groups stand after the earlier steps is not simulated)"]
         for i, (a, b, p) in enumerate(self.steps):
             span = f"batches {a}-{b - 1}" if b is not None else f"batches {a} on"
             out.append(f"step {i} ({span} of every stream{', the config itself' if i == 0 else ''}):")
             out.extend("  " + line for line in p.lines())
+        for i, start in enumerate(self.unreached, len(self.steps)):
+            out.append(f"step {i} (from batch {start}): not reached with this budget (an extension would reach it)")
         out.append(f"whole schedule: {t['records']:,} records, {t['tokens']:,} tokens, "
                    f"{size_text(t['output_bytes'])}, {t['cpu_core_hours']:.3g} CPU core-hours, "
                    f"{t['wall_hours']:.3g} h wall")
@@ -320,21 +323,19 @@ def plan_schedule(cfg: PrepackConfig, **kwargs) -> SchedulePlan:
     import dataclasses
 
     bounds = [0] + [st.after for st in cfg.schedule]
-    limit = cfg.prepack.batches_per_stream if cfg.prepack.tokens_per_stream is None and cfg.prepack.passes is None \
-        else None
-    if limit is not None:  # steps past a batch budget are not reached (an extension of the pack would reach them)
-        bounds = [b for b in bounds if b < limit]
+    limit = cfg.prepack.batches_per_stream  # a batch budget caps the stream whatever else is set
+    unreached = [b for b in bounds if limit is not None and b >= limit]  # an extension of the pack would reach them
+    bounds = [b for b in bounds if b not in unreached]
     steps = []
     for i, start in enumerate(bounds):
-        end = bounds[i + 1] if i + 1 < len(bounds) else None
+        end = bounds[i + 1] if i + 1 < len(bounds) else limit
         step = cfg.step_config(i)
-        if end is not None or step.prepack.batches_per_stream is not None:
-            span = (end if end is not None else step.prepack.batches_per_stream) - start
+        if end is not None:
             step = dataclasses.replace(step, prepack=dataclasses.replace(
-                step.prepack, batches_per_stream=span, tokens_per_stream=None, passes=None))
+                step.prepack, batches_per_stream=end - start, tokens_per_stream=None, passes=None))
         # only the first step can continue another pack: the later ones start from their own config
         steps.append((start, end, plan_pack(step, **(kwargs if i == 0 else {**kwargs, "continue_from": None}))))
-    return SchedulePlan(cfg.config_path or "config", steps)
+    return SchedulePlan(cfg.config_path or "config", steps, unreached)
 
 
 def _reuse_provider(reuse: "tuple[str, ...] | list[str]", compression: Compression):

@@ -177,15 +177,23 @@ def test_plan_plans_each_step_over_its_batches_and_adds_them_up(sched, tokenizer
     from prepack.tools.plan import plan_schedule
 
     plan = plan_schedule(load_config(sched["cfg"]), tokenizer=tokenizer_and_special, max_seconds=30)
-    assert [(a, b) for a, b, _ in plan.steps] == [(0, STEPS[0]), (STEPS[0], STEPS[1]), (STEPS[1], None)]
+    assert [(a, b) for a, b, _ in plan.steps] == [(0, STEPS[0]), (STEPS[0], STEPS[1]), (STEPS[1], TOTAL)]
     assert [p.records for _, _, p in plan.steps] == [2 * STEPS[0], 2 * (STEPS[1] - STEPS[0]), 2 * (TOTAL - STEPS[1])]
     assert plan.totals()["records"] == 2 * TOTAL
     assert plan.totals()["output_bytes"] == sum(p.output_bytes for _, _, p in plan.steps)
     shares = [{g.name for g in p.groups} for _, _, p in plan.steps]
     assert "unified_edit" not in shares[0] and "unified_edit" in shares[1]  # each step planned under its own config
     text = "\n".join(plan.lines())
-    assert "step 2 (batches 6 on" in text and "whole schedule: 18 records" in text
+    assert "step 2 (batches 6-8 of every stream" in text and "whole schedule: 18 records" in text
     assert plan.to_json()["records"] == 2 * TOTAL
+    # a budget that ends before the last step: planned up to the budget, the step named as not reached
+    import dataclasses
+
+    cfg = load_config(sched["cfg"])
+    short = dataclasses.replace(cfg, prepack=dataclasses.replace(cfg.prepack, batches_per_stream=5))
+    plan = plan_schedule(short, tokenizer=tokenizer_and_special, max_seconds=30)
+    assert [(a, b) for a, b, _ in plan.steps] == [(0, 3), (3, 5)] and plan.unreached == [6]
+    assert plan.totals()["records"] == 2 * 5 and "step 2 (from batch 6): not reached" in "\n".join(plan.lines())
 
 
 def test_done_json_counts_the_whole_stream_across_its_steps(sched, tokenizer_and_special, monkeypatch):
