@@ -17,6 +17,7 @@ at a switch goes on exactly.
 
 from __future__ import annotations
 
+import logging
 from typing import Iterator
 
 from prepack.engine.checkpoint import state_from_payload, state_to_payload
@@ -24,6 +25,8 @@ from prepack.engine.packer import StreamPacker, StreamState
 from schemas.config import PrepackConfig
 from schemas.mix_change import group_matches
 from schemas.record import PackedBatch
+
+log = logging.getLogger(__name__)
 
 
 def open_packer(cfg: PrepackConfig, stream: int, tokenizer, special, state: StreamState | None = None,
@@ -129,5 +132,7 @@ class ScheduledPacker:
                 self.step += 1
                 self._packer = self._switched(state, self.step)
                 self._packer.pictures.counts = counts  # done.json's reuse counts are the whole stream's too
+                log.info("stream %d: step %d of the schedule from batch %d", self.stream, self.step,
+                         self.cfg.schedule[self.step - 1].after)
         finally:
             self._packer.close()
