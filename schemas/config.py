@@ -14,7 +14,6 @@ import difflib
 import hashlib
 import json
 import os
-import copy
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Mapping
 
@@ -510,86 +509,10 @@ def parse_config(raw: Mapping[str, Any], base_dir: str, *, config_path: str = ""
         config_path=config_path,
     )
     if steps is not None:
-        cfg = replace(cfg, schedule=_parse_schedule(steps, raw, cfg, base_dir, config_path, check_files))
+        from schemas.schedule import parse_schedule  # it parses each step as a config: it imports this module
+
+        cfg = replace(cfg, schedule=parse_schedule(steps, raw, cfg, base_dir, config_path, check_files))
     return cfg
-
-
-# What a schedule step may set: the dataset block (what a mix change may change is then checked
-# by ``schemas.mix_change``); the streams, the seed, the tokenizer and the prepack section stay.
-_STEP_SETTABLE = ("dataset",)
-
-
-def _parse_schedule(steps: Any, raw: Mapping[str, Any], base: "PrepackConfig", base_dir: str, config_path: str,
-                    check_files: bool) -> tuple[ScheduleStep, ...]:
-    """``prepack.schedule``: a list of ``{after: N, set: {dotted.key: value}}``, ``after`` rising.
-
-    Each step's config is the YAML document with its ``set`` and every earlier step's applied (a
-    value of null removes the key, e.g. a group), parsed as a config of its own, so its paths and
-    checks are a config's; each must be a mix change every earlier step's config allows."""
-    from schemas.mix_change import mix_change_refusal  # it imports this module
-
-    if not isinstance(steps, list) or not steps:
-        raise ConfigError("prepack.schedule must be a non-empty list of {after: N, set: {key: value}} steps")
-    doc = copy.deepcopy({k: v for k, v in raw.items()})
-    dataset = doc.get("dataset")
-    if isinstance(dataset, Mapping):  # a mapping given by file is set in place like an inline one
-        dataset = doc["dataset"] = dict(dataset)
-        for key in ("grouped_datasets", "dataset_info"):
-            if dataset.get(f"{key}_path") is not None:
-                dataset[key] = load_mapping(base_dir, dataset, key)
-                del dataset[f"{key}_path"]
-    out: list[ScheduleStep] = []
-    configs = [base]
-    for i, step in enumerate(steps):
-        where = f"prepack.schedule[{i}]"
-        if not isinstance(step, Mapping):
-            raise ConfigError(f"{where} must be a mapping {{after: N, set: {{key: value}}}}")
-        check_keys(where, step, ["after", "set"])
-        after = step.get("after")
-        if isinstance(after, bool) or not isinstance(after, int) or after < 1:
-            raise ConfigError(f"{where}.after must be a batch number of 1 or more, got {after!r}")
-        if out and after <= out[-1].after:
-            raise ConfigError(f"{where}.after must be above the step before it ({out[-1].after}), got {after}")
-        settings = step.get("set")
-        if not isinstance(settings, Mapping) or not settings:
-            raise ConfigError(f"{where}.set must be a non-empty mapping of dotted keys to values "
-                              "(e.g. dataset.grouped_datasets.vlm_sft.weight: 4)")
-        for key, value in settings.items():
-            _set_dotted(doc, str(key), value, f"{where}.set")
-        try:
-            cfg = parse_config(doc, base_dir, config_path=config_path, check_files=check_files)
-        except ConfigError as e:
-            raise ConfigError(f"{where}: {e}") from None
-        for j, earlier in enumerate(configs):
-            why = mix_change_refusal(earlier, cfg)
-            if why:
-                raise ConfigError(f"{where} cannot follow {'the config' if j == 0 else f'step {j - 1}'}: {why}")
-        configs.append(cfg)
-        out.append(ScheduleStep(after, cfg))
-    return tuple(out)
-
-
-def _set_dotted(doc: dict, key: str, value: Any, where: str) -> None:
-    """``doc[a][b][c] = value`` for ``key`` "a.b.c" (None removes it); the mappings on the way must exist."""
-    parts = key.split(".")
-    if parts[0] not in _STEP_SETTABLE or len(parts) < 2 or not all(parts):
-        raise ConfigError(f"{where}: '{key}': a step sets keys under {', '.join(k + '.' for k in _STEP_SETTABLE)} "
-                          "(weights, is_mandatory, knobs, transforms, groups); the streams, seed, tokenizer and "
-                          "prepack section are the whole pack's")
-    node = doc
-    for depth, part in enumerate(parts[:-1]):
-        child = node.get(part) if isinstance(node, Mapping) else None
-        if not isinstance(child, Mapping):
-            raise ConfigError(f"{where}: '{key}': the config has no mapping at "
-                              f"'{'.'.join(parts[:depth + 1])}' to set it in")
-        node[part] = child = dict(child)
-        node = child
-    if value is None:
-        if parts[-1] not in node:
-            raise ConfigError(f"{where}: '{key}' is null (remove) but the config has no such key")
-        del node[parts[-1]]
-    else:
-        node[parts[-1]] = copy.deepcopy(value)
 
 
 def load_config(path: str, *, overrides: Mapping[str, Any] | None = None, check_files: bool = True) -> PrepackConfig:

@@ -34,7 +34,7 @@ def cmd_plan(args) -> int:
                    "checkpoint_every": args.checkpoint_every}
     cfg = load_config(args.config)
     if cfg.schedule:
-        from prepack.tools.plan import plan_schedule
+        from prepack.tools.plan_schedule import plan_schedule
 
         if bounded is not None:
             raise UsageError("plan --ahead takes a config without prepack.schedule: plan each step's disk peak "

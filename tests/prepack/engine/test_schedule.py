@@ -174,7 +174,7 @@ def test_stats_shows_each_steps_mix_counted_over_the_records_it_packed(sched):
 
 
 def test_plan_plans_each_step_over_its_batches_and_adds_them_up(sched, tokenizer_and_special):
-    from prepack.tools.plan import plan_schedule
+    from prepack.tools.plan_schedule import plan_schedule
 
     plan = plan_schedule(load_config(sched["cfg"]), tokenizer=tokenizer_and_special, max_seconds=30)
     assert [(a, b) for a, b, _ in plan.steps] == [(0, STEPS[0]), (STEPS[0], STEPS[1]), (STEPS[1], TOTAL)]
