@@ -31,10 +31,9 @@ def parse_schedule(steps: Any, raw: Mapping[str, Any], base: PrepackConfig, base
     checks are a config's; each must be a mix change every earlier step's config allows."""
     if not isinstance(steps, list) or not steps:
         raise ConfigError("prepack.schedule must be a non-empty list of {after: N, set: {key: value}} steps")
-    doc = copy.deepcopy({k: v for k, v in raw.items()})
+    doc = copy.deepcopy(dict(raw))  # the steps' settings accumulate in this copy
     dataset = doc.get("dataset")
-    if isinstance(dataset, Mapping):  # a mapping given by file is set in place like an inline one
-        dataset = doc["dataset"] = dict(dataset)
+    if isinstance(dataset, dict):  # a mapping given by file is set in place like an inline one
         for key in ("grouped_datasets", "dataset_info"):
             if dataset.get(f"{key}_path") is not None:
                 dataset[key] = load_mapping(base_dir, dataset, key)
@@ -79,11 +78,10 @@ def _set_dotted(doc: dict, key: str, value: Any, where: str) -> None:
                           "prepack section are the whole pack's")
     node = doc
     for depth, part in enumerate(parts[:-1]):
-        child = node.get(part) if isinstance(node, Mapping) else None
-        if not isinstance(child, Mapping):
+        child = node.get(part)
+        if not isinstance(child, dict):
             raise ConfigError(f"{where}: '{key}': the config has no mapping at "
                               f"'{'.'.join(parts[:depth + 1])}' to set it in")
-        node[part] = child = dict(child)
         node = child
     if value is None:
         if parts[-1] not in node:
