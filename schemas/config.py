@@ -6,6 +6,7 @@ default), ``dataloader.num_workers``.  Other recipe sections (model, optimizer, 
 Relative paths resolve against the config file's folder.  Every mistake raises ``ConfigError``
 with one line that names the key and, for a typo, the closest valid name.  Each section's dataclass
 parses itself (``parse``) and rebuilds itself from its stored ``to_dict()`` (``from_dict``).
+A config file is read, its ``prepack.schedule`` included, by ``schemas.config_file.load_config``.
 """
 
 from __future__ import annotations
@@ -15,9 +16,7 @@ import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Mapping
-
-import yaml
+from typing import Any, Mapping, TypeVar
 
 from schemas.compression import Compression
 from schemas.config_checks import check_keys, closest, is_kind, load_mapping, resolve, typed
@@ -30,6 +29,17 @@ DEFAULT_MAX_IMAGE_PIXELS = 400_000_000  # the reference's effective limit: 2 x P
 def _optional(cls: type, d: Mapping[str, Any] | None) -> Any:
     """``cls.from_dict(d)`` for an optional section, None where it was not set."""
     return None if d is None else cls.from_dict(d)
+
+
+_Section = TypeVar("_Section")
+
+
+class _FlatSection:
+    """A section stored as its fields' plain values (``asdict``), so rebuilt from them by keyword."""
+
+    @classmethod
+    def from_dict(cls: "type[_Section]", d: Mapping[str, Any]) -> "_Section":
+        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -74,7 +84,7 @@ class TransformArgs:
 
 
 @dataclass(frozen=True)
-class FrameSamplerArgs:
+class FrameSamplerArgs(_FlatSection):
     max_num_frames: int = -1
     min_num_frames: int = 8
     sample: str = "rand"
@@ -94,13 +104,9 @@ class FrameSamplerArgs:
             raise ConfigError(f"{where}.sample must be 'rand', 'middle' or 'fpsN', got {out.sample!r}")
         return out
 
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "FrameSamplerArgs":
-        return cls(**d)
-
 
 @dataclass(frozen=True)
-class DatasetInfo:
+class DatasetInfo(_FlatSection):
     """One ``dataset_info[group][name]`` entry; paths are absolute after loading."""
 
     name: str
@@ -134,10 +140,6 @@ class DatasetInfo:
                 if p is not None and not is_kind(p, directory=False):
                     raise ConfigError(f"{where}.{label}: file not found: {p}")
         return di
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "DatasetInfo":
-        return cls(**d)
 
 
 @dataclass(frozen=True)
@@ -234,7 +236,7 @@ class GroupConfig:
 
 
 @dataclass(frozen=True)
-class PackingKnobs:
+class PackingKnobs(_FlatSection):
     """The reference ``BagelDatasetConfig`` knobs, same names and defaults."""
 
     expected_num_tokens: int = 32768
@@ -271,13 +273,9 @@ class PackingKnobs:
                 raise ConfigError(f"{where}.{k} must be positive, got {getattr(knobs, k)!r}")
         return knobs
 
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "PackingKnobs":
-        return cls(**d)
-
 
 @dataclass(frozen=True)
-class PrepackSection:
+class PrepackSection(_FlatSection):
     world_size: int = 1
     batches_per_stream: int | None = None
     tokens_per_stream: int | None = None
@@ -316,10 +314,6 @@ class PrepackSection:
         if section.batches_per_stream is None and section.tokens_per_stream is None and section.passes is None:
             raise ConfigError(f"{where} needs a budget: batches_per_stream, tokens_per_stream or passes")
         return section
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "PrepackSection":
-        return cls(**d)
 
 
 # Where a stream stops; a pack can be extended by raising these, so they are not part of its identity.
@@ -466,11 +460,14 @@ def _parse_dataset(ds: Any, base_dir: str, check_files: bool) -> tuple[tuple[Gro
     return groups, knobs
 
 
-def parse_config(raw: Mapping[str, Any], base_dir: str, *, config_path: str = "", check_files: bool = True) -> PrepackConfig:
-    """Validate a config mapping (as loaded from YAML) into a ``PrepackConfig``.
+def parse_sections(raw: Mapping[str, Any], base_dir: str, *, config_path: str = "",
+                   check_files: bool = True) -> PrepackConfig:
+    """Validate a config mapping (as loaded from YAML, ``prepack.schedule`` taken out) into a
+    ``PrepackConfig`` without a schedule.
 
     Each section parses itself (``PrepackSection.parse``, ``GroupConfig.parse``, ...); the order of the
-    calls decides which of several mistakes is reported, so keep it.
+    calls decides which of several mistakes is reported, so keep it.  A schedule's steps are configs
+    parsed here, so the schedule is parsed above this module (``schemas.config_file.parse_config``).
     """
     if not isinstance(raw, Mapping):
         raise ConfigError("the config must be a YAML mapping")
@@ -484,13 +481,7 @@ def parse_config(raw: Mapping[str, Any], base_dir: str, *, config_path: str = ""
         raise ConfigError(f"seed must be an integer, got {seed!r}")
     tok = _parse_tokenizer(raw.get("tokenizer", "qwen2-offline"), base_dir)
     num_workers = _parse_num_workers(raw.get("dataloader") or {})
-    prepack_raw = raw.get("prepack")
-    steps = None
-    if isinstance(prepack_raw, Mapping) and "schedule" in prepack_raw:
-        steps = prepack_raw["schedule"]
-        raw = {**raw, "prepack": {k: v for k, v in prepack_raw.items() if k != "schedule"}}
-        prepack_raw = raw["prepack"]
-    section = PrepackSection.parse("prepack", prepack_raw)
+    section = PrepackSection.parse("prepack", raw.get("prepack"))
     groups, knobs = _parse_dataset(raw.get("dataset"), base_dir, check_files)
     need = section.world_size * max(1, num_workers)
     for g in groups:
@@ -499,7 +490,7 @@ def parse_config(raw: Mapping[str, Any], base_dir: str, *, config_path: str = ""
                 f"dataset.grouped_datasets.{g.name}.num_used_data sums to {sum(g.num_used_data)}, smaller than "
                 f"world_size*num_workers = {need}: some stream would get no data"
             )
-    cfg = PrepackConfig(
+    return PrepackConfig(
         seed=seed,
         tokenizer=tok,
         num_workers=num_workers,
@@ -508,28 +499,3 @@ def parse_config(raw: Mapping[str, Any], base_dir: str, *, config_path: str = ""
         prepack=section,
         config_path=config_path,
     )
-    if steps is not None:
-        from schemas.schedule import parse_schedule  # it parses each step as a config: it imports this module
-
-        cfg = replace(cfg, schedule=parse_schedule(steps, raw, cfg, base_dir, config_path, check_files))
-    return cfg
-
-
-def load_config(path: str, *, overrides: Mapping[str, Any] | None = None, check_files: bool = True) -> PrepackConfig:
-    """Load and validate a YAML config file; ``overrides`` patches top-level sections (tests, CLI)."""
-    path = os.path.abspath(path)
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file not found: {path}")
-    with open(path) as f:
-        try:
-            raw = yaml.safe_load(f)
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
-    if overrides:
-        raw = dict(raw or {})
-        for k, v in overrides.items():
-            if isinstance(v, Mapping) and isinstance(raw.get(k), Mapping):
-                raw[k] = {**raw[k], **v}
-            else:
-                raw[k] = v
-    return parse_config(raw, os.path.dirname(path), config_path=path, check_files=check_files)

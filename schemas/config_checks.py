@@ -11,7 +11,6 @@ import json
 import os
 from typing import Any, Mapping
 
-import yaml
 
 from schemas.errors import ConfigError
 from schemas.location import redact_uri, refuse_credentials
@@ -74,6 +73,8 @@ def load_mapping(base: str, d: Mapping, key: str) -> dict:
         if not os.path.isfile(full):
             raise ConfigError(f"dataset.{key}_path: file not found: {full}")
         with open(full) as f:
+            import yaml  # here: the loader-only install has no PyYAML
+
             value = yaml.safe_load(f) if full.endswith((".yaml", ".yml")) else json.load(f)
     elif inline is not None:
         value = inline

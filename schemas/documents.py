@@ -16,11 +16,15 @@ import hashlib
 import json
 import types
 import typing
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from schemas.errors import DamagedFile
 
+if TYPE_CHECKING:
+    from schemas.location import PackLocation
+
 CHECKSUM_KEY = "checksum"
+T = TypeVar("T")
 
 
 def dump_checked(d: dict) -> bytes:
@@ -49,6 +53,15 @@ def load_checked(data: "bytes | str", where: str) -> dict:
         raise DamagedFile(f"{where}: damaged (same content, but its bytes are not the ones written)")
     return body
 
+
+def read_document(loc: "PackLocation", name: str, parse: "Callable[[bytes, str], T]") -> "T | None":
+    """``parse(data, path)`` of the file ``name`` of ``loc``, or None when it is absent (not written
+    yet, or optional).  Every other failure is the parser's to name, with the path."""
+    try:
+        data = loc.read_bytes(name)
+    except FileNotFoundError:
+        return None
+    return parse(data, loc.path(name))
 
 
 def _check(value: Any, hint: Any, where: str) -> Any:

@@ -39,6 +39,9 @@ LEASE_DIR = ".prepack/leases"
 INDEX_NAME = "index.arrow"
 DONE_NAME = "done.json"
 TRIMMED_NAME = "trimmed.json"
+# a training's progress folder (``schemas.progress``): a rank's checkpoint file keeps this many entries,
+# the most ``--keep-checkpoints`` can ask for
+MAX_CHECKPOINTS = 32
 TMP_SUFFIX = ".tmp"  # a file being written under its final name + this, renamed when complete (local disks)
 
 _STREAM_DIR = "stream-{stream:05d}"

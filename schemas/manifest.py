@@ -1,7 +1,7 @@
 """The pack's documents, declared once and each read in one place, checked: the stream index
 (``StreamIndex.read``), done.json (``StreamSummary.read``), the manifest (``PackSummary.read``) and
-the identity stamped into every shard file.  ``pack.json`` is ``schemas.pack_info``; a checkpoint's
-files are read and written by ``prepack.run.checkpoints``.
+the identity stamped into every shard file.  ``pack.json`` is ``schemas.pack_info``, the lineage
+``schemas.lineage``; a checkpoint's files are read and written by ``prepack.run.checkpoint_files``.
 
 Where each file lies is ``schemas.layout``; in what order a shard is committed, and why the stream
 index is the commit marker, is ``prepack.run.writer`` (its module doc).  A reader needs
@@ -25,22 +25,9 @@ import numpy as np
 import pyarrow as pa
 import xxhash
 
-from schemas.documents import Document, dump_checked, load_checked  # noqa: F401  (re-exported)
+from schemas.documents import Document, read_document
 from schemas.errors import DamagedFile, PackFormatError
-from schemas.layout import (  # noqa: F401  (re-exported: the tools and tests take the names from here)
-    LINEAGE_DIR,
-    MANIFEST_NAME,
-    PACK_INFO_NAME,
-    checkpoint_file,
-    done_file,
-    index_file,
-    shard_file,
-    shard_lineage_file,
-    shard_pixels_file,
-    stream_dir,
-    stream_lineage_file,
-    trimmed_file,
-)
+from schemas.layout import MANIFEST_NAME, done_file, index_file, shard_file, trimmed_file
 from schemas.pack_info import FORMAT_VERSION, SHARD_KEYS, PackInfo  # noqa: F401  (FORMAT_VERSION re-exported)
 from schemas.record import RECORD_SCHEMA_VERSION
 
@@ -105,11 +92,7 @@ class StreamSummary(Document):
     @classmethod
     def read(cls, loc: "PackLocation", stream: int) -> "StreamSummary | None":
         """The stream's ``done.json``, or None while it is not finished."""
-        try:
-            data = loc.read_bytes(done_file(stream))
-        except FileNotFoundError:
-            return None
-        return cls.from_json(data, loc.path(done_file(stream)))
+        return read_document(loc, done_file(stream), cls.from_json)
 
 
 @dataclass
@@ -123,11 +106,7 @@ class PackSummary(Document):
     @classmethod
     def read(cls, loc: "PackLocation") -> "PackSummary | None":
         """The pack's ``manifest.json``, or None while some stream is not finished."""
-        try:
-            data = loc.read_bytes(MANIFEST_NAME)
-        except FileNotFoundError:
-            return None
-        return cls.from_json(data, loc.path(MANIFEST_NAME))
+        return read_document(loc, MANIFEST_NAME, cls.from_json)
 
 
 @dataclass
@@ -142,11 +121,8 @@ class TrimmedShards(Document):
     @classmethod
     def read(cls, loc: "PackLocation", stream: int) -> "TrimmedShards":
         """The stream's trimmed shards (none when the file is absent)."""
-        try:
-            data = loc.read_bytes(trimmed_file(stream))
-        except FileNotFoundError:
-            return cls(stream)
-        return cls.from_json(data, loc.path(trimmed_file(stream)))
+        found = read_document(loc, trimmed_file(stream), cls.from_json)
+        return found if found is not None else cls(stream)
 
 
 # -- the per-stream index -------------------------------------------------------------------------
@@ -237,16 +213,6 @@ def expected_shard_metadata(info: PackInfo, shard: "ShardEntry") -> dict[str, st
     return {**version, **{key: str(getattr(info, name)) for key, name in _CHECKED_PACK_KEYS}, **place}
 
 
-# One row per packed sample; written per shard, then per finished stream (see schemas.layout).
-LINEAGE_SCHEMA = pa.schema([
-    ("stream", pa.int32()), ("record", pa.int64()), ("sample", pa.int32()),
-    ("group", pa.string()), ("dataset", pa.string()), ("worker_id", pa.int32()),
-    ("data_indexes", pa.list_(pa.int64())), ("source_file", pa.string()),
-    ("source_row_group", pa.int64()), ("source_row", pa.int64()),
-    ("num_tokens", pa.int32()),
-])
-
-
 INDEX_SCHEMA = pa.schema([
     ("shard", pa.int32()), ("nbytes", pa.int64()), ("xxh3", pa.string()), ("first_record", pa.int64()),
     ("record_digests", pa.list_(pa.binary(16))), ("record_tokens", pa.list_(pa.int32())),
@@ -318,11 +284,7 @@ class StreamIndex:
     @classmethod
     def read(cls, loc: "PackLocation", stream: int) -> "StreamIndex | None":
         """The stream's committed index, checked (``from_bytes``), or None before its first commit."""
-        try:
-            data = loc.read_bytes(index_file(stream))
-        except FileNotFoundError:
-            return None
-        return cls.from_bytes(data, stream, loc.path(index_file(stream)))
+        return read_document(loc, index_file(stream), lambda data, where: cls.from_bytes(data, stream, where))
 
     def _chain_start(self) -> str:
         return chain_root("", [], f"{self.ckpt0_json_sha256}|{self.ckpt0_arrow_sha256}".encode())

@@ -78,8 +78,3 @@ def group_matches(old: PrepackConfig, new: PrepackConfig) -> list[int | None]:
     at = {g.name: i for i, g in enumerate(old.groups)}
     return [at.get(g.name) for g in new.groups]
 
-
-def dropped_groups(old: PrepackConfig, new: PrepackConfig) -> list[str]:
-    """Groups of ``old`` that ``new`` no longer has (their buffered samples still pack)."""
-    names = {g.name for g in new.groups}
-    return [g.name for g in old.groups if g.name not in names]

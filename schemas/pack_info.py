@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from schemas.documents import Document, dump_checked, load_checked
+from schemas.documents import Document, dump_checked, load_checked, read_document
 from schemas.errors import DamagedFile, NotAPack, PackFormatError
 from schemas.layout import PACK_INFO_NAME
 from schemas.record import RECORD_SCHEMA_VERSION
@@ -99,11 +99,7 @@ class PackInfo(Document):
     @classmethod
     def read(cls, loc: "PackLocation") -> "PackInfo | None":
         """The pack's ``pack.json``, or None when ``loc`` has none (yet)."""
-        try:
-            data = loc.read_bytes(PACK_INFO_NAME)
-        except FileNotFoundError:
-            return None
-        return cls.parse(data, loc.path(PACK_INFO_NAME))
+        return read_document(loc, PACK_INFO_NAME, cls.parse)
 
     @classmethod
     def open(cls, loc: "PackLocation") -> "PackInfo":

@@ -28,13 +28,17 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import pyarrow as pa
 import xxhash
 
-from schemas.documents import dump_checked, load_checked
+from schemas.documents import dump_checked, load_checked, read_document
 from schemas.errors import DamagedFile
+
+if TYPE_CHECKING:
+    from schemas.location import PackLocation
 
 CATALOG_VERSION = 2  # 2: frame formats in ``codecs``, ``frame_digest``
 CATALOG_DIR = "pixels"
@@ -72,10 +76,6 @@ def part_file(build: str, part: int) -> str:
 
 def fences_file(build: str) -> str:
     return f"{CATALOG_DIR}/{build}/{FENCES_NAME}"
-
-
-def part_of(content: bytes) -> int:
-    return content[0]
 
 
 def block_digest(data: "bytes | memoryview") -> int:
@@ -117,6 +117,35 @@ class Catalog:
                        damages=[str(x) for x in d["damages"]])
         except (KeyError, TypeError, ValueError) as e:
             raise DamagedFile(f"{where}: not a pixel catalog ({e})") from None
+
+    @classmethod
+    def read(cls, loc: "PackLocation") -> "Catalog | None":
+        """The pack's ``catalog.json``, checked (``DamagedFile`` naming it); None when it has none."""
+        return read_document(loc, CATALOG_NAME, cls.from_bytes)
+
+    def fences(self, loc: "PackLocation") -> pa.Table:
+        """This build's fences, held to their sha256 in ``catalog.json``: ``ValueError`` naming the file
+        when they differ or do not read, ``OSError`` when they cannot be read."""
+        rel = fences_file(self.build)
+        data = loc.read_bytes(rel)
+        if hashlib.sha256(data).hexdigest() != self.fences_sha256:
+            raise ValueError(f"{loc.path(rel)}: sha256 differs from {CATALOG_NAME}")
+        return parse_fences(data, loc.path(rel))
+
+    def holds_for(self, stream: int, shards: Sequence) -> bool:
+        """Whether the shards it covers of ``stream`` are still the first of ``shards`` (the stream's
+        committed index rows, or anything with their ``pixels_sha256``): a catalog of a pack that
+        changed under it is not one byte trusted."""
+        n, last = self.covered.get(stream, (0, ""))
+        return not n or (len(shards) >= n and shards[n - 1].pixels_sha256 == last)
+
+
+def parse_fences(data: bytes, where: str) -> pa.Table:
+    """A fences file's table (``FENCES_SCHEMA``); ``ValueError`` naming ``where`` when it does not read."""
+    try:
+        return pa.ipc.open_file(pa.py_buffer(data)).read_all()
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{where}: not readable ({e})") from None
 
 
 def build_name(covered: dict[int, tuple[int, str]], resize: str) -> str:

@@ -28,11 +28,18 @@ another picture.  The index is only read for shards the stream index lists (comm
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import xxhash
+
+from schemas.layout import shard_pixels_file
+
+if TYPE_CHECKING:
+    from schemas.location import PackLocation
 
 PIXEL_INDEX_VERSION = 2  # 2: frame formats in ``codec``, ``frame_digest``
 SEAL_KEY = b"prepack.pixels_seal"
@@ -193,3 +200,14 @@ def read_pixel_index(data: bytes, where: str) -> tuple[pa.Table, str]:
     if meta.get(SEAL_KEY, b"").decode() != _seal(table):
         raise ValueError(f"{where}: pixel index is damaged (its seal does not hold)")
     return table, meta.get(RESIZE_KEY, b"").decode()
+
+
+def read_committed_pixel_index(loc: "PackLocation", stream: int, shard: int, sha256: str) -> tuple[pa.Table, str]:
+    """``read_pixel_index`` of a committed shard's file, after holding its bytes to the ``sha256`` its
+    stream index row records.  ``OSError`` (``FileNotFoundError`` when absent) when it cannot be read,
+    ``ValueError`` naming it when it is damaged."""
+    rel = shard_pixels_file(stream, shard)
+    data = loc.read_bytes(rel)
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise ValueError(f"{loc.path(rel)}: sha256 differs from the stream index")
+    return read_pixel_index(data, loc.path(rel))

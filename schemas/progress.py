@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 
 import pyarrow.fs as pafs
 
+from schemas.layout import MAX_CHECKPOINTS
 from schemas.location import PackLocation, resolve_location
 
 PROGRESS_VERSION = 1
-MAX_CHECKPOINTS = 32  # entries a rank's checkpoint file keeps: the most --keep-checkpoints can ask for
 _LIVE = "live-w{world_size}-r{rank:05d}-j{worker}.json"
 _CKPT = "ckpt-w{world_size}-r{rank:05d}.json"
 _NAME = re.compile(r"^(live|ckpt)-w(\d+)-r(\d+)(?:-j(\d+))?\.json$")
@@ -44,7 +44,7 @@ def live_file(world_size: int, rank: int, worker: int) -> str:
     return _LIVE.format(world_size=world_size, rank=rank, worker=worker)
 
 
-def checkpoint_file(world_size: int, rank: int) -> str:
+def rank_checkpoints_file(world_size: int, rank: int) -> str:
     return _CKPT.format(world_size=world_size, rank=rank)
 
 
@@ -139,7 +139,7 @@ class ProgressFolder:
         """A checkpoint of ``rank``: appended to its file (read once per process), the oldest dropped
         past ``MAX_CHECKPOINTS``."""
         key = (world_size, rank)
-        name = checkpoint_file(world_size, rank)
+        name = rank_checkpoints_file(world_size, rank)
         if key not in self._history:
             try:
                 old_pack, entries = _parse(self.location.read_bytes(name))

@@ -1,10 +1,10 @@
 """``prepack.schedule``: a planned mix change within one pack, as a config declares it.
 
 Each step's config is the YAML document with its ``set`` and every earlier step's applied, parsed
-as a config of its own (``schemas.config.parse_config``); a step may set only keys of the dataset
+as a config of its own (``schemas.config.parse_sections``); a step may set only keys of the dataset
 block, and each step must be a mix change every earlier config allows (``schemas.mix_change``).
-The steps live in ``PrepackConfig.schedule`` (``ScheduleStep``); a stream is packed under them by
-``prepack.engine.schedule``.
+The steps live in ``PrepackConfig.schedule`` (``ScheduleStep``), parsed with the rest of a config by
+``schemas.config_file``; a stream is packed under them by ``prepack.engine.schedule``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Mapping
 
-from schemas.config import PrepackConfig, ScheduleStep, parse_config
+from schemas.config import PrepackConfig, ScheduleStep, parse_sections
 from schemas.config_checks import check_keys, load_mapping
 from schemas.errors import ConfigError
 from schemas.mix_change import mix_change_refusal
@@ -57,7 +57,7 @@ def parse_schedule(steps: Any, raw: Mapping[str, Any], base: PrepackConfig, base
         for key, value in settings.items():
             _set_dotted(doc, str(key), value, f"{where}.set")
         try:
-            cfg = parse_config(doc, base_dir, config_path=config_path, check_files=check_files)
+            cfg = parse_sections(doc, base_dir, config_path=config_path, check_files=check_files)
         except ConfigError as e:
             raise ConfigError(f"{where}: {e}") from None
         for j, earlier in enumerate(configs):

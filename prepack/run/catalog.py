@@ -28,15 +28,23 @@ from prepack.engine.reuse.source_pictures import RESIZE_IMPL
 from prepack.engine.reuse.earlier_packs import open_old_pack
 from prepack.run.atomic_files import write_bytes_atomic
 from schemas.errors import DamagedFile, PackFormatError
-from schemas.location import PackLocation
-from schemas.manifest import StreamIndex, shard_pixels_file
+from schemas.layout import PACK_INFO_NAME, shard_pixels_file
+from schemas.location import PackLocation, resolve_location
+from schemas.pack_info import PackInfo
+from schemas.manifest import StreamIndex
 from schemas.pixel_catalog import (BLOCK_ROWS, CATALOG_NAME, FENCES_SCHEMA, PARTS, ROW_DTYPE, Catalog,
                                    arrow_file_bytes, block_digest, build_name, fences_file, part_file)
-from schemas.pixel_index import read_pixel_index
+from schemas.pixel_index import read_committed_pixel_index
 
 log = logging.getLogger(__name__)
 
 _SORT_KEYS = ("content", "decode", "width", "height")
+
+
+def check_pack(uri: str) -> None:
+    """One line (NotAPack, PackFormatError) when ``uri`` is no pack this version reads."""
+    loc = resolve_location(uri)
+    PackInfo.open(loc).check_record_schema(loc.path(PACK_INFO_NAME))
 
 
 @dataclass(frozen=True)
@@ -131,12 +139,13 @@ def _covered(loc: PackLocation, streams: int) -> dict[int, list]:
 def catalog_is_current(loc: PackLocation, streams: int) -> bool:
     """Whether ``catalog.json`` exists and covers every shard committed now."""
     try:
-        catalog = Catalog.from_bytes(loc.read_bytes(CATALOG_NAME), loc.path(CATALOG_NAME))
-    except (FileNotFoundError, DamagedFile):
+        catalog = Catalog.read(loc)
+    except DamagedFile:
+        return False
+    if catalog is None:
         return False
     for stream, shards in _covered(loc, streams).items():
-        n, last = catalog.covered.get(stream, (0, ""))
-        if n != len(shards) or (shards and shards[-1].pixels_sha256 != last):
+        if catalog.covered.get(stream, (0, ""))[0] != len(shards) or not catalog.holds_for(stream, shards):
             return False
     return True
 
@@ -162,14 +171,11 @@ def build_catalog(out: str, *, on_shard: Callable[[int, int], None] | None = Non
         for stream, shards in committed.items():
             n = 0
             for entry in shards:
-                rel = shard_pixels_file(stream, entry.shard)
                 try:
-                    data = loc.read_bytes(rel)
-                    if hashlib.sha256(data).hexdigest() != entry.pixels_sha256:
-                        raise ValueError(f"{loc.path(rel)}: sha256 differs from the stream index")
-                    table, shard_resize = read_pixel_index(data, loc.path(rel))
+                    table, shard_resize = read_committed_pixel_index(loc, stream, entry.shard, entry.pixels_sha256)
                     if resize and shard_resize != resize:
-                        raise ValueError(f"{loc.path(rel)}: resized by {shard_resize}, the rest by {resize}")
+                        where = loc.path(shard_pixels_file(stream, entry.shard))
+                        raise ValueError(f"{where}: resized by {shard_resize}, the rest by {resize}")
                 except (OSError, ValueError) as e:
                     skipped.append(str(e).splitlines()[0])
                     log.warning("index: stream %d from shard %d on is left out: %s", stream, entry.shard, e)

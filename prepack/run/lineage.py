@@ -1,5 +1,5 @@
-"""Lineage: one row per packed sample (``schemas.manifest.LINEAGE_SCHEMA``), what an audit of "what
-was trained on" reads.
+"""Lineage written: one row per packed sample (``schemas.lineage``: its schema, its files and how
+they are read), what an audit of "what was trained on" reads.
 
 Written per shard at its commit (``shard-k.lineage.parquet``, its sha256 in the index row), then
 compacted into ``lineage/stream-S.parquet`` (one row group per shard) when the stream finishes,
@@ -16,14 +16,15 @@ import pyarrow.parquet as pq
 
 from prepack.run.atomic_files import sha256_hex, write_bytes_atomic
 from schemas.layout import LINEAGE_DIR, SHARD_LINEAGE, parse, shard_lineage_file, stream_dir, stream_lineage_file
+from schemas.lineage import LINEAGE_SCHEMA, lineage_by_shard, read_lineage
 from schemas.location import PackLocation
-from schemas.manifest import LINEAGE_SCHEMA, StreamIndex
+from schemas.manifest import StreamIndex
 
 log = logging.getLogger(__name__)
 
 
 def lineage_table(stream: int, first_record: int, batches: "list[tuple[list, list[int]]]") -> pa.Table:
-    """Lineage rows (``schemas.manifest.LINEAGE_SCHEMA``) of consecutive records from each one's
+    """Lineage rows (``schemas.lineage.LINEAGE_SCHEMA``) of consecutive records from each one's
     (origins, sample lengths)."""
     cols: dict[str, list] = {f.name: [] for f in LINEAGE_SCHEMA}
     for i, (origins, lens) in enumerate(batches):
@@ -61,7 +62,7 @@ def compact_lineage(loc: PackLocation, index: StreamIndex) -> tuple[str, int]:
     with pq.ParquetWriter(sink, LINEAGE_SCHEMA, compression="zstd") as w:
         done_before = 0
         try:
-            previous = pq.ParquetFile(pa.BufferReader(loc.read_bytes(rel)))
+            previous = lineage_by_shard(loc.read_bytes(rel))
             for g in range(previous.num_row_groups):
                 table = previous.read_row_group(g)
                 w.write_table(table)
@@ -70,7 +71,7 @@ def compact_lineage(loc: PackLocation, index: StreamIndex) -> tuple[str, int]:
         except FileNotFoundError:
             pass
         for entry in index.shards[done_before:]:
-            table = pq.read_table(pa.BufferReader(loc.read_bytes(shard_lineage_file(stream, entry.shard))))
+            table = read_lineage(loc.read_bytes(shard_lineage_file(stream, entry.shard)))
             if table.num_rows:
                 w.write_table(table.cast(LINEAGE_SCHEMA))
             rows += table.num_rows

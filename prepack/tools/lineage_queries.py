@@ -17,31 +17,16 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from schemas.layout import SHARD_LINEAGE, STREAM_LINEAGE, parse
+from loader.reader import Pack
+from schemas.lineage import LINEAGE_SCHEMA, lineage_files
 from schemas.location import resolve_location
 
 ROW_KEY = ["source_file", "source_row_group", "source_row"]  # a source row, wherever it lies
 
 
-def lineage_files(out) -> list[str]:
-    """Filesystem paths of every lineage file of a pack (finished streams, then shards of the rest)."""
-    import pyarrow.fs as pafs
-
-    loc = resolve_location(out)
-    infos = loc.list("", recursive=True)
-    base = loc.base.rstrip("/") + "/"
-    rel = sorted(i.path[len(base):] for i in infos if i.type == pafs.FileType.File and i.path.startswith(base))
-    files = [(r, f) for r, f in ((r, parse(r)) for r in rel) if f is not None]
-    done = [r for r, f in files if f.kind == STREAM_LINEAGE]
-    finished = {f.stream for _, f in files if f.kind == STREAM_LINEAGE}
-    shards = [r for r, f in files if f.kind == SHARD_LINEAGE and f.stream not in finished]
-    return [loc.path(r) for r in done + shards]
-
-
 def scan_lineage(out) -> pl.LazyFrame:
-    """The whole lineage as one lazy frame (no merge, no read until ``collect``)."""
-    from schemas.manifest import LINEAGE_SCHEMA
-
+    """The whole lineage as one lazy frame (no merge, no read until ``collect``), of the files
+    ``schemas.lineage.lineage_files`` finds."""
     loc = resolve_location(out)
     files = lineage_files(loc)
     if not files:
@@ -70,8 +55,6 @@ class Segment:
 def chain_segments(out) -> list[Segment]:
     """The chain of the pack at ``out`` (a path, URI or ``loader.reader.Pack``), first segment first;
     one segment for a pack of its own."""
-    from loader.reader import Pack
-
     pack = out if isinstance(out, Pack) else Pack.open(out)
     limits: dict[int, int | None] = {s: None for s in range(pack.num_streams)}  # chain records a reader takes
     found = []

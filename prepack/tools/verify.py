@@ -17,21 +17,15 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from loader.reader import Pack, read_shard
 from prepack.tools.report import CheckReport
 from schemas.errors import PrepackError, ShardTrimmed
-from schemas.location import PackLocation, resolve_location
-from schemas.manifest import (
-    LINEAGE_SCHEMA,
+from schemas.layout import (
     MANIFEST_NAME,
     PACK_INFO_NAME,
-    PackSummary,
-    ShardEntry,
-    StreamIndex,
-    StreamSummary,
     checkpoint_file,
     done_file,
     index_file,
@@ -39,6 +33,10 @@ from schemas.manifest import (
     shard_pixels_file,
     stream_lineage_file,
 )
+from schemas.lineage import LINEAGE_SCHEMA, lineage_by_shard, lineage_columns, samples_per_record
+from schemas.location import PackLocation, resolve_location
+from schemas.manifest import PackSummary, ShardEntry, StreamIndex, StreamSummary
+from schemas.pixel_catalog import CATALOG_NAME, ROW_DTYPE, Catalog, block_digest, fences_file, parse_fences, part_file
 
 log = logging.getLogger(__name__)
 
@@ -81,23 +79,11 @@ def check_shard(pack: Pack, shard: ShardEntry) -> list:
     return rep.rows
 
 
-def _lineage_counts(data: bytes) -> dict[int, int]:
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(pa.BufferReader(data), columns=["record"])
-    counts: dict[int, int] = {}
-    for r in table.column("record").to_pylist():
-        counts[r] = counts.get(r, 0) + 1
-    return counts
-
-
 def check_lineage_rows(data: bytes, shards: list[ShardEntry], rel: str, rep: CheckReport) -> None:
     """The lineage file holds exactly one row per packed sample of each record of ``shards``."""
-    import pyarrow.parquet as pq
-
     try:
-        schema = pq.read_schema(pa.BufferReader(data))
-        counts = _lineage_counts(data)
+        schema = lineage_columns(data)
+        counts = samples_per_record(data)
     except (pa.ArrowException, OSError) as e:
         rep.add("lineage rows", rel, False, f"not a readable parquet file ({e})")
         return
@@ -166,7 +152,7 @@ def _compacted_shards(loc: PackLocation, index: StreamIndex, rep: CheckReport) -
     except FileNotFoundError:
         return 0
     try:
-        groups = min(pq.ParquetFile(pa.BufferReader(data)).num_row_groups, len(index.shards))
+        groups = min(lineage_by_shard(data).num_row_groups, len(index.shards))
     except Exception:  # unreadable: check_lineage_rows says so against every shard
         groups = len(index.shards)
     check_lineage_rows(data, index.shards[:groups], rel, rep)
@@ -259,24 +245,18 @@ def check_summary(pack: Pack, dones: dict[int, StreamSummary | None], rep: Check
 def check_catalog(pack: Pack, rep: CheckReport) -> None:
     """The pixel catalog, when the pack has one (``prepack index``): its checksum, its fences'
     sha256, every block's digest, and a coverage that is a prefix of each stream's shards."""
-    import numpy as np
-
-    from schemas.pixel_catalog import CATALOG_NAME, ROW_DTYPE, Catalog, block_digest, fences_file, part_file
-
     loc = pack.location
     try:
-        raw = loc.read_bytes(CATALOG_NAME)
-    except FileNotFoundError:
-        return  # optional: a --reuse run builds it when it needs it
-    try:
-        catalog = Catalog.from_bytes(raw, CATALOG_NAME)
+        catalog = Catalog.read(loc)
     except PrepackError as e:
         rep.add("pixel catalog", CATALOG_NAME, False, str(e))
         return
+    if catalog is None:
+        return  # optional: a --reuse run builds it when it needs it
     fences_data = _check_file(loc, rep, "pixel catalog", fences_file(catalog.build), catalog.fences_sha256)
     if fences_data is None:
         return
-    fences = pa.ipc.open_file(pa.py_buffer(fences_data)).read_all()
+    fences = parse_fences(fences_data, fences_file(catalog.build))
     parts, starts, counts, digests = (fences.column(n).to_numpy() for n in ("part", "row", "rows", "digest"))
     size = ROW_DTYPE.itemsize
     for part in np.unique(parts):
@@ -296,8 +276,7 @@ def check_catalog(pack: Pack, rep: CheckReport) -> None:
         shards = pack.index(stream).shards
         committed += len(shards)
         pack.forget(stream)
-        n, last = catalog.covered.get(stream, (0, ""))
-        if n and (len(shards) < n or shards[n - 1].pixels_sha256 != last):
+        if not catalog.holds_for(stream, shards):
             rep.add("pixel catalog", CATALOG_NAME, False, f"covers shards of stream {stream} its index does not have")
             return
     covered = sum(n for n, _ in catalog.covered.values())

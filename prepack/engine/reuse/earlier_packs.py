@@ -9,7 +9,6 @@ catalog's fences and blocks; ``RangedFile`` reads a frame or a block alone, loca
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -26,7 +25,7 @@ from schemas.location import PackLocation, redact_uri, resolve_location
 from schemas.layout import PACK_INFO_NAME
 from schemas.manifest import StreamIndex
 from schemas.pack_info import PackInfo
-from schemas.pixel_catalog import CATALOG_NAME, ROW_DTYPE, Catalog, block_digest, fences_file, part_file
+from schemas.pixel_catalog import ROW_DTYPE, Catalog, block_digest, part_file
 
 log = logging.getLogger(__name__)
 
@@ -90,21 +89,10 @@ class CatalogView:
     def open(cls, loc: PackLocation) -> "CatalogView | None":
         """The pack's catalog, checked; None when it has none.  ``ValueError`` when it is damaged."""
         try:
-            raw = loc.read_bytes(CATALOG_NAME)
-        except FileNotFoundError:
-            return None
-        try:
-            catalog = Catalog.from_bytes(raw, loc.path(CATALOG_NAME))
+            catalog = Catalog.read(loc)
         except DamagedFile as e:
             raise ValueError(str(e)) from None
-        data = loc.read_bytes(fences_file(catalog.build))
-        if hashlib.sha256(data).hexdigest() != catalog.fences_sha256:
-            raise ValueError(f"{loc.path(fences_file(catalog.build))}: sha256 differs from {CATALOG_NAME}")
-        try:
-            fences = pa.ipc.open_file(pa.py_buffer(data)).read_all()
-        except (pa.ArrowException, OSError) as e:
-            raise ValueError(f"{loc.path(fences_file(catalog.build))}: not readable ({e})") from None
-        return cls(loc, catalog, fences)
+        return None if catalog is None else cls(loc, catalog, catalog.fences(loc))
 
     def rows(self, content: bytes, decode: str) -> "tuple[list[np.void], bool]":
         """``(rows, damaged)``: the catalog rows of ``(content, decode)`` (every resize target it holds)
@@ -245,9 +233,8 @@ def _checked_catalog(loc: PackLocation, committed: "dict[int, list[CommittedShar
     if view.catalog.resize != RESIZE_IMPL:
         counts.fallback("pixel_catalog_other_resize")
         return None
-    for stream, (n, last) in view.catalog.covered.items():
-        shards = committed.get(stream, [])
-        if n and (len(shards) < n or shards[n - 1].pixels_sha256 != last):
+    for stream in view.catalog.covered:
+        if not view.catalog.holds_for(stream, committed.get(stream, [])):
             counts.fallback("pixel_catalog_stale")  # the pack changed under it: not one byte trusted
             return None
     return view.catalog

@@ -25,7 +25,6 @@ per stream at its first picture.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from collections import OrderedDict
@@ -41,9 +40,10 @@ from prepack.engine.reuse.earlier_packs import CatalogView, CommittedShard, OldP
 from prepack.engine.reuse.source_pictures import RESIZE_IMPL, ReuseCounts
 from prepack.engine.sources.readahead import ReadAheadSettings
 from schemas.compression import decompress_frame, frame_codec
+from schemas.layout import shard_file
 from schemas.location import PackLocation, resolve_location
-from schemas.manifest import StreamIndex, TrimmedShards, shard_file, shard_pixels_file
-from schemas.pixel_index import DecodeFacts, PictureSource, PixelEntry, frame_digest, read_pixel_index
+from schemas.manifest import StreamIndex, TrimmedShards
+from schemas.pixel_index import DecodeFacts, PictureSource, PixelEntry, frame_digest, read_committed_pixel_index
 from schemas.pixel_table import StoredImage, image_digest
 
 log = logging.getLogger(__name__)
@@ -241,19 +241,14 @@ class PixelReuse:
 
     def _add_shards(self, loc: PackLocation, stream: int, shards: "list[CommittedShard]") -> None:
         for entry in shards:
-            rel = shard_pixels_file(stream, entry.shard)
             try:
-                data = loc.read_bytes(rel)
+                table, resize = read_committed_pixel_index(loc, stream, entry.shard, entry.pixels_sha256)
             except FileNotFoundError:
                 self.counts.fallback("pixel_index_missing")
                 continue
             except OSError as e:
                 self._fallback("pixel_index_unreadable", e)
                 continue
-            try:
-                if hashlib.sha256(data).hexdigest() != entry.pixels_sha256:
-                    raise ValueError(f"{loc.path(rel)}: sha256 differs from the stream index")
-                table, resize = read_pixel_index(data, loc.path(rel))
             except ValueError as e:
                 self._fallback("pixel_index_damaged", e)
                 continue
