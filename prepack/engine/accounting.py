@@ -245,7 +245,7 @@ class Counters:
         c = before + n
         self.drops[key] = c
         self.examples.setdefault(key, detail)
-        # Per-stream detail is for -v: the driver announces each reason once per run (run/progress.py).
+        # Per-stream detail is for -v: the driver announces each reason once per run (run/progress_bar.py).
         if before < 3 or c // 1000 > before // 1000:  # this update holds a first-three or a 1000th occurrence
             log.log(_level(reason), "drop[%s]=%d %s", key, c, detail)
 

@@ -155,10 +155,11 @@ def _apply_scale(width: int, height: int, scale: float, stride: int) -> tuple[in
     return _make_divisible(round(width * scale), stride), _make_divisible(round(height * scale), stride)
 
 
-def navit_size(width: int, height: int, *, max_size, min_size, stride: int, max_pixels, img_num: int = 1) -> tuple[int, int]:
-    """Target (width, height) of the NaViT resize: long edge <= max, short edge >= min, both
-    divisible by ``stride``, total pixels <= max_pixels / img_num.  Same float arithmetic and
-    order as the reference resize, so sizes agree exactly."""
+def navit_size(size: tuple[int, int], *, max_size, min_size, stride: int, max_pixels, img_num: int = 1) -> tuple[int, int]:
+    """Target (width, height) of the NaViT resize of a picture of ``size`` (width, height): long edge
+    <= max, short edge >= min, both divisible by ``stride``, total pixels <= max_pixels / img_num.
+    Same float arithmetic and order as the reference resize, so sizes agree exactly."""
+    width, height = size
     scale = min(max_size / max(width, height), 1.0)
     scale = max(scale, min_size / min(width, height))
     new_w, new_h = _apply_scale(width, height, scale, stride)

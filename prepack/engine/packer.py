@@ -27,6 +27,7 @@ from prepack.engine.sample import Sample
 from prepack.engine.sources import Source, StreamContext, make_source
 from prepack.engine.sources.readahead import IOPool, ReadAheadSettings
 from schemas.config import PrepackConfig
+from schemas.mix_change import group_matches
 from schemas.record import PackedBatch
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,35 @@ class StreamState:
     refused_in_row: int = 0
 
 
+@dataclass(frozen=True)
+class Switch:
+    """A stream's state made under another config, to go on from (a mix change, ``schemas.mix_change``):
+    a continuation's start (``prepack.run.chain.switch_at``) or a schedule's step.  ``whole_stream``:
+    the budget counts and the accounting go on too (a step of one pack's schedule), else they start
+    again at zero (a continuation is a pack of its own)."""
+
+    state: StreamState
+    config: PrepackConfig  # the config the state was made under
+    whole_stream: bool = False
+
+
+@dataclass(frozen=True)
+class PackerOptions:
+    """How a packer works, none of which changes a byte it makes.
+
+    ``reuse_pixel_table``: every batch's pixel table is coded into one buffer kept by the packer, so
+    a batch's ``image_pixels`` is valid only until the next batch is made: for a consumer that writes
+    each batch before asking for the next (the stream writer), the ~20 MB table then stops costing
+    fresh pages every batch.  ``read_ahead``: how far sources on an object store read ahead (default:
+    from the environment, ``ReadAheadSettings.from_env``).  ``pixels``: where earlier pixels of the
+    same pictures can be taken from instead of decoding and resizing
+    (``prepack.engine.reuse.earlier_pixels``)."""
+
+    reuse_pixel_table: bool = False
+    read_ahead: ReadAheadSettings | None = None
+    pixels: PixelProvider | None = None
+
+
 def _py_state_to_json(state: tuple) -> list:
     version, internal, gauss = state
     return [version, list(internal), gauss]
@@ -69,25 +99,13 @@ def _np_state_from_json(d: dict) -> tuple:
 
 
 class StreamPacker:
-    """Iterate packed batches of one stream until its budget is spent.
-
-    ``reuse_pixel_table``: every batch's pixel table is coded into one buffer kept by the packer,
-    so a batch's ``image_pixels`` is valid only until the next batch is made.  For a consumer that
-    writes each batch before asking for the next (the stream writer): the ~20 MB table then stops
-    costing fresh pages every batch.
-
-    ``read_ahead``: how far sources on an object store read ahead (default: from the environment,
-    ``ReadAheadSettings.from_env``); it changes no byte.  ``close()`` (or ``with``) stops the I/O
-    threads; a packer that reaches its budget stops them itself.
-
-    ``pixels``: where earlier pixels of the same pictures can be taken from instead of decoding and
-    resizing (``prepack.engine.reuse.earlier_pixels``); it changes no byte either.  ``pictures.counts`` says how
-    the resizes were served.
-    """
+    """Iterate packed batches of one stream until its budget is spent, from its start or from
+    ``state`` (a checkpoint of the same config).  ``options``: ``PackerOptions``.  ``close()`` (or
+    ``with``) stops the I/O threads; a packer that reaches its budget stops them itself.
+    ``pictures.counts`` says how the resizes were served."""
 
     def __init__(self, cfg: PrepackConfig, stream: int, tokenizer, special, state: StreamState | None = None,
-                 *, reuse_pixel_table: bool = False, read_ahead: ReadAheadSettings | None = None,
-                 pixels: PixelProvider | None = None):
+                 options: PackerOptions = PackerOptions()):
         self.cfg = cfg
         self.stream = stream
         self.rank, self.worker = cfg.stream_rank_worker(stream)
@@ -97,8 +115,8 @@ class StreamPacker:
         self.np = np.random.RandomState(self.seed)
         self.counters = Counters()
         policy = ImagePolicy(max_pixels=cfg.prepack.max_image_pixels, strict=cfg.prepack.strict)
-        self.pictures = PictureStore(policy, self.counters.warn, pixels)
-        self._io = IOPool(read_ahead if read_ahead is not None else ReadAheadSettings.from_env(),
+        self.pictures = PictureStore(policy, self.counters.warn, options.pixels)
+        self._io = IOPool(options.read_ahead if options.read_ahead is not None else ReadAheadSettings.from_env(),
                           name=f"prepack-io-s{stream}")
         ctx = StreamContext(
             rank=self.rank,
@@ -121,7 +139,7 @@ class StreamPacker:
         self.batches = 0
         self.tokens = 0
         self.refused_in_row = 0
-        self._table_buffer: np.ndarray | None = np.empty(0, np.uint8) if reuse_pixel_table else None
+        self._table_buffer: np.ndarray | None = np.empty(0, np.uint8) if options.reuse_pixel_table else None
         weights = [g.weight for g in cfg.groups]
         total = sum(weights)
         self.cumprobs = [sum(weights[: i + 1]) / total for i in range(len(weights))]
@@ -154,22 +172,22 @@ class StreamPacker:
         self.buffer = list(st.buffer)
         self._restore_counters(st.counters)
 
-    def continue_from(self, st: StreamState, groups: list[int | None], *, whole_stream: bool = False) -> None:
-        """Go on from another config's state (a mix change, ``schemas.mix_change``): its random state and
-        buffer, and each matched group's data position (``groups[i]``: the index of group i in the
-        state, None for a group that starts fresh).  Budget counts (batches, tokens, passes) and the
-        accounting start again at zero: they are this pack's own; with ``whole_stream`` (a step of a
-        schedule, ``prepack.engine.schedule``) they go on from the state's: the pack's stream goes on."""
+    def go_on_from(self, switch: Switch) -> None:
+        """Go on from another config's state (a mix change, ``schemas.mix_change``): its random state
+        and buffer, and each group's data position where the group is in both configs (matched by
+        name; a new group starts fresh).  Budget counts (batches, tokens, passes) and the accounting
+        start again at zero, unless ``switch.whole_stream`` (a step of a schedule): they go on."""
+        st, whole = switch.state, switch.whole_stream
         if st.stream != self.stream:
             raise ValueError(f"state is for stream {st.stream}, not {self.stream}")
         self.py.setstate(_py_state_from_json(st.py_rng))
         self.np.set_state(_np_state_from_json(st.np_rng))
-        for source, at in zip(self.sources, groups, strict=True):
+        for source, at in zip(self.sources, group_matches(switch.config, self.cfg), strict=True):
             if at is not None:
-                source.restore(st.sources[at] if whole_stream else {**st.sources[at], "passes": 0})
+                source.restore(st.sources[at] if whole else {**st.sources[at], "passes": 0})
         self.buffer = list(st.buffer)
         self.refused_in_row = st.refused_in_row
-        if whole_stream:
+        if whole:
             self.batches, self.tokens = st.batches, st.tokens
             self._restore_counters(st.counters)
 

@@ -11,8 +11,8 @@ budget, counts and accounting are the whole stream's, and every reader, follower
 tool reads it as any other pack.
 
 The state after batch n (a checkpoint) was made under the step of batch n - 1; a packer built from
-it at a step's first batch switches there (``open_packer``), so a run killed, extended or audited
-at a switch goes on exactly.
+it at a step's first batch switches there, so a run killed, extended or audited at a switch goes on
+exactly.  Callers get it from ``prepack.engine.packers.open_packer``.
 """
 
 from __future__ import annotations
@@ -20,92 +20,49 @@ from __future__ import annotations
 import logging
 from typing import Iterator
 
-from prepack.engine.checkpoint import state_from_payload, state_to_payload
-from prepack.engine.packer import StreamPacker, StreamState
+from prepack.engine.state_codec import detached
+from prepack.engine.packer import PackerOptions, StreamPacker, StreamState, Switch
 from schemas.config import PrepackConfig
-from schemas.mix_change import group_matches
 from schemas.record import PackedBatch
 
 log = logging.getLogger(__name__)
 
 
-def open_packer(cfg: PrepackConfig, stream: int, tokenizer, special, state: StreamState | None = None,
-                **kwargs) -> "StreamPacker | ScheduledPacker":
-    """The packer of ``stream`` under ``cfg`` from ``state`` (None: the stream's start): a plain
-    ``StreamPacker`` for a config without a schedule, else a ``ScheduledPacker``.  ``kwargs`` go to
-    every ``StreamPacker`` (``pixels``, ``reuse_pixel_table``, ``read_ahead``)."""
-    if not cfg.schedule:
-        return StreamPacker(cfg, stream, tokenizer, special, state=state, **kwargs)
-    return ScheduledPacker(cfg, stream, tokenizer, special, state=state, **kwargs)
-
-
-def _detached(state: StreamState) -> StreamState:
-    """The state as a checkpoint holds it: its buffered pictures resized now, while their sources are
-    open (the next step's packer reads none of the last one's sources)."""
-    doc, arrow = state_to_payload(state)
-    return state_from_payload(doc, arrow)
-
-
 class ScheduledPacker:
     """A ``StreamPacker`` per step, one at a time: each is iterated until the next step's first batch,
-    then its state goes on under the next step's config.  Presents a ``StreamPacker``'s interface
-    (iteration, ``state()``, the counts, ``budget_spent()``, ``final_counters()``, ``close()``)."""
+    then its state goes on under the next step's config.  Presents the ``Packer`` interface
+    (``prepack.engine.packers``) as a ``StreamPacker`` does."""
 
     def __init__(self, cfg: PrepackConfig, stream: int, tokenizer, special, state: StreamState | None = None,
-                 **kwargs):
+                 options: PackerOptions = PackerOptions()):
         self.cfg = cfg
         self.stream = stream
         self._args = (tokenizer, special)
-        self._kwargs = kwargs
+        self._options = options
         batches = state.batches if state is not None else 0
         self.step = cfg.step_of(batches)
         if state is None or cfg.step_of(max(batches - 1, 0)) == self.step:
-            self._packer = StreamPacker(cfg.step_config(self.step), stream, tokenizer, special, state=state, **kwargs)
+            self._packer = StreamPacker(cfg.step_config(self.step), stream, tokenizer, special, state, options)
         else:  # a checkpoint at a step's first batch: made under the step before
             self._packer = self._switched(state, self.step)
 
     def _switched(self, state: StreamState, step: int) -> StreamPacker:
-        before, now = self.cfg.step_config(step - 1), self.cfg.step_config(step)
-        packer = StreamPacker(now, self.stream, *self._args, **self._kwargs)
-        packer.continue_from(state, group_matches(before, now), whole_stream=True)
+        packer = StreamPacker(self.cfg.step_config(step), self.stream, *self._args, options=self._options)
+        packer.go_on_from(Switch(state, self.cfg.step_config(step - 1), whole_stream=True))
         return packer
 
-    # -- what callers of a StreamPacker use -----------------------------------------------------
-    @property
-    def batches(self) -> int:
-        return self._packer.batches
+    # -- what callers of a StreamPacker use: the current step's packer answers --------------------
+    _DELEGATED = frozenset({"batches", "tokens", "counters", "pictures", "sources", "state", "budget_spent",
+                            "final_counters", "close"})
 
-    @property
-    def tokens(self) -> int:
-        return self._packer.tokens
+    def __getattr__(self, name: str):
+        if name in ScheduledPacker._DELEGATED:
+            return getattr(self._packer, name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
-    @property
-    def counters(self):
-        return self._packer.counters
-
-    @property
-    def pictures(self):
-        return self._packer.pictures
-
-    @property
-    def sources(self):
-        return self._packer.sources
-
-    def state(self) -> StreamState:
-        return self._packer.state()
-
-    def budget_spent(self) -> bool:
-        return self._packer.budget_spent()
-
-    def final_counters(self):
-        return self._packer.final_counters()
-
-    def continue_from(self, st: StreamState, groups: list[int | None], *, whole_stream: bool = False) -> None:
+    def go_on_from(self, switch: Switch) -> None:
         """A continuation of another pack starts here (at this pack's batch 0, step 0)."""
-        self._packer.continue_from(st, groups, whole_stream=whole_stream)
-
-    def close(self) -> None:
-        self._packer.close()
+        self._packer.go_on_from(switch)
 
     def __enter__(self) -> "ScheduledPacker":
         return self
@@ -128,7 +85,7 @@ class ScheduledPacker:
                 batches.close()  # stops this step's sources (the packer's own ``finally``)
                 if self._packer.budget_spent():
                     return
-                state, counts = _detached(self._packer.state()), self._packer.pictures.counts
+                state, counts = detached(self._packer.state()), self._packer.pictures.counts
                 self.step += 1
                 self._packer = self._switched(state, self.step)
                 self._packer.pictures.counts = counts  # done.json's reuse counts are the whole stream's too

@@ -92,3 +92,10 @@ def state_from_payload(doc: CheckpointDoc, pixel_bytes: bytes) -> StreamState:
         sources=doc.sources, buffer=buffer, counters=Counters.from_json(doc.counters),
         refused_in_row=doc.refused_in_row,
     )
+
+
+def detached(state: StreamState) -> StreamState:
+    """The state as a checkpoint holds it: its buffered pictures resized now, while the packer that
+    made it still has its sources open (a packer that goes on from it reads none of them)."""
+    doc, arrow = state_to_payload(state)
+    return state_from_payload(doc, arrow)

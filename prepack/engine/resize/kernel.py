@@ -100,8 +100,11 @@ def _madd(acc, pixels, k, n):
 
 
 @_inline
-def _madd4(acc, p, q, r, s, kp, kq, kr, ks, n):
-    """Four taps at once: each accumulator is loaded and stored once per four products."""
+def _madd4(acc, lines, at, k, t, n):
+    """Taps t..t+3 (of lines[at..at+3]) at once: each accumulator is loaded and stored once per four
+    products."""
+    p, q, r, s = lines[at], lines[at + 1], lines[at + 2], lines[at + 3]
+    kp, kq, kr, ks = k[t], k[t + 1], k[t + 2], k[t + 3]
     a0 = acc[0]
     a1 = acc[1]
     a2 = acc[2]
@@ -121,8 +124,7 @@ def _taps(acc, lines, lo, count, k, n):
     int32 sums are exact, so grouping the taps changes nothing."""
     t = 0
     while t + 4 <= count:
-        _madd4(acc, lines[lo + t], lines[lo + t + 1], lines[lo + t + 2], lines[lo + t + 3],
-               k[t], k[t + 1], k[t + 2], k[t + 3], n)
+        _madd4(acc, lines, lo + t, k, t, n)
         t += 4
     while t < count:
         _madd(acc, lines[lo + t], k[t], n)
@@ -197,18 +199,11 @@ def resize_rgbx(src, width, height, vertical_first):
     """Pillow's bicubic resize of an (H, W) RGBX int32 image to (height, width, 3) uint8."""
     in_h, in_w = src.shape
     img = src
-    if vertical_first:
-        if height != in_h:
+    for vertical in (vertical_first, not vertical_first):  # Pillow's pass order, then the other pass
+        if vertical and height != in_h:
             f, c, k = coefficients(in_h, height)
             img = vertical_pass(img, f, c, k)
-        if width != in_w:
+        elif not vertical and width != in_w:
             f, c, k = coefficients(in_w, width)
             img = horizontal_pass(img, f, c, k)
-    else:
-        if width != in_w:
-            f, c, k = coefficients(in_w, width)
-            img = horizontal_pass(img, f, c, k)
-        if height != in_h:
-            f, c, k = coefficients(in_h, height)
-            img = vertical_pass(img, f, c, k)
     return to_rgb(img)

@@ -35,7 +35,7 @@ import PIL
 from PIL import Image
 
 from prepack.engine.decode import raw_pixels, rgb_array
-from prepack.engine.resize import selftest
+from prepack.engine.resize import inplace, native, selftest
 from schemas.pixel_table import encode_rows
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def _import_kernel():
     cache directory (NUMBA_CACHE_DIR, the package's __pycache__, the user's cache folder) and
     refuses to build cached functions when it finds none: then a per-user temporary folder is
     used, so a read-only install in a worker with no home still caches across processes."""
-    try:
+    try:  # here, not at the top: importing it loads numba's cached functions (seconds), and may fail
         from prepack.engine.resize import kernel
     except RuntimeError as exc:  # "cannot cache function ...: no locator available"
         import numba
@@ -81,7 +81,7 @@ def _import_kernel():
         fallback = os.path.join(tempfile.gettempdir(), f"prepack-numba-{os.getuid()}")
         log.info("numba cache: %s; using %s", exc, fallback)
         numba.config.CACHE_DIR = fallback
-        from prepack.engine.resize import kernel
+        from prepack.engine.resize import kernel  # again, with the cache folder numba can write
     return kernel
 
 
@@ -94,9 +94,8 @@ class NativeKernel:
 
     def __init__(self, env: Mapping[str, str] | None = None, flags: tuple[str, ...] | None = None,
                  in_place: bool = True):
-        from prepack.engine.resize import inplace, native
-
         flags = native.FLAGS if flags is None else flags
+
         def entries(name: str) -> dict[bool, native.ResizeFn]:  # by coded
             return {False: native.load(env, flags, name), True: native.load(env, flags, f"{name}_coded")}
 
@@ -118,8 +117,6 @@ class NativeKernel:
         self._run(img, width, height, out, True)
 
     def _run(self, img: Image.Image, width: int, height: int, out: np.ndarray, coded: bool) -> None:
-        from prepack.engine.resize import inplace
-
         in_w, in_h = img.size
         vfirst = int(vertical_first(in_w, in_h, width, height))
         held = inplace.rows(img) if self._from_rows is not None else None  # the capsule keeps the rows alive
@@ -166,7 +163,6 @@ def _source_digest(path: Path) -> str:
 
 def default_candidates(env: Mapping[str, str]) -> list[Candidate]:
     """The C kernel, then numba: the order of preference where they time alike."""
-    from prepack.engine.resize import native
 
     def native_identity() -> str:
         try:  # the build (source, compiler, flags, CPU) and how pictures reach it
@@ -205,8 +201,6 @@ class _ChoiceCache:
     workers that start together time once.  ``path`` is None where no folder is writable."""
 
     def __init__(self, env: Mapping[str, str], candidates: Sequence[Candidate], pillow_version: str):
-        from prepack.engine.resize import native
-
         self.key = {"version": CHOICE_VERSION, "machine": native.machine_features(), "pillow": pillow_version,
                     "cases": repr(selftest.TIMING_CASES), "candidates": {c.name: c.identity() for c in candidates}}
         digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:20]

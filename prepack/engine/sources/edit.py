@@ -172,7 +172,7 @@ class EditSource(Source):
 
         def sized(pic, args: TransformArgs) -> SampleImage:
             nonlocal tokens
-            target = navit_size(*pic.size, max_size=args.max_image_size, min_size=args.min_image_size,
+            target = navit_size(pic.size, max_size=args.max_image_size, min_size=args.min_image_size,
                                 stride=args.image_stride, max_pixels=args.max_pixels)
             tokens += target[0] * target[1] // args.image_stride**2
             return SampleImage.from_transform(pic, target, args)

@@ -10,24 +10,25 @@ from __future__ import annotations
 import os
 import random
 import re
-from typing import Callable
-
 import numpy as np
 from PIL import Image
 
-from prepack.engine.accounting import Drop, Rejected, Warn
-from prepack.engine.decode import ImagePolicy, decode_plain_rgb
-from prepack.engine.reuse.source_pictures import Picture, PictureStore
+from prepack.engine.accounting import Drop, Rejected
+from prepack.engine.decode import decode_plain_rgb
+from prepack.engine.reuse.source_pictures import Picture
 from prepack.engine.sources import files
+from prepack.engine.sources.base import StreamContext
 from prepack.engine.sources.readahead import DIRECT, Prefetched
 from schemas.config import FrameSamplerArgs
 
 _FRAME_NUMBER = re.compile(r"_(\d+).jpg$")
 
 
-def frame_indices(num_frames: int, vlen: int, mode: str, py: random.Random, rs: np.random.RandomState,
-                  fix_start: int | None = None, input_fps: float = 1, max_num_frames: int = -1) -> list[int]:
-    """Indices of the frames to keep (reference ``get_frame_indices`` semantics)."""
+def frame_indices(num_frames: int, vlen: int, mode: str, rngs: "tuple[random.Random, np.random.RandomState]",
+                  input_fps: float = 1, max_num_frames: int = -1) -> list[int]:
+    """Indices of the frames to keep (reference ``get_frame_indices`` semantics; its ``fix_start``,
+    which no caller of the reference's samplers passes, is left out); ``rngs``: the stream's two."""
+    py, rs = rngs
     if mode in ("rand", "middle"):
         count = min(num_frames, vlen)
         edges = np.linspace(start=0, stop=vlen, num=count + 1).astype(int)
@@ -41,8 +42,6 @@ def frame_indices(num_frames: int, vlen: int, mode: str, py: random.Random, rs: 
                 perm = rs.permutation(vlen)[:count]
                 perm.sort()
                 picked = list(perm)
-        elif fix_start is not None:
-            picked = [lo + fix_start for lo, _ in spans]
         else:
             picked = [(lo + hi) // 2 for lo, hi in spans]
         if len(picked) < num_frames:
@@ -72,12 +71,12 @@ def frame_names_in_order(names: list[str]) -> list[str]:
     return sorted(names, key=lambda n: _frame_number(os.path.basename(n)))
 
 
-def read_video_file(path: str, args: FrameSamplerArgs, py: random.Random, rs: np.random.RandomState,
-                    policy: ImagePolicy, objects: Prefetched = DIRECT,
-                    pictures: PictureStore | None = None) -> "list[Picture | Image.Image]":
-    """Frames of an mp4 (or anything decord reads).  With ``pictures`` the frames are keyed by the
-    video's content and frame index; when earlier pixels hold every sampled frame, none is decoded
-    (the container is still opened: its length and rate decide which frames are drawn)."""
+def read_video_file(path: str, args: FrameSamplerArgs, ctx: "StreamContext",
+                    objects: Prefetched = DIRECT) -> "list[Picture | Image.Image]":
+    """Frames of an mp4 (or anything decord reads).  With the stream's ``pictures`` the frames are
+    keyed by the video's content and frame index; when earlier pixels hold every sampled frame, none
+    is decoded (the container is still opened: its length and rate decide which frames are drawn)."""
+    rs, policy, pictures = ctx.np_rng, ctx.image_policy, ctx.pictures
     import decord  # heavy and only needed for video rows
 
     source = objects.video_source(path)
@@ -85,7 +84,7 @@ def read_video_file(path: str, args: FrameSamplerArgs, py: random.Random, rs: np
     vlen = len(reader)
     fps = reader.get_avg_fps()
     count = rs.randint(args.min_num_frames, args.max_num_frames + 1)
-    idx = frame_indices(count, vlen, args.sample, py, rs, input_fps=fps)
+    idx = frame_indices(count, vlen, args.sample, (ctx.py_rng, rs), input_fps=fps)
     video = _video_bytes(source) if pictures is not None else b""
     if pictures is not None and len(idx):
         known = pictures.video_frames(video, [int(i) for i in idx], decode=lambda: reader.get_batch(idx).asnumpy())
@@ -111,28 +110,28 @@ def _video_bytes(source) -> bytes:
     return source.getvalue()
 
 
-def read_frame_folder(path: str, args: FrameSamplerArgs, py: random.Random, rs: np.random.RandomState,
-                      policy: ImagePolicy, warn: Callable[[Warn], None], objects: Prefetched = DIRECT,
-                      pictures: PictureStore | None = None) -> "list[Picture | Image.Image]":
+def read_frame_folder(path: str, args: FrameSamplerArgs, ctx: "StreamContext",
+                      objects: Prefetched = DIRECT) -> "list[Picture | Image.Image]":
     """Frames of a folder of images, ordered by the ``_NNN.jpg`` suffix (others first)."""
+    rs, pictures = ctx.np_rng, ctx.pictures
     names = frame_names_in_order(objects.list_names(path))
     if pictures is not None:
         frames = [pictures.plain(objects.media(files.join(path, n))) for n in names]
     else:
-        frames = [decode_plain_rgb(objects.media(files.join(path, n)), policy, warn) for n in names]
+        frames = [decode_plain_rgb(objects.media(files.join(path, n)), ctx.image_policy, ctx.counters.warn)
+                  for n in names]
     count = rs.randint(args.min_num_frames, args.max_num_frames + 1)
     if len(frames) > count:
-        frames = [frames[i] for i in frame_indices(count, len(frames), args.sample, py, rs)]
+        frames = [frames[i] for i in frame_indices(count, len(frames), args.sample, (ctx.py_rng, rs))]
     return frames
 
 
-def sample_frames(path: str, args: FrameSamplerArgs, py: random.Random, rs: np.random.RandomState,
-                  policy: ImagePolicy, warn: Callable[[Warn], None], objects: Prefetched = DIRECT,
-                  pictures: PictureStore | None = None) -> "list[Picture | Image.Image]":
-    """A trailing slash names a frame folder, anything else a video file (reference rule).
-
-    ``objects``: where the bytes come from (what a read-ahead fetched; by default direct reads).
+def sample_frames(path: str, args: FrameSamplerArgs, ctx: "StreamContext",
+                  objects: Prefetched = DIRECT) -> "list[Picture | Image.Image]":
+    """A trailing slash names a frame folder, anything else a video file (reference rule).  ``ctx``:
+    the stream's random generators, image policy, warnings and picture store; ``objects``: where the
+    bytes come from (what a read-ahead fetched; by default direct reads).
     """
     if path.endswith("/"):
-        return read_frame_folder(path, args, py, rs, policy, warn, objects, pictures)
-    return read_video_file(path, args, py, rs, policy, objects, pictures)
+        return read_frame_folder(path, args, ctx, objects)
+    return read_video_file(path, args, ctx, objects)

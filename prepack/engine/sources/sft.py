@@ -189,8 +189,7 @@ class SftSource(Source):
         if "video" in item:
             if parsed.refused is not None:
                 raise parsed.refused
-            frames = sample_frames(parsed.media[0], self.group.frame_sampler, ctx.py_rng,
-                                   ctx.np_rng, ctx.image_policy, ctx.counters.warn, objects, ctx.pictures)
+            frames = sample_frames(parsed.media[0], self.group.frame_sampler, ctx, objects)
             convs = item["conversations"]
             first = convs[0]
             if "<video>" not in first["value"]:
@@ -224,7 +223,7 @@ class SftSource(Source):
         images: list[SampleImage] = []
         tokens = 0
         for pic in pictures:
-            target = navit_size(*pic.size, max_size=args.max_image_size, min_size=args.min_image_size,
+            target = navit_size(pic.size, max_size=args.max_image_size, min_size=args.min_image_size,
                                 stride=args.image_stride, max_pixels=args.max_pixels, img_num=len(pictures))
             images.append(SampleImage.from_transform(pic, target, args))
             tokens += target[0] * target[1] // args.image_stride**2

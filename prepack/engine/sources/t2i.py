@@ -132,7 +132,7 @@ class T2ISource(Source):
             raise
         except Exception as e:
             raise Rejected(Drop.T2I_IMAGE_PARSE, str(e)) from None
-        target = navit_size(*picture.size, max_size=args.max_image_size, min_size=args.min_image_size,
+        target = navit_size(picture.size, max_size=args.max_image_size, min_size=args.min_image_size,
                             stride=args.image_stride, max_pixels=args.max_pixels)
         num_tokens = target[0] * target[1] // args.image_stride**2
         if captions is None:
