@@ -15,8 +15,9 @@ import sys
 import textwrap
 from typing import NoReturn
 
+from prepack import __version__
 from prepack.demo import command as demo_data_command
-from prepack.run import catalog_command, trim_command
+from prepack.run import index_command, trim_command
 from prepack.run import command as run_command
 from prepack.tools import audit_command, inspect_record_command, plan_command, stats_command, verify_command
 from schemas.errors import PrepackError
@@ -58,7 +59,7 @@ COMMANDS = (
     demo_data_command.add_command,       # demo-data  prepack/demo/command.py
     verify_command.add_command,          # verify     prepack/tools/verify_command.py
     audit_command.add_command,           # audit      prepack/tools/audit_command.py
-    catalog_command.add_command,         # index      prepack/run/catalog_command.py
+    index_command.add_command,         # index      prepack/run/index_command.py
     inspect_record_command.add_command,  # inspect    prepack/tools/inspect_record_command.py
     stats_command.add_command,           # stats      prepack/tools/stats_command.py
     trim_command.add_command,            # trim, restore  prepack/run/trim_command.py
@@ -66,8 +67,6 @@ COMMANDS = (
 
 
 def _version() -> str:
-    from prepack import __version__
-
     return __version__
 
 

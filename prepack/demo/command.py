@@ -8,6 +8,7 @@ from __future__ import annotations
 
 
 def cmd_demo_data(args) -> int:
+    # the demo's makers (scikit-image, PyAV, Pillow): imported when the command runs, not for --help
     from prepack.demo.data import write_demo_data
 
     data = write_demo_data(args.dir, seed=args.seed)

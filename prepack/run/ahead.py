@@ -1,19 +1,12 @@
-"""A bounded pack: pack each stream just ahead of the trainings reading it, trim what they keep no
-checkpoint before.
+"""A bounded pack: pack each stream just ahead of the trainings reading it, trim behind them.
 
-The trainings say where they stand through their progress folders (``schemas.progress``, written
-by the loader's ``progress=``).  ``Bound`` answers the two questions a bounded run asks, per
-stream, in the chain's record numbers (what a loader state counts):
-
-- ``may_pack(stream, records)``: may the stream start another shard, having ``records`` in its
-  chain?  Only while that is fewer than the furthest training's position plus ``ahead``.  A shard
-  once started is finished (readers see whole shards), so a stream holds at most ``ahead`` plus
-  one shard of batches past the furthest reader.  Readers publish their position before they would
-  wait for a batch not yet packed, so a packer holding back always hears that they caught up.
-- ``trim_before(stream)``: nothing at or after this record may be trimmed: the earliest position,
-  over every training, of the K newest checkpoints it published (``--keep-checkpoints``); 0 while
-  a training has published fewer than K (a crash may take it back to the start), and 0 for a
-  stream whose checkpoint does not match the pack's record digests (a folder of another pack).
+``AheadGate.may_pack(stream, records)``: may the stream start another shard, having ``records`` in
+its chain?  Only while that is fewer than the furthest training's position (``prepack.run.trainings``)
+plus ``ahead``.  A shard once started is finished (readers see whole shards), so a stream holds at
+most ``ahead`` plus one shard of batches past the furthest reader.  Readers publish their position
+before they would wait for a batch not yet packed, so a packer holding back always hears that they
+caught up.  What may be trimmed meanwhile is the trim policy's to say (``prepack.run.trim_policy``);
+``JobStreams`` is the job's side: which of its streams may pack now, and its trims every few seconds.
 """
 
 from __future__ import annotations
@@ -21,143 +14,109 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-from schemas.errors import PackRefused, UsageError
-
-if TYPE_CHECKING:  # schemas.progress (pyarrow) is imported when a bound is used: run's --help stays light
-    from schemas.progress import ProgressFolder, TrainingProgress
+from loader.reader import Pack
+from prepack.run import trainings as trainings_module
+from prepack.run.bound import BoundSpec
+from prepack.run.trainings import Trainings
+from prepack.run.trim_policy import TrimPolicy
+from schemas.location import PackLocation
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KEEP_CHECKPOINTS = 2
-POLL_S = 1.0  # how often a waiting stream, or the running job, reads the progress folders again
 
+class AheadGate:
+    """``spec.ahead`` read against the trainings of ``pack`` (None ahead: every shard may start)."""
 
-@dataclass(frozen=True)
-class BoundSpec:
-    """What the user asked: ``--ahead N`` (None: no limit), ``--progress P...``, ``--keep-checkpoints K``.
-    Plain values, so it travels to a stream task as it is."""
-
-    ahead: int | None
-    progress: tuple[str, ...]
-    keep: int = DEFAULT_KEEP_CHECKPOINTS
-
-    def __post_init__(self):
-        if self.ahead is not None and self.ahead < 1:
-            raise UsageError(f"--ahead takes a number of batches >= 1, got {self.ahead}")
-        if self.ahead is not None and not self.progress:
-            raise UsageError("--ahead needs --progress P: the folder (or s3:// prefix) where the training publishes "
-                             "its position (PackedShardDataset(..., progress=P))")
-        from schemas.progress import MAX_CHECKPOINTS
-
-        if not 1 <= self.keep <= MAX_CHECKPOINTS:
-            raise UsageError(f"--keep-checkpoints takes 1..{MAX_CHECKPOINTS}, got {self.keep}")
-
-    @property
-    def active(self) -> bool:
-        return bool(self.progress)
-
-    def warnings(self) -> list[str]:
-        """What the user may not have meant: a checkpoint is published when the loader's state is
-        taken, before the training has saved it, so with K=1 a crash during that save rolls back to
-        a checkpoint whose batches may be trimmed already (``prepack restore`` brings them back)."""
-        if self.active and self.keep == 1:
-            return ["--keep-checkpoints 1: a checkpoint counts once the loader's state is taken, before the "
-                    "training has saved it; a crash during that save rolls back to the one before, whose batches "
-                    "may be trimmed already (prepack restore --state brings them back). The default, 2, covers it."]
-        return []
-
-
-@dataclass
-class Bound:
-    """``BoundSpec`` read against a pack (``loader.reader.Pack``): the progress folders, re-read at
-    most every ``POLL_S`` seconds."""
-
-    spec: BoundSpec
-    pack: object  # loader.reader.Pack
-    _folders: "list[ProgressFolder]" = field(default_factory=list)
-    _read: "list[TrainingProgress]" = field(default_factory=list)
-    _at: float = -1e9
-
-    def __post_init__(self):
-        from schemas.progress import ProgressFolder
-
-        self._folders = [ProgressFolder(p) for p in self.spec.progress]
-
-    def refresh(self, force: bool = False) -> None:
-        if not force and time.monotonic() - self._at < POLL_S:
-            return
-        self._at = time.monotonic()
-        self._read = [f.read() for f in self._folders]
-        ours = set(self.pack.fingerprints())
-        for folder, got in zip(self._folders, self._read):
-            if got.packs - ours:
-                raise PackRefused(f"--progress {folder.location.base}: it holds the progress of another pack "
-                                  "(a training of another pack, or of this pack before it was made again)")
-
-    def reached(self, stream: int) -> int:
-        """The furthest position of any training on ``stream`` (chain records)."""
-        self.refresh()
-        return max((got.reached(stream) for got in self._read), default=0)
+    def __init__(self, spec: BoundSpec, pack: Pack):
+        self.spec = spec
+        self.trainings = Trainings(spec.progress, pack)
 
     def may_pack(self, stream: int, records: int) -> bool:
         if self.spec.ahead is None:
             return True
-        return records < self.reached(stream) + self.spec.ahead
-
-    def trim_before(self, stream: int) -> int:
-        self.refresh()
-        before = None
-        for got in self._read:
-            entry = got.kept(stream, self.spec.keep)
-            at = 0 if entry is None else entry.positions[stream]
-            if at and not self._matches(stream, at, entry.last.get(stream, "")):
-                at = 0
-            before = at if before is None else min(before, at)
-        return before or 0
-
-    def _matches(self, stream: int, at: int, digest: str) -> bool:
-        try:
-            if at > self.pack.num_records(stream):  # packed since the index was read (it is read once)
-                self.pack.index(stream, refresh=True)
-            return self.pack.wait_for(stream, at - 1, None) and self.pack.record_digest(stream, at - 1) == digest
-        except (KeyError, IndexError, ValueError, OSError):
-            return False
+        return records < self.trainings.reached(stream) + self.spec.ahead
 
 
-def wait_to_pack(bound: Bound, stream: int, records: int, give_up_s: float | None = None,
-                 on_wait: "Callable[[], None] | None" = None) -> bool:
-    """Wait until ``stream`` may start another shard; False when ``give_up_s`` passed first (the
-    caller then lets its CPU go and is started again later).  ``on_wait`` runs at each poll (a job
-    packing in one process trims meanwhile)."""
+@dataclass(frozen=True)
+class WaitRule:
+    """How a stream waits for its trainings: ``give_up_s`` (None: as long as it takes; then the stream
+    returns ``Paused`` and lets its CPU go), ``on_wait`` run at each poll (a job packing in one
+    process trims meanwhile)."""
+
+    give_up_s: float | None = None
+    on_wait: "Callable[[], None] | None" = None
+
+
+def wait_to_pack(gate: AheadGate, stream: int, records: int, rule: WaitRule = WaitRule()) -> bool:
+    """Wait until ``stream`` may start another shard; False when ``rule.give_up_s`` passed first."""
     start = time.monotonic()
     said = False
-    while not bound.may_pack(stream, records):
+    while not gate.may_pack(stream, records):
         if not said:
             log.info("stream %d: %d records packed, training at %d: waiting (--ahead %d)", stream, records,
-                     bound.reached(stream), bound.spec.ahead)
+                     gate.trainings.reached(stream), gate.spec.ahead)
             said = True
-        if give_up_s is not None and time.monotonic() - start >= give_up_s:
+        if rule.give_up_s is not None and time.monotonic() - start >= rule.give_up_s:
             return False
-        if on_wait is not None:
-            on_wait()
-        time.sleep(POLL_S)
-        bound.refresh(force=True)
+        if rule.on_wait is not None:
+            rule.on_wait()
+        time.sleep(trainings_module.POLL_S)
+        gate.trainings.refresh(force=True)
     return True
 
 
-def trim_behind(bound: Bound, streams: "list[int]") -> tuple[int, int]:
-    """Trim each of ``streams`` behind its training checkpoints; (shards trimmed, bytes freed)."""
-    from prepack.run.trim import trim_stream
+class JobStreams:
+    """The streams of a job not finished yet, and which of them may pack now.  Without a bound every
+    stream is ready once; with one (``--ahead``), a stream that returned ``Paused`` is ready again when
+    its trainings come close enough, and the job trims its streams behind their kept checkpoints."""
 
-    n = freed = 0
-    for s in streams:
-        before = bound.trim_before(s)
-        if before:
-            shards, b = trim_stream(bound.pack, s, before)
-            n, freed = n + len(shards), freed + b
-    if n:
-        log.info("trimmed %d shard(s), %.1f MiB behind the trainings' kept checkpoints", n, freed / 2**20)
-    return n, freed
+    TRIM_EVERY_S = 5.0
+
+    def __init__(self, loc: PackLocation, todo: list[int], bound: "BoundSpec | None"):
+        self.streams: dict[int, int | None] = {s: None for s in todo}  # stream -> chain records when paused
+        self.todo = list(todo)  # a finished stream is still read: it is trimmed too
+        self.gate: AheadGate | None = None
+        self.policy: TrimPolicy | None = None
+        self._trimmed_at = -1e9
+        if bound is not None and bound.active:
+            self.gate = AheadGate(bound, Pack.open(loc))
+            self.policy = TrimPolicy.behind_checkpoints(self.gate.trainings, bound.keep)
+        self.running: set[int] = set()
+
+    def ready(self) -> list[int]:
+        out = []
+        for s, records in self.streams.items():
+            if s in self.running:
+                continue
+            if records is None or self.gate is None or self.gate.may_pack(s, records):
+                out.append(s)
+        return out
+
+    def started(self, stream: int) -> None:
+        self.running.add(stream)
+
+    def returned(self, stream: int, paused_at: int | None) -> None:
+        """``stream`` returned: finished (``paused_at`` None) or paused with that many chain records."""
+        self.running.discard(stream)
+        if paused_at is not None:
+            self.streams[stream] = paused_at
+        else:
+            self.streams.pop(stream, None)
+
+    def trim(self, force: bool = False) -> None:
+        """Trim this job's streams behind the trainings' kept checkpoints, every few seconds."""
+        if self.policy is None or (not force and time.monotonic() - self._trimmed_at < self.TRIM_EVERY_S):
+            return
+        self._trimmed_at = time.monotonic()
+        result = self.policy.apply(self.todo)
+        if result.shards:
+            log.info("trimmed %d shard(s), %.1f MiB behind the trainings' kept checkpoints",
+                     sum(len(v) for v in result.shards.values()), result.freed_bytes / 2**20)
+
+    def idle(self) -> None:
+        """Between rounds: trim, and wait a moment when no stream may pack."""
+        self.trim()
+        if self.streams and not self.ready():
+            time.sleep(trainings_module.POLL_S)

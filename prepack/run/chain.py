@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 from loader.reader import Pack
 from loader.state import positions_in, read_state_file
-from prepack.engine.checkpoint import state_from_payload, state_to_payload
-from prepack.engine.packer import StreamState
-from prepack.engine.schedule import open_packer
+from prepack.engine.state_codec import detached
+from prepack.engine.packer import PackerOptions, Switch
+from prepack.engine.packers import open_packer
 from prepack.engine.reuse.earlier_pixels import PixelReuse
-from prepack.run.checkpoints import read_checkpoint
+from prepack.run.checkpoint_files import read_checkpoint
 from schemas.config import PrepackConfig
 from schemas.errors import PackRefused, UsageError
 from schemas.location import redact_uri, resolve_location
@@ -145,12 +145,13 @@ def parent_link(parent: Pack, after: list[int], uri: str) -> ParentLink:
                       last=[parent.record_digest(s, n - 1) if n else "" for s, n in enumerate(after)])
 
 
-def state_at(pack: Pack, stream: int, n: int, tokenizer, special) -> tuple[StreamState, PrepackConfig]:
-    """The stream's state after record ``n`` of ``pack``'s chain, and the config it was packed under
-    (of a pack with a schedule: the step that packed record ``n - 1``)."""
+def switch_at(pack: Pack, stream: int, n: int, tokenizer, special) -> Switch:
+    """Where a continuation of ``pack`` after its chain's record ``n`` goes on from: the stream's state
+    there, and the config it was packed under (of a pack with a schedule: the step that packed record
+    ``n - 1``)."""
     m = pack.switch(stream)
     if n < m:
-        return state_at(pack.parent, stream, n, tokenizer, special)
+        return switch_at(pack.parent, stream, n, tokenizer, special)
     cfg = pack.info.stored_config()
     index = pack.index(stream)
     local = n - m
@@ -164,7 +165,7 @@ def state_at(pack: Pack, stream: int, n: int, tokenizer, special) -> tuple[Strea
         pixels = PixelReuse((), frame_format=None)
         pixels.add_stream(pack.location, index)  # the replayed batches' pictures are in these shards
         try:
-            with open_packer(cfg, stream, tokenizer, special, state=state, pixels=pixels) as packer:
+            with open_packer(cfg, stream, tokenizer, special, state, PackerOptions(pixels=pixels)) as packer:
                 done = 0
                 for batch in packer:
                     record = m + starts[k] + done
@@ -178,11 +179,9 @@ def state_at(pack: Pack, stream: int, n: int, tokenizer, special) -> tuple[Strea
                 if done != todo:
                     raise PackRefused(f"{pack.location.base}: replaying stream {stream} from its checkpoint ended "
                                       f"after record {m + starts[k] + done - 1}, before record {n - 1}")
-                # detached from the packer (its pictures resized now, while their sources are open)
-                doc, arrow = state_to_payload(packer.state())
-                state = state_from_payload(doc, arrow)
+                state = detached(packer.state())
         finally:
             pixels.close()
     log.info("stream %d: state after record %d from %s (checkpoint %d, %d batches replayed)",
              stream, n, pack.location.base, k, todo)
-    return state, cfg.packed_under(local)
+    return Switch(state, cfg.packed_under(local))

@@ -2,14 +2,14 @@
 
 ``ckpt-k`` is the stream's full state at the start of shard k (``ckpt-00000`` before its first
 batch): what a resumed stream starts from and what an audit re-packs a shard from.  Its content
-is ``schemas.checkpoint`` (the format) and ``prepack.engine.checkpoint`` (``StreamState`` to and
+is ``schemas.checkpoint`` (the format) and ``prepack.engine.state_codec`` (``StreamState`` to and
 from that format); its sha256s are recorded in the stream index (``ckpt-00000``'s in the index's
 metadata, the others in the row of the shard they end), so every read is checked against them.
 """
 
 from __future__ import annotations
 
-from prepack.engine.checkpoint import state_from_payload, state_to_payload
+from prepack.engine.state_codec import state_from_payload, state_to_payload
 from prepack.engine.packer import StreamState
 from prepack.run.atomic_files import sha256_hex, write_bytes_atomic
 from schemas.checkpoint import CheckpointDoc

@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from prepack.run.ahead import DEFAULT_KEEP_CHECKPOINTS
+from prepack.run.bound import DEFAULT_KEEP_CHECKPOINTS, BoundSpec
 from schemas.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -55,25 +55,23 @@ def add_bound_arguments(parser, what: str) -> None:
 
 
 def cmd_run(args) -> int:
-    from prepack.run.ahead import BoundSpec
-    from prepack.run.chain import Continue
-    from prepack.run.driver import run_pack
-    from schemas.config import load_config
+    # the driver imports the packer (torch, transformers, Ray's side): only when the command runs
+    from prepack.run import driver, worker_process
+    from schemas.config_file import load_config  # here too: schemas.config imports numpy and pyarrow
 
     cfg = load_config(args.config)
-    continue_from = Continue.from_cli(args)
+    continue_from = driver.Continue.from_cli(args)
     if args.no_ray:  # this process packs: give it a packing worker's allocator and GC settings
-        from prepack.run.worker_process import settle_worker_process
-
-        settle_worker_process()
+        worker_process.settle_worker_process()
     folders = [p for p in args.progress or () if p is not _BAR]
     bound = BoundSpec(args.ahead, tuple(folders), args.keep_checkpoints) if folders or args.ahead is not None else None
     for line in bound.warnings() if bound is not None else ():
         log.warning("%s", line)
-    summary = run_pack(cfg, args.out, streams=parse_streams(args.streams), address=args.address,
-                       progress=not args.no_progress and sys.stderr.isatty() or _BAR in (args.progress or ()),
-                       num_cpus=args.num_cpus, inline=args.no_ray, reuse=args.reuse or (),
-                       continue_from=continue_from, bound=bound)
+    options = driver.RunOptions(streams=parse_streams(args.streams), reuse=args.reuse or (),
+                                continue_from=continue_from, bound=bound, inline=args.no_ray, address=args.address,
+                                num_cpus=args.num_cpus,
+                                bar=not args.no_progress and sys.stderr.isatty() or _BAR in (args.progress or ()))
+    summary = driver.run_pack(cfg, args.out, options)
     for line in summary.lines():
         print(line)
     return 0

@@ -19,26 +19,53 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import asdict
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass
 
+from pyarrow.fs import FileSelector
+
+from prepack.engine.reuse.earlier_packs import check_old_packs, read_old_pack
+from prepack.engine.tokenizer import load_tokenizer, special_token_ids, tokenizer_fingerprint
+from prepack.run.ahead import JobStreams, WaitRule
 from prepack.run.atomic_files import write_bytes_atomic
+from prepack.run.bound import BoundSpec
+from prepack.run.catalog import ensure_catalog
+from prepack.run.chain import Continue, check_continuation, open_parent, parent_link, switch_points, wait_for_parent
 from prepack.run.identity import settle_identity
 from prepack.run.lease import StreamLease, acquire_streams, live_leases, remove_stale_leases
 from prepack.run.lineage import drop_lineage_leftovers
-from prepack.run.progress import RunProgress, StreamProgress
+from prepack.run.progress_bar import RunProgress, StreamProgress
+from prepack.run.stream_job import Paused, StreamJob, pack_one_stream
 from prepack.run.summary import RunSummary
 from schemas.config import PrepackConfig
 from schemas.errors import PackRefused, StreamFailed
+from schemas.layout import MANIFEST_NAME
 from schemas.location import PackLocation, redact_uri, resolve_location
-from schemas.manifest import FORMAT_VERSION, MANIFEST_NAME, PackSummary, StreamIndex, StreamSummary
+from schemas.manifest import FORMAT_VERSION, PackSummary, StreamIndex, StreamSummary
 from schemas.pack_info import PackInfo, ParentLink
 
-if TYPE_CHECKING:
-    from prepack.run.ahead import BoundSpec
-    from prepack.run.chain import Continue
-
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How ``run_pack`` runs, beside the config and the output.
+
+    ``streams``: which streams (default all); ``reuse``: earlier packs whose pixels the streams may
+    take (``prepack.engine.reuse.earlier_pixels``; the output is the same bytes with or without them,
+    and pack.json does not name them); ``continue_from``: the pack this one continues, and after
+    which record (``prepack.run.chain``; its chain's pictures are reused); ``bound``: pack just ahead
+    of the trainings and trim behind them (``prepack.run.ahead``).  Where it runs: ``inline`` packs
+    the streams one after another in this process, without Ray (debugging, tests); else on Ray at
+    ``address`` (default $RAY_ADDRESS, else a local Ray of ``num_cpus``).  ``bar``: show a progress bar."""
+
+    streams: "list[int] | None" = None
+    reuse: "tuple[str, ...] | list[str]" = ()
+    continue_from: "Continue | None" = None
+    bound: "BoundSpec | None" = None
+    inline: bool = False
+    address: "str | None" = None
+    num_cpus: "int | None" = None
+    bar: bool = True
 
 LOG_EVERY_S = 30.0
 NODE_CHECK_S = 5.0  # how often the driver looks for lost nodes
@@ -104,42 +131,24 @@ def _committed_totals(loc, stream: int) -> tuple[int, int]:
 
 
 def output_bytes(loc) -> int:
-    from pyarrow.fs import FileSelector
-
     return sum(i.size or 0 for i in loc.fs.get_file_info(FileSelector(loc.base, recursive=True)) if i.type.name == "File")
 
 
 # -- run --------------------------------------------------------------------------------------
-def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, address: str | None = None,
-             progress: bool = True, num_cpus: int | None = None, inline: bool = False,
-             tokenizer=None, reuse: "list[str] | tuple[str, ...]" = (),
-             continue_from: "Continue | None" = None, bound: "BoundSpec | None" = None) -> RunSummary:
-    """Pack ``streams`` (default: all) of ``cfg`` into ``out``: new, resumed or extended.
-
-    ``inline`` packs the streams one after another in this process, without Ray (debugging,
-    tests); ``tokenizer`` is an already loaded ``(tokenizer, special)`` pair to use.  ``reuse``:
-    earlier packs whose pixels the streams may take (``prepack.engine.reuse.earlier_pixels``); the output is the
-    same bytes with or without them, and pack.json does not name them.  ``continue_from``: the pack
-    this one continues, and after which record (``prepack.run.chain``); its chain's pictures are
-    reused.  ``bound``: pack just ahead of the trainings and trim behind them (``prepack.run.ahead``):
-    a stream waits before each new shard, the job trims its streams as the trainings checkpoint.
-    """
-    from prepack.engine.tokenizer import load_tokenizer, special_token_ids, tokenizer_fingerprint
-
+def run_pack(cfg: PrepackConfig, out: str, options: RunOptions = RunOptions(), tokenizer=None) -> RunSummary:
+    """Pack ``options.streams`` (default: all) of ``cfg`` into ``out``: new, resumed or extended
+    (``RunOptions`` says how); ``tokenizer``: an already loaded ``(tokenizer, special)`` pair to use."""
     start = time.perf_counter()
     tokenizer, special = tokenizer or special_token_ids(load_tokenizer(cfg.tokenizer))
-    wanted = list(range(cfg.num_streams)) if streams is None else sorted(set(streams))
+    wanted = list(range(cfg.num_streams)) if options.streams is None else sorted(set(options.streams))
     for s in wanted:
         cfg.stream_rank_worker(s)  # range check with a clear message
-    from prepack.engine.reuse.earlier_packs import check_old_packs, read_old_pack
-    from prepack.run.catalog import ensure_catalog
-
     loc = resolve_location(out)
     tokenizer_fp = tokenizer_fingerprint(tokenizer)  # once: it hashes the whole vocabulary (~0.5 s)
-    link = None
-    if continue_from is not None:
-        link, chain = _settle_parent(continue_from, cfg, loc, tokenizer_fp)
-        reuse = tuple(reuse) + tuple(u for u in chain if u not in reuse)
+    link, reuse = None, tuple(options.reuse)
+    if options.continue_from is not None:
+        link, chain = _settle_parent(options.continue_from, cfg, loc, tokenizer_fp)
+        reuse = reuse + tuple(u for u in chain if u not in reuse)
     reuse = check_old_packs(reuse, loc)
     try:
         loc.fs.create_dir(loc.base, recursive=True)  # on a store too: its bucket HEAD and PUTs are the early probe
@@ -166,30 +175,13 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
             if line:
                 log.info("reuse: %s", line)
         olds = tuple(read_old_pack(old) for old in reuse)  # its stream indexes read here, not by every stream
+        job = StreamJob(cfg, out, pack.metadata, olds, pack.info.parent, options.bound)
         before = [_committed_totals(loc, s) for s in todo]  # shards an earlier run already committed
         run = RunProgress(todo, cfg.prepack.batches_per_stream, asdict(cfg.knobs))
-        if inline:
-            from prepack.run.stream_job import pack_one_stream
-
-            def report(progress_now: StreamProgress) -> None:
-                run.update(progress_now)
-                for line in run.new_kinds():
-                    log.warning("%s", line)
-
-            waiting = _Waiting(loc, todo, bound, pack.info.parent)
-            while waiting.streams:
-                for s in waiting.ready():
-                    lease.check()
-                    waiting.started(s)
-                    # one process: a waiting stream lets the others go on; the last one trims while it waits
-                    give_up = 0.0 if len(waiting.streams) > 1 else None
-                    waiting.returned(pack_one_stream(cfg, out, s, tokenizer, special, pack.metadata, report, olds,
-                                                     pack.info.parent, bound, give_up, waiting.trim))
-                waiting.idle()
-            waiting.trim(force=True)
+        if options.inline:
+            _run_inline(job, todo, (tokenizer, special), lease, run)
         else:
-            _run_tasks(cfg, out, todo, pack.metadata, address, progress, num_cpus, lease, run, olds, pack.info.parent,
-                       bound)
+            RayRun(job, todo, lease, run).run(options)
         lease.check()  # never write the manifest over a run that took our streams over
         written, _ = finalize(loc, cfg)
         entries = [StreamSummary.read(loc, s) for s in wanted]
@@ -203,70 +195,33 @@ def run_pack(cfg: PrepackConfig, out: str, *, streams: list[int] | None = None, 
         lease.release()
 
 
-class _Waiting:
-    """The streams of a job not finished yet, and which of them may pack now.  Without a bound every
-    stream is ready once; with one (``--ahead``), a stream that returned ``Paused`` is ready again when
-    its trainings come close enough, and the job trims its streams behind their checkpoints."""
+def _paused_at(result: "StreamSummary | Paused") -> int | None:
+    return result.records if isinstance(result, Paused) else None
 
-    TRIM_EVERY_S = 5.0
 
-    def __init__(self, loc: PackLocation, todo: list[int], bound: "BoundSpec | None", parent):
-        self.streams: dict[int, int | None] = {s: None for s in todo}  # stream -> chain records when paused
-        self.todo = list(todo)  # a finished stream is still read: it is trimmed too
-        self.gate = None
-        self._trimmed_at = -1e9
-        if bound is not None and bound.active:
-            from loader.reader import Pack
-            from prepack.run.ahead import Bound
+def _run_inline(job: StreamJob, todo: list[int], tokens: tuple, lease: StreamLease, run: RunProgress) -> None:
+    """Pack ``todo`` one after another in this process (``--no-ray``); a stream of a bounded run that
+    waits lets the others go on, and the last one trims while it waits."""
+    def report(progress_now: StreamProgress) -> None:
+        run.update(progress_now)
+        for line in run.new_kinds():
+            log.warning("%s", line)
 
-            self.gate = Bound(bound, Pack.open(loc))
-        self.running: set[int] = set()
-
-    def ready(self) -> list[int]:
-        out = []
-        for s, records in self.streams.items():
-            if s in self.running:
-                continue
-            if records is None or self.gate is None or self.gate.may_pack(s, records):
-                out.append(s)
-        return out
-
-    def started(self, stream: int) -> None:
-        self.running.add(stream)
-
-    def returned(self, result) -> None:
-        from prepack.run.stream_job import Paused
-
-        self.running.discard(result.stream)
-        if isinstance(result, Paused):
-            self.streams[result.stream] = result.records
-        else:
-            self.streams.pop(result.stream, None)
-
-    def trim(self, force: bool = False) -> None:
-        """Trim this job's streams behind the trainings' kept checkpoints, every few seconds."""
-        if self.gate is None or (not force and time.monotonic() - self._trimmed_at < self.TRIM_EVERY_S):
-            return
-        from prepack.run.ahead import trim_behind
-
-        self._trimmed_at = time.monotonic()
-        trim_behind(self.gate, self.todo)
-
-    def idle(self) -> None:
-        """Between rounds: trim, and wait a moment when no stream may pack."""
-        self.trim()
-        if self.streams and not self.ready():
-            from prepack.run.ahead import POLL_S
-
-            time.sleep(POLL_S)
+    streams = JobStreams(resolve_location(job.out), todo, job.bound)
+    while streams.streams:
+        for s in streams.ready():
+            lease.check()
+            streams.started(s)
+            rule = WaitRule(0.0 if len(streams.streams) > 1 else None, streams.trim)
+            streams.returned(s, _paused_at(pack_one_stream(job, s, *tokens, report, rule)))
+        streams.idle()
+    streams.trim(force=True)
 
 
 def _settle_parent(how: "Continue", cfg: PrepackConfig, loc: PackLocation,
                    tokenizer_fp: str) -> "tuple[ParentLink, list[str]]":
     """The link to the pack ``how`` continues, once its streams hold the records taken from it (waited
     for while it is still packing); and where each segment of its chain is (their pictures are reused)."""
-    from prepack.run.chain import check_continuation, open_parent, parent_link, switch_points, wait_for_parent
-
     parent = open_parent(how.uri)
     if parent.location.path("") == loc.path(""):
         raise PackRefused(f"--continue {redact_uri(how.uri)} is the output itself; continue into a new --out")
@@ -380,90 +335,106 @@ class _Watch:
 PAUSE_AFTER_S = 30.0  # a stream task waiting for its trainings longer than this lets its CPU go
 
 
-def _run_tasks(cfg, out, todo, metadata, address, show_progress, num_cpus, lease: StreamLease,
-               run: RunProgress, reuse: tuple = (), parent: "ParentLink | None" = None,
-               bound: "BoundSpec | None" = None) -> None:
-    ray = init_ray(address, num_cpus)
-    try:
-        from prepack.run.ray_tasks import Progress, stream_task
-        from prepack.run.stream_job import Paused
+class RayRun:
+    """``job``'s streams ``todo`` as Ray tasks, under ``lease``, reporting to ``run``: the driver's loop
+    (submit the streams that may pack, collect the finished, trim, show progress and retries)."""
 
-        watch = _Watch(ray, _pinned_progress(ray, Progress))
-        watch.wait_ready()
-        local = not (address or os.environ.get("RAY_ADDRESS"))
-        level = logging.getLogger().getEffectiveLevel()
-        reuse = ray.put(reuse) if reuse else reuse  # once in the object store, not once per task
-        waiting = _Waiting(resolve_location(out), todo, bound, parent)
-        # a waiting task holds its CPU: with more streams than CPUs it lets it go after a while (and is
-        # started again when its trainings come close), or the streams behind it would never start
-        give_up = None if len(todo) <= int(ray.cluster_resources().get("CPU", 1)) else PAUSE_AFTER_S
+    def __init__(self, job: StreamJob, todo: list[int], lease: StreamLease, run: RunProgress):
+        self.job, self.todo, self.lease, self.run_progress = job, todo, lease, run
+        self.bar = None
 
-        def submit(s: int):
-            waiting.started(s)
-            return stream_task.options(name=f"stream_task[{s}]").remote(cfg, out, s, metadata, watch.progress, local,
-                                                                        level, reuse, parent, bound, give_up)
-
-        pending = {submit(s): s for s in waiting.ready()}
-        started = last_log = time.monotonic()
-        bar = None
-        if show_progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=(run.budget * len(todo)) if run.budget else None, unit="batch", dynamic_ncols=True,
-                       desc=f"packing {len(todo)} streams")
-
-        def say(lines) -> None:
-            for line in lines:
-                if bar is not None:
-                    bar.clear()
-                log.warning("%s", line)
-
+    def run(self, options: RunOptions) -> None:
+        ray = init_ray(options.address, options.num_cpus)
         try:
-            while waiting.streams:
-                try:
-                    lease.check()  # another run took our streams over: stop writing at once
-                except Exception:
-                    for ref in pending:
-                        ray.cancel(ref, force=True)
-                    raise
-                ready, _ = ray.wait(list(pending), timeout=0.5) if pending else ([], None)
-                for ref in ready:
-                    s = pending.pop(ref)
-                    try:
-                        waiting.returned(ray.get(ref))
-                    except Exception as e:
-                        for other in pending:
-                            ray.cancel(other, force=True)
-                        cause = getattr(e, "cause", None) or e
-                        raise StreamFailed(f"stream {s} failed: {type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}") from e
-                for s in waiting.ready():  # paused streams their trainings came close to
-                    pending[submit(s)] = s
-                waiting.trim()
-                if not pending:
-                    time.sleep(0.5)
-                watch.poll()
-                for report in watch.reports.values():
-                    run.update(report)
-                say(watch.lost_nodes())
-                say(run.retried(watch.attempts, watch.dead))
-                say(run.new_kinds())
-                if bar is not None:
-                    bar.n = run.batches
-                    bar.set_postfix_str(run.postfix(bar.format_dict.get("elapsed") or 0.0))
-                    bar.refresh()
-                elif time.monotonic() - last_log >= LOG_EVERY_S:  # no terminal (e.g. ray job logs)
-                    last_log = time.monotonic()
-                    log.info("%d batches; %s", run.batches, run.postfix(last_log - started))
-            waiting.trim(force=True)
-            watch.poll()  # the last word on retries and on the streams' final counts: every task has ended
+            # the Ray side is imported with Ray: `prepack run --no-ray`, plan and --help never import it
+            from prepack.run.ray_tasks import Progress, stream_task
+
+            self.ray, self.stream_task = ray, stream_task
+            self.watch = _Watch(ray, _pinned_progress(ray, Progress))
+            self.watch.wait_ready()
+            self.local = not (options.address or os.environ.get("RAY_ADDRESS"))
+            self.level = logging.getLogger().getEffectiveLevel()
+            self.job_ref = ray.put(self.job)  # once in the object store, not once per task
+            self.streams = JobStreams(resolve_location(self.job.out), self.todo, self.job.bound)
+            # a waiting task holds its CPU: with more streams than CPUs it lets it go after a while (and is
+            # started again when its trainings come close), or the streams behind it would never start
+            self.give_up = (None if len(self.todo) <= int(ray.cluster_resources().get("CPU", 1))
+                            else PAUSE_AFTER_S)
+            if options.bar:
+                from tqdm import tqdm
+
+                run = self.run_progress
+                self.bar = tqdm(total=(run.budget * len(self.todo)) if run.budget else None, unit="batch",
+                                dynamic_ncols=True, desc=f"packing {len(self.todo)} streams")
+            try:
+                self._loop()
+            finally:
+                if self.bar is not None:
+                    self.bar.close()
+        finally:
+            ray.shutdown()
+
+    def _submit(self, s: int):
+        self.streams.started(s)
+        return self.stream_task.options(name=f"stream_task[{s}]").remote(
+            self.job_ref, s, self.watch.progress, self.local, self.level, self.give_up)
+
+    def _say(self, lines) -> None:
+        for line in lines:
+            if self.bar is not None:
+                self.bar.clear()
+            log.warning("%s", line)
+
+    def _collect(self, pending: dict) -> None:
+        """The tasks that ended: a stream done or paused; a failed one fails the run (the others cancelled)."""
+        ray = self.ray
+        ready, _ = ray.wait(list(pending), timeout=0.5) if pending else ([], None)
+        for ref in ready:
+            s = pending.pop(ref)
+            try:
+                self.streams.returned(s, _paused_at(ray.get(ref)))
+            except Exception as e:
+                for other in pending:
+                    ray.cancel(other, force=True)
+                cause = getattr(e, "cause", None) or e
+                why = str(cause).strip().splitlines()[-1] if str(cause).strip() else ""
+                raise StreamFailed(f"stream {s} failed: {type(cause).__name__}: {why}") from e
+
+    def _loop(self) -> None:
+        ray, watch, run = self.ray, self.watch, self.run_progress
+        pending = {self._submit(s): s for s in self.streams.ready()}
+        started = last_log = time.monotonic()
+        while self.streams.streams:
+            try:
+                self.lease.check()  # another run took our streams over: stop writing at once
+            except Exception:
+                for ref in pending:
+                    ray.cancel(ref, force=True)
+                raise
+            self._collect(pending)
+            for s in self.streams.ready():  # paused streams their trainings came close to
+                pending[self._submit(s)] = s
+            self.streams.trim()
+            if not pending:
+                time.sleep(0.5)
+            watch.poll()
             for report in watch.reports.values():
                 run.update(report)
-            say(run.new_kinds())  # kinds only a stream's end counts (what was left in its buffer)
-            if watch.dead:  # (the state API is asked only after a node loss: it may take seconds)
-                watch.attempts_from_state_api(timeout_s=30)
-            say(run.retried(watch.attempts, watch.dead))
-        finally:
-            if bar is not None:
-                bar.close()
-    finally:
-        ray.shutdown()
+            self._say(watch.lost_nodes())
+            self._say(run.retried(watch.attempts, watch.dead))
+            self._say(run.new_kinds())
+            if self.bar is not None:
+                self.bar.n = run.batches
+                self.bar.set_postfix_str(run.postfix(self.bar.format_dict.get("elapsed") or 0.0))
+                self.bar.refresh()
+            elif time.monotonic() - last_log >= LOG_EVERY_S:  # no terminal (e.g. ray job logs)
+                last_log = time.monotonic()
+                log.info("%d batches; %s", run.batches, run.postfix(last_log - started))
+        self.streams.trim(force=True)
+        watch.poll()  # the last word on retries and on the streams' final counts: every task has ended
+        for report in watch.reports.values():
+            run.update(report)
+        self._say(run.new_kinds())  # kinds only a stream's end counts (what was left in its buffer)
+        if watch.dead:  # (the state API is asked only after a node loss: it may take seconds)
+            watch.attempts_from_state_api(timeout_s=30)
+        self._say(run.retried(watch.attempts, watch.dead))

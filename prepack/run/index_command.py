@@ -11,15 +11,11 @@ import sys
 
 
 def cmd_index(args) -> int:
-    from prepack.run.catalog import build_catalog, catalog_is_current
-    from prepack.engine.reuse.earlier_packs import open_old_pack
-    from schemas.layout import PACK_INFO_NAME
-    from schemas.location import resolve_location
-    from schemas.pack_info import PackInfo
+    # the catalog's builder (numpy, pyarrow): imported when the command runs, not for `prepack --help`
+    from prepack.run import catalog
 
-    loc = resolve_location(args.dir)  # one line (NotAPack, PackFormatError) when DIR is no pack this version reads
-    PackInfo.open(loc).check_record_schema(loc.path(PACK_INFO_NAME))
-    if not args.force and catalog_is_current(*open_old_pack(args.dir)):
+    catalog.check_pack(args.dir)  # one line (NotAPack, PackFormatError) when DIR is no pack this version reads
+    if not args.force and catalog.catalog_is_current(*catalog.open_old_pack(args.dir)):
         print(f"pixel catalog of {args.dir} is up to date")
         return 0
 
@@ -27,7 +23,7 @@ def cmd_index(args) -> int:
         if sys.stderr.isatty():
             print(f"\rindexing shards {done:,}/{total:,}", end="", file=sys.stderr, flush=True)
 
-    result = build_catalog(args.dir, on_shard=progress)
+    result = catalog.build_catalog(args.dir, on_shard=progress)
     if sys.stderr.isatty():
         print(file=sys.stderr)
     print(f"indexed {result.rows:,} pictures of {result.shards:,} of {result.committed:,} committed shards in {args.dir}")

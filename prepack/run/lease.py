@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 
+from prepack.run.atomic_files import write_bytes_atomic
 from schemas.errors import LeaseLost, PackRefused, UsageError
 from schemas.layout import LEASE, LEASE_DIR, lease_file, parse
 from schemas.location import PackLocation
@@ -166,8 +167,6 @@ def _parse(raw: bytes | None) -> dict:
 
 def _write(loc: PackLocation, doc: dict) -> None:
     """A reader never sees half a lease: tmp + rename locally, one PUT (an object appears whole) on a store."""
-    from prepack.run.atomic_files import write_bytes_atomic
-
     write_bytes_atomic(loc, lease_file(doc["holder"]), json.dumps(doc, sort_keys=True).encode())
 
 

@@ -10,11 +10,15 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import TYPE_CHECKING
 
 import ray
 
+if TYPE_CHECKING:
+    from prepack.run.stream_job import StreamJob
+
 from prepack.run.lease import pid_alive
-from prepack.run.progress import StreamProgress
+from prepack.run.progress_bar import StreamProgress
 
 TASK_RETRIES = 10  # per stream task, for system failures (a lost worker or node); each retry resumes
 
@@ -57,21 +61,21 @@ class Progress:
 
 
 @ray.remote(num_cpus=1, max_retries=TASK_RETRIES)
-def stream_task(cfg, out, stream, metadata, progress, local_ray=False, log_level=logging.WARNING, reuse=(), parent=None,
-                bound=None, give_up_s=None):
+def stream_task(job: "StreamJob", stream: int, progress, local_ray: bool = False, log_level: int = logging.WARNING,
+                give_up_s: float | None = None):
     def tell(method, *args) -> None:  # progress is best effort: it may never fail the stream
         try:
             getattr(progress, method).remote(*args)
         except Exception:  # noqa: BLE001  (a dead or unreachable actor)
             pass
 
-    # First, before the imports below: with Ray's attempt number a retry is known even when the
-    # attempt before it died before it could report.  Not waited for: a task blocked in
-    # ray.get lends its CPU to the next task, and packing workers would then oversubscribe.
+    # First: with Ray's attempt number a retry is known even when the attempt before it died before
+    # it could report.  Not waited for: a task blocked in ray.get lends its CPU to the next task, and
+    # packing workers would then oversubscribe.
     tell("started", stream, ray.get_runtime_context().get_node_id(), _attempt())
-    from prepack.run.stream_job import pack_one_stream
-    from prepack.run.worker_process import settle_worker_process
+    # only now the packer's modules (torch, transformers: seconds): a node lost meanwhile still shows the retry
     from prepack.engine.tokenizer import load_tokenizer, special_token_ids
+    from prepack.run import stream_job, worker_process  # (the same reason)
 
     if log_level < logging.WARNING:  # -v: each drop's detail from the worker, as it happens
         logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
@@ -86,7 +90,7 @@ def stream_task(cfg, out, stream, metadata, progress, local_ray=False, log_level
             raise RuntimeError(f"stream {stream}: this worker's raylet (pid {raylet}) is gone; stopping")
 
     check_raylet()
-    tokenizer, special = special_token_ids(load_tokenizer(cfg.tokenizer))
+    tokenizer, special = special_token_ids(load_tokenizer(job.cfg.tokenizer))
     last = [0.0]
 
     def report(progress_now: StreamProgress) -> None:
@@ -97,5 +101,5 @@ def stream_task(cfg, out, stream, metadata, progress, local_ray=False, log_level
             tell("update", progress_now)
 
     check_raylet()
-    settle_worker_process()
-    return pack_one_stream(cfg, out, stream, tokenizer, special, metadata, report, reuse, parent, bound, give_up_s)
+    worker_process.settle_worker_process()
+    return stream_job.pack_one_stream(job, stream, tokenizer, special, report, stream_job.WaitRule(give_up_s))

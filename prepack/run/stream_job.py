@@ -15,27 +15,44 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from prepack.engine.packer import StreamPacker
-from prepack.engine.schedule import ScheduledPacker, open_packer
+from loader.reader import Pack
+from prepack.engine.packer import PackerOptions
+from prepack.engine.packers import Packer, open_packer
 from prepack.engine.reuse.earlier_packs import OldPack
 from prepack.engine.reuse.earlier_pixels import PixelReuse, own_reuse_on
-from prepack.run.ahead import Bound, BoundSpec, wait_to_pack
+from prepack.run.ahead import AheadGate, WaitRule, wait_to_pack
 from prepack.run.atomic_files import write_bytes_atomic
-from prepack.run.chain import open_parent, state_at
-from prepack.run.checkpoints import read_checkpoint, state_files
+from prepack.run.bound import BoundSpec
+from prepack.run.chain import open_parent, switch_at
+from prepack.run.checkpoint_files import read_checkpoint, state_files
 from prepack.run.lineage import compact_lineage, drop_lineage_leftovers
-from prepack.run.progress import StreamProgress
+from prepack.run.progress_bar import StreamProgress
 from prepack.run.recovery import recover_stream
-from prepack.run.writer import StreamWriter
+from prepack.run.writer import Committing, ShardFormat, StreamWriter
 from schemas.compression import Compression
 from schemas.config import PrepackConfig
 from schemas.location import PackLocation, resolve_location
 from schemas.layout import done_file, shard_lineage_file, stream_dir
 from schemas.manifest import ShardEntry, StreamIndex, StreamSummary
-from schemas.mix_change import group_matches
 from schemas.pack_info import ParentLink
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StreamJob:
+    """What every stream of one run shares, built once by the driver and handed to each stream (a
+    Ray task gets it from the object store, once per node): the config, the output, the pack's shard
+    metadata, the earlier packs whose pixels may be taken (``OldPack`` snapshots read once by the
+    driver, or paths/URIs), the parent of a continuation (its pack.json's link) and the bound of a
+    bounded run (``--ahead``)."""
+
+    cfg: PrepackConfig
+    out: str
+    metadata: dict[str, str]
+    reuse: "tuple[str | OldPack, ...]" = ()
+    parent: ParentLink | None = None
+    bound: BoundSpec | None = None
 
 
 def pixel_provider(loc: PackLocation, index: StreamIndex, reuse: "tuple[str | OldPack, ...] | list",
@@ -59,7 +76,7 @@ class StartedStream:
 
     stream: int
     index: StreamIndex
-    packer: "StreamPacker | ScheduledPacker"
+    packer: Packer
     pixels: PixelReuse | None
     own: bool  # the stream's own committed shards are among its pixel sources
     cpu_start: float
@@ -75,14 +92,13 @@ class StartedStream:
             self.pixels.add_written(writer.last_images)
 
 
-def start_stream(cfg: PrepackConfig, loc: PackLocation, stream: int, tokenizer, special,
-                 reuse: "tuple[str | OldPack, ...] | list" = (),
-                 parent: ParentLink | None = None) -> "StartedStream | StreamSummary":
+def start_stream(job: StreamJob, loc: PackLocation, stream: int, tokenizer, special) -> "StartedStream | StreamSummary":
     """Where ``stream`` starts: its ``done.json`` when it already finished this budget, else a
     ``StartedStream`` (a finished stream with a larger budget is no longer done: extended).  A new
-    stream of a continuation (``parent``) starts from the parent's state at its switch
+    stream of a continuation (``job.parent``) starts from the parent's state at its switch
     (``prepack.run.chain``); once it has committed a shard it resumes from its own checkpoints."""
     cpu_start = time.process_time()  # the whole process (Ray's threads too): what packing costs per core
+    cfg = job.cfg
     budget = cfg.prepack.budget()
     previous = StreamSummary.read(loc, stream)
     if previous is not None and previous.budget == budget:
@@ -93,17 +109,15 @@ def start_stream(cfg: PrepackConfig, loc: PackLocation, stream: int, tokenizer, 
         log.info("stream %d: extending from %s to %s", stream, previous.budget, budget)
         loc.fs.delete_file(loc.path(done_file(stream)))
     index = recover_stream(loc, stream)
-    pixels = pixel_provider(loc, index, reuse, Compression.parse(cfg.prepack.compression))
-    state = None
+    pixels = pixel_provider(loc, index, job.reuse, Compression.parse(cfg.prepack.compression))
+    start = None
     if index.shards:
-        state = read_checkpoint(loc, index, len(index.shards))
+        start = read_checkpoint(loc, index, len(index.shards))
         log.info("stream %d: continuing at shard %d (record %d)", stream, len(index.shards), index.num_records)
-    packer = open_packer(cfg, stream, tokenizer, special, state=state,
-                          reuse_pixel_table=True,  # each batch is written before the next
-                          pixels=pixels)
-    if parent is not None and not index.shards:
-        switched, was = state_at(open_parent(parent.uri), stream, parent.after[stream], tokenizer, special)
-        packer.continue_from(switched, group_matches(was, cfg))
+    elif job.parent is not None:
+        start = switch_at(open_parent(job.parent.uri), stream, job.parent.after[stream], tokenizer, special)
+    # each batch is written before the next: the packer may reuse one pixel table buffer
+    packer = open_packer(cfg, stream, tokenizer, special, start, PackerOptions(reuse_pixel_table=True, pixels=pixels))
     return StartedStream(stream, index, packer, pixels, pixels is not None and own_reuse_on(), cpu_start,
                          time.perf_counter())
 
@@ -145,35 +159,28 @@ class Paused:
     records: int
 
 
-def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, tokenizer, special,
-                    metadata: dict[str, str], report: Callable[[StreamProgress], None] | None = None,
-                    reuse: "tuple[str | OldPack, ...] | list" = (), parent: ParentLink | None = None,
-                    bound: BoundSpec | None = None, give_up_s: float | None = None,
-                    on_wait: Callable[[], None] | None = None) -> "StreamSummary | Paused":
-    """Pack (or continue, or extend) stream ``stream`` into ``out``; returns its summary (done.json).
+def pack_one_stream(job: StreamJob, stream: int, tokenizer, special,
+                    report: Callable[[StreamProgress], None] | None = None,
+                    wait: WaitRule = WaitRule()) -> "StreamSummary | Paused":
+    """Pack (or continue, or extend) stream ``stream`` of ``job``; returns its summary (done.json).
 
-    ``reuse``: earlier packs whose pixels may be taken instead of decoding (no byte changes): paths or
-    URIs, or ``OldPack`` snapshots the driver read once for every stream.  ``parent``: what a
-    continuation continues (its pack.json's link).  ``bound`` with ``ahead``: before each new shard,
-    wait until the trainings are close enough (``prepack.run.ahead``); after ``give_up_s`` of waiting
-    return ``Paused`` instead (None: wait as long as it takes); ``on_wait`` runs while it waits."""
-    loc = resolve_location(out)
-    started = start_stream(cfg, loc, stream, tokenizer, special, reuse, parent)
+    With a bound that packs ahead (``job.bound.ahead``), before each new shard the stream waits until
+    the trainings are close enough (``prepack.run.ahead``), as ``wait`` says; a stream that gave up
+    waiting returns ``Paused`` instead."""
+    loc = resolve_location(job.out)
+    started = start_stream(job, loc, stream, tokenizer, special)
     if isinstance(started, StreamSummary):
         return started
     packer = started.packer
-    gate = None
-    if bound is not None and bound.ahead is not None:
-        from loader.reader import Pack
-
-        gate = Bound(bound, Pack.open(loc))
-    offset = parent.after[stream] if parent is not None else 0  # the chain's records before this pack's
+    gate = AheadGate(job.bound, Pack.open(loc)) if job.bound is not None and job.bound.ahead is not None else None
+    offset = job.parent.after[stream] if job.parent is not None else 0  # the chain's records before this pack's
+    cfg = job.cfg
     paused = None
     try:
         # a new stream's writer writes ckpt-00000 here, before the packer's first batch
-        with StreamWriter(loc, stream, shard_bytes=cfg.prepack.shard_bytes, compression=cfg.prepack.compression,
-                          metadata=metadata, index=started.index, state=lambda: state_files(packer.state())) as writer:
-            if gate is not None and not wait_to_pack(gate, stream, offset + writer.next_record, give_up_s, on_wait):
+        fmt = ShardFormat(cfg.prepack.shard_bytes, cfg.prepack.compression, job.metadata)
+        with StreamWriter(loc, stream, fmt, Committing(started.index, lambda: state_files(packer.state()))) as writer:
+            if gate is not None and not wait_to_pack(gate, stream, offset + writer.next_record, wait):
                 paused = Paused(stream, offset + writer.next_record)
             for batch in () if paused else packer:
                 entry = writer.append(batch)
@@ -181,7 +188,7 @@ def pack_one_stream(cfg: PrepackConfig, out: "str | PackLocation", stream: int, 
                 if report is not None:
                     report(StreamProgress.of(stream, packer.batches, packer.tokens, packer.counters))
                 if (entry is not None and gate is not None and not packer.budget_spent()
-                        and not wait_to_pack(gate, stream, offset + writer.next_record, give_up_s, on_wait)):
+                        and not wait_to_pack(gate, stream, offset + writer.next_record, wait)):
                     paused = Paused(stream, offset + writer.next_record)  # at a shard boundary: nothing open
                     break
             if paused is None:

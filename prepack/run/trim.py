@@ -15,15 +15,16 @@ for one that is not (``loader.reader``).  One trim or restore at a time per pack
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 from loader.reader import Pack
-from loader.state import positions_in
-from prepack.engine.schedule import open_packer
+from loader.state import positions_in, read_state_file  # noqa: F401  (read_state_file: for prepack restore)
+from prepack.engine.packer import PackerOptions
+from prepack.engine.packers import open_packer
+from prepack.engine.tokenizer import load_tokenizer, special_token_ids
 from prepack.engine.reuse.earlier_pixels import PixelReuse
 from prepack.run.atomic_files import write_bytes_atomic
-from prepack.run.checkpoints import read_checkpoint
-from prepack.run.writer import StreamWriter
+from prepack.run.checkpoint_files import read_checkpoint
+from prepack.run.writer import ShardFormat, StreamWriter
 from schemas.compression import Compression
 from schemas.errors import DamagedFile, PackRefused, UsageError
 from schemas.layout import shard_file, trimmed_file
@@ -31,19 +32,6 @@ from schemas.location import PackLocation
 from schemas.manifest import ShardEntry, StreamIndex, TrimmedShards
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrimResult:
-    shards: dict[int, list[int]] = field(default_factory=dict)  # stream -> shards trimmed now
-    freed_bytes: int = 0
-
-    def lines(self) -> list[str]:
-        n = sum(len(v) for v in self.shards.values())
-        if not n:
-            return ["nothing to trim: no shard lies wholly behind the positions given"]
-        return [f"trimmed {n} shard(s) of {len(self.shards)} stream(s), {self.freed_bytes / 2**20:,.1f} MiB freed "
-                "(indexes, digests and checkpoints kept: prepack restore packs them again)"]
 
 
 def positions_of(pack: Pack, states: "list[dict | list]") -> dict[int, int]:
@@ -59,58 +47,21 @@ def _write_trimmed(loc: PackLocation, stream: int, shards: "set[int]") -> None:
     write_bytes_atomic(loc, trimmed_file(stream), TrimmedShards(stream, sorted(shards)).to_json().encode())
 
 
-def trim_stream(pack: Pack, stream: int, before: int) -> tuple[list[int], int]:
-    """Trim the shards of ``stream`` whose records all lie before chain record ``before``; returns
-    (shards trimmed now, bytes freed)."""
-    loc, n = pack.location, pack.switch(stream)
-    index = pack.index(stream, refresh=True)
+def trim_shards(pack: Pack, stream: int, shards: "list[ShardEntry]") -> int:
+    """Delete the records files of ``shards`` of ``stream``, listed in ``trimmed.json`` first (a listed
+    file may be absent; an unlisted one never is); the bytes freed.  Which shards may go is the trim
+    policy's to say (``prepack.run.trim_policy``)."""
+    loc = pack.location
     listed = set(TrimmedShards.read(loc, stream).shards)
-    behind = [sh for sh in index.shards if n + sh.first_record + len(sh.records) <= before and sh.shard not in listed]
-    if not behind:
-        return [], 0
-    _write_trimmed(loc, stream, listed | {sh.shard for sh in behind})  # first: a listed file may be absent
+    _write_trimmed(loc, stream, listed | {sh.shard for sh in shards})
     freed = 0
-    for sh in behind:
+    for sh in shards:
         try:
             loc.fs.delete_file(loc.path(shard_file(stream, sh.shard)))
             freed += sh.nbytes
         except FileNotFoundError:
             pass
-    return [sh.shard for sh in behind], freed
-
-
-def trim_pack(out, states: "list[dict | list]") -> TrimResult:
-    """Trim every shard wholly behind the positions of ``states`` (``positions_of``)."""
-    pack = Pack.open(out)
-    result = TrimResult()
-    for stream, before in sorted(positions_of(pack, states).items()):
-        shards, freed = trim_stream(pack, stream, before)
-        if shards:
-            result.shards[stream] = shards
-            result.freed_bytes += freed
-        pack.forget(stream)
-    return result
-
-
-def trim_to_progress(out, folders: "list[str]", keep: int) -> TrimResult:
-    """Trim every shard behind the ``keep`` newest checkpoints the trainings publishing to ``folders``
-    kept (``prepack.run.ahead.Bound.trim_before``); a stream some training has not checkpointed
-    ``keep`` times yet is left whole."""
-    from prepack.run.ahead import Bound, BoundSpec
-
-    pack = Pack.open(out)
-    bound = Bound(BoundSpec(None, tuple(folders), keep), pack)
-    bound.refresh(force=True)
-    result = TrimResult()
-    for stream in range(pack.num_streams):
-        before = bound.trim_before(stream)
-        if before:
-            shards, freed = trim_stream(pack, stream, before)
-            if shards:
-                result.shards[stream] = shards
-                result.freed_bytes += freed
-        pack.forget(stream)
-    return result
+    return freed
 
 
 def _restore_shard(pack: Pack, index: StreamIndex, shard: ShardEntry, tokenizer, special, cfg) -> None:
@@ -121,11 +72,10 @@ def _restore_shard(pack: Pack, index: StreamIndex, shard: ShardEntry, tokenizer,
     pixels = PixelReuse((), frame_format=compression.frame_format)
     pixels.add_stream(loc, index)  # the stream's shards still there may hold the same pictures
     try:
-        with open_packer(cfg, stream, tokenizer, special, state=read_checkpoint(loc, index, shard.shard),
-                          reuse_pixel_table=True, pixels=pixels) as packer, \
-                StreamWriter(loc, stream, shard_bytes=2**62, compression=cfg.prepack.compression,
-                             metadata=pack.info.shard_metadata(), start_shard=shard.shard,
-                             start_record=shard.first_record) as writer:
+        with open_packer(cfg, stream, tokenizer, special, read_checkpoint(loc, index, shard.shard),
+                         PackerOptions(reuse_pixel_table=True, pixels=pixels)) as packer, \
+                StreamWriter(loc, stream, ShardFormat(2**62, cfg.prepack.compression, pack.info.shard_metadata()),
+                             start=(shard.shard, shard.first_record)) as writer:
             made = 0
             for batch in packer:
                 writer.append(batch)
@@ -147,8 +97,6 @@ def _restore_shard(pack: Pack, index: StreamIndex, shard: ShardEntry, tokenizer,
 def restore(out, spans: dict[int, tuple[int, int | None]], tokenizer=None) -> dict[int, list[int]]:
     """Pack again the trimmed shards holding any record of ``spans`` (stream -> (first, last) chain
     records, last None: to the end); returns the shards restored per stream."""
-    from prepack.engine.tokenizer import load_tokenizer, special_token_ids
-
     pack = Pack.open(out)
     cfg = pack.info.stored_config()
     if cfg.content_hash() != pack.info.config_hash:

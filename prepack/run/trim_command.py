@@ -7,50 +7,49 @@ from __future__ import annotations
 
 import logging
 
+from prepack.run.bound import BoundSpec
+from prepack.run.command import add_bound_arguments, parse_streams
 from schemas.errors import UsageError
 
 log = logging.getLogger(__name__)
 
 
 def cmd_trim(args) -> int:
-    from loader.state import read_state_file
-    from prepack.run.ahead import BoundSpec
-    from prepack.run.trim import trim_pack, trim_to_progress
+    # the policy reads packs (pyarrow): imported when the command runs, not for `prepack --help`
+    from prepack.run import trim_policy
 
     if bool(args.state) == bool(args.progress):
         raise UsageError("trim takes --progress P (a training's progress folder), or --state STATE.json")
     if args.progress:
         for line in BoundSpec(None, tuple(args.progress), args.keep_checkpoints).warnings():  # checks: one line
             log.warning("%s", line)
-        result = trim_to_progress(args.dir, args.progress, args.keep_checkpoints)
+        result = trim_policy.trim_to_progress(args.dir, args.progress, args.keep_checkpoints)
     else:
         try:
-            states = [read_state_file(p) for p in args.state]
+            states = [trim_policy.read_state_file(p) for p in args.state]
         except ValueError as e:
             raise UsageError(f"--state {e}") from None
-        result = trim_pack(args.dir, states)
+        result = trim_policy.trim_pack(args.dir, states)
     for line in result.lines():
         print(line)
     return 0
 
 
 def cmd_restore(args) -> int:
-    from loader.reader import Pack
-    from loader.state import read_state_file
-    from prepack.run.command import parse_streams
-    from prepack.run.trim import parse_records, restore, spans_of_state
+    # restoring packs (torch, transformers): imported when the command runs, not for `prepack --help`
+    from prepack.run import trim
 
     if (args.state is None) == (args.streams is None):
         raise UsageError("restore takes --state STATE.json, or --streams S with --records A-B")
     if args.state is not None:
         try:
-            spans = spans_of_state(Pack.open(args.dir), read_state_file(args.state))
+            spans = trim.spans_of_state(trim.Pack.open(args.dir), trim.read_state_file(args.state))
         except ValueError as e:
             raise UsageError(f"--state {e}") from None
     else:
-        span = parse_records(args.records) if args.records else (0, None)
+        span = trim.parse_records(args.records) if args.records else (0, None)
         spans = {s: span for s in parse_streams(args.streams)}
-    done = restore(args.dir, spans)
+    done = trim.restore(args.dir, spans)
     n = sum(len(v) for v in done.values())
     print(f"restored {n} shard(s)" + (f" of stream(s) {', '.join(map(str, sorted(done)))}: each file is the "
                                       "one its index recorded" if n else ": none of those records was trimmed"))
@@ -58,8 +57,6 @@ def cmd_restore(args) -> int:
 
 
 def add_command(subparsers) -> None:
-    from prepack.run.command import add_bound_arguments
-
     t = subparsers.add_parser(
         "trim", help="delete the records files of shards every training has checkpointed past (restorable)",
         description="Delete the records file of every shard of DIR whose records all lie before what the trainings "

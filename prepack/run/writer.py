@@ -28,15 +28,15 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Callable
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 import xxhash
 
 from prepack.engine.reuse.source_pictures import RESIZE_IMPL
 from prepack.run.atomic_files import AtomicFile, sha256_hex, write_bytes_atomic
-from prepack.run.checkpoints import write_checkpoint
+from prepack.run.checkpoint_files import write_checkpoint
 from prepack.run.direct_file import staging_buffer
 from prepack.run.lineage import lineage_table, parquet_bytes
 from schemas.compression import Compression
@@ -97,6 +97,25 @@ class _HashingSink:
         self.closed = True
 
 
+@dataclass(frozen=True)
+class ShardFormat:
+    """How a stream's shards are written: ``shard_bytes`` (a shard ends after the record that reaches
+    it), ``compression`` (``schemas.compression``) and the pack's shard ``metadata``."""
+
+    shard_bytes: int
+    compression: str
+    metadata: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Committing:
+    """What a committing writer needs: the stream's ``index`` (as ``recover_stream`` returned it) and
+    ``state``, a call giving the packer's state at that moment as a checkpoint's (json, arrow) bytes."""
+
+    index: StreamIndex
+    state: Callable[[], tuple[bytes, bytes]]
+
+
 class StreamWriter:
     """Appends packed batches of one stream to rolling shard files, and commits each shard.
 
@@ -115,29 +134,19 @@ class StreamWriter:
     shard still in progress (``abort``): only ``finish`` commits it.
     """
 
-    def __init__(
-        self,
-        out: "str | os.PathLike | PackLocation",
-        stream: int,
-        *,
-        shard_bytes: int,
-        compression: str,
-        metadata: dict[str, str],
-        index: StreamIndex | None = None,
-        state: Callable[[], tuple[bytes, bytes]] | None = None,
-        start_shard: int = 0,
-        start_record: int = 0,
-        filesystem: pafs.FileSystem | None = None,
-    ):
-        if shard_bytes <= 0:
-            raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
-        if (index is None) != (state is None):
-            raise ValueError("a committing StreamWriter needs both the stream's index and its state")
-        self.loc = resolve_location(out, filesystem)
+    def __init__(self, out: "str | os.PathLike | PackLocation", stream: int, fmt: "ShardFormat",
+                 commit: "Committing | None" = None, start: tuple[int, int] = (0, 0)):
+        """``fmt``: the shards' size, compression and metadata; ``commit``: the stream's index and state
+        (a committing writer); else ``start``: the (shard, record) the first record written is."""
+        if fmt.shard_bytes <= 0:
+            raise ValueError(f"shard_bytes must be positive, got {fmt.shard_bytes}")
+        index, state = (commit.index, commit.state) if commit is not None else (None, None)
+        start_shard, start_record = start
+        self.loc = resolve_location(out)
         self.stream = stream
-        self.shard_bytes = shard_bytes
-        self.compression = Compression.parse(compression)
-        self.metadata = {str(k): str(v) for k, v in metadata.items()}
+        self.shard_bytes = fmt.shard_bytes
+        self.compression = Compression.parse(fmt.compression)
+        self.metadata = {str(k): str(v) for k, v in fmt.metadata.items()}
         self.index, self._state = index, state
         if index is not None:
             start_shard, start_record = len(index.shards), index.num_records

@@ -22,12 +22,19 @@ import numpy as np
 import pyarrow as pa
 
 from loader.reader import Pack, read_shard
+from prepack.engine.state_codec import state_to_payload
+from prepack.engine.packers import open_packer
+from prepack.run.chain import switch_at
+from prepack.run.checkpoint_files import read_checkpoint, read_checkpoint_files
+from prepack.run.identity import identity_mismatch, pack_identity
 from prepack.tools.report import CheckReport
+from schemas.checkpoint import decode_pixels
 from schemas.config import PrepackConfig
 from schemas.errors import AuditRefused, DamagedFile, PrepackError
 from schemas.location import PackLocation
 from schemas.documents import load_checked
-from schemas.manifest import ShardEntry, StreamIndex, checkpoint_file
+from schemas.layout import checkpoint_file
+from schemas.manifest import ShardEntry, StreamIndex
 from schemas.record import PackedBatch, SampleOrigin, batch_fields, batch_to_record, record_digest, record_to_batch
 
 log = logging.getLogger(__name__)
@@ -72,7 +79,7 @@ def prepare(out, tokenizer=None) -> AuditContext:
 
     ``tokenizer`` is an optional ``(tokenizer, special_tokens)`` pair already loaded (tests).
     """
-    from prepack.run.identity import identity_mismatch, pack_identity
+    # here, not at the top: transformers (seconds) is needed only when no tokenizer was handed in
     from prepack.engine.tokenizer import load_tokenizer, special_token_ids, tokenizer_fingerprint
 
     pack = Pack.open(out)
@@ -157,10 +164,6 @@ def state_difference(ctx: AuditContext, index: StreamIndex, shard: int, packer) 
     """How the packer's state differs from the stored checkpoint at the start of ``shard``, or None.
 
     The stored files are checked against the digests the index recorded first (DamagedFile)."""
-    from prepack.engine.checkpoint import state_to_payload
-    from prepack.run.checkpoints import read_checkpoint_files
-    from schemas.checkpoint import decode_pixels
-
     doc, pixels = state_to_payload(packer.state())
     doc = json.loads(json.dumps(asdict(doc)))  # tuples -> lists, as stored
     stored_json, stored_pixels = read_checkpoint_files(ctx.loc, index, shard)
@@ -233,16 +236,13 @@ def _check_state(ctx: AuditContext, index: StreamIndex, shard: int, packer, rep:
 
 def audit_shard(ctx: AuditContext, index: StreamIndex, shard: ShardEntry, rep: CheckReport) -> None:
     """Re-pack one shard from its start checkpoint; also compare the end state with the next one."""
-    from prepack.engine.schedule import open_packer
-    from prepack.run.checkpoints import read_checkpoint
-
     try:
         state = read_checkpoint(ctx.loc, index, shard.shard)
     except PrepackError as e:  # a missing or damaged checkpoint: one line naming it
         rep.add("checkpoint", checkpoint_file(index.stream, shard.shard), False, str(e))
         return
     try:
-        packer = open_packer(ctx.cfg, index.stream, ctx.tokenizer, ctx.special, state=state)
+        packer = open_packer(ctx.cfg, index.stream, ctx.tokenizer, ctx.special, state)
     except Exception as e:  # sources that no longer fit the checkpoint
         rep.add("checkpoint", checkpoint_file(index.stream, shard.shard), False,
                 f"cannot start shard {shard.shard} from it: {type(e).__name__}: {_first_line(e)}")
@@ -256,18 +256,12 @@ def audit_shard(ctx: AuditContext, index: StreamIndex, shard: ShardEntry, rep: C
 def audit_stream_from_seed(ctx: AuditContext, index: StreamIndex, rep: CheckReport) -> None:
     """Re-pack a whole stream from its seed, checking each shard and each boundary's checkpoint.  A
     continuation's stream starts from its parent's state at the switch, recomputed from the parent
-    (``prepack.run.chain.state_at``): its first checkpoint is checked against it."""
-    from prepack.engine.schedule import open_packer
-
+    (``prepack.run.chain.switch_at``): its first checkpoint is checked against it."""
     link = ctx.pack.info.parent
     try:
-        packer = open_packer(ctx.cfg, index.stream, ctx.tokenizer, ctx.special)
-        if link is not None:
-            from prepack.run.chain import state_at
-            from schemas.mix_change import group_matches
-
-            state, was = state_at(ctx.pack.parent, index.stream, link.after[index.stream], ctx.tokenizer, ctx.special)
-            packer.continue_from(state, group_matches(was, ctx.cfg))
+        start = None if link is None else switch_at(ctx.pack.parent, index.stream, link.after[index.stream],
+                                                    ctx.tokenizer, ctx.special)
+        packer = open_packer(ctx.cfg, index.stream, ctx.tokenizer, ctx.special, start)
     except Exception as e:  # sources that no longer open the way they did, a parent that no longer replays
         rep.add("re-pack", f"stream {index.stream}", False, f"cannot start: {type(e).__name__}: {_first_line(e)}")
         return

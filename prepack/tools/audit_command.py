@@ -9,12 +9,12 @@ import sys
 
 
 def cmd_audit(args) -> int:
-    from prepack.tools.audit import audit_pack
-    from loader.reader import Pack
+    # the tool reads packs (pyarrow, numpy): imported when the command runs, not for `prepack --help`
+    from prepack.tools import audit as tool
 
-    Pack.open(args.dir)  # one line (NotAPack, PackFormatError) when DIR is no pack this version reads
-    report = audit_pack(args.dir, stream=args.stream, shard=args.shard, all_streams=args.all,
-                        progress=sys.stderr.isatty())
+    tool.Pack.open(args.dir)  # one line (NotAPack, PackFormatError) when DIR is no pack this version reads
+    report = tool.audit_pack(args.dir, stream=args.stream, shard=args.shard, all_streams=args.all,
+                             progress=sys.stderr.isatty())
     for line in report.lines():
         print(line)
     return 0 if report.ok else 1

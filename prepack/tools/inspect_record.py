@@ -342,6 +342,7 @@ def _load_tokenizer(info: PackInfo):
     spec = (info.config or {}).get("tokenizer")
     if spec is None:
         return None
+    # here, not at the top: transformers (seconds), only for a pack that names its tokenizer
     from prepack.engine.tokenizer import load_tokenizer, special_token_ids
 
     try:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 
 def cmd_inspect(args) -> int:
-    from prepack.tools.inspect_record import inspect_record
-    from loader.reader import Pack
+    # the tool reads packs (pyarrow, numpy): imported when the command runs, not for `prepack --help`
+    from prepack.tools import inspect_record as tool
 
-    Pack.open(args.dir)  # one line (NotAPack, PackFormatError) when DIR is no pack this version reads
-    text = inspect_record(args.dir, stream=args.stream, record=args.record, png=args.png)
+    tool.Pack.open(args.dir)  # one line (NotAPack, PackFormatError) when DIR is no pack this version reads
+    text = tool.inspect_record(args.dir, stream=args.stream, record=args.record, png=args.png)
     print(text)
     return 0
 

@@ -25,10 +25,22 @@ from typing import Mapping
 
 import pyarrow as pa
 
+from prepack.engine.accounting import Drop, parse_key
+from prepack.engine.state_codec import state_to_payload
+from prepack.engine.packer import PackerOptions
+from prepack.engine.packers import open_packer
+from prepack.engine.reuse.earlier_packs import check_old_packs
+from prepack.engine.reuse.earlier_pixels import PixelReuse
+from prepack.run.chain import Continue, check_continuation, open_parent, switch_at, switch_points
+from prepack.run.lineage import lineage_table, parquet_bytes
 from prepack.tools.composition import Composition, packed_batch_counts
 from prepack.tools.plan_report import GroupPlan, PackPlan, size_text
+from prepack.tools.plan_tokenizer import load_plan_tokenizer
 from schemas.compression import Compression
 from schemas.config import PrepackConfig
+from schemas.errors import PackRefused, StreamFailed
+from schemas.location import redact_uri
+from schemas.mix_change import group_matches
 from schemas.record import RECORD_SCHEMA, encode_record
 
 log = logging.getLogger(__name__)
@@ -78,29 +90,34 @@ def _ipc_sizes(records: list[pa.RecordBatch], compression: Compression) -> tuple
     return framed(records) - empty, empty
 
 
-def _sample_stream(cfg: PrepackConfig, stream: int, tokenizer, special, least: int, most: int, deadline: float,
-                   acc: _Sample, pixels=None, switch: "tuple | None" = None) -> None:
-    """Pack ``least`` to ``most`` batches of ``stream`` into ``acc`` (fewer once settled or past the deadline);
-    ``switch``: ``(parent Pack, record)`` where a continuation's stream starts (``prepack.run.chain``)."""
-    from prepack.engine.checkpoint import state_to_payload
-    from prepack.engine.packer import StreamPacker
-    from prepack.run.lineage import lineage_table, parquet_bytes
+@dataclass
+class _Sampling:
+    """What every sampled stream of one plan shares: the config, the tokenizer, the deadline, the
+    pixels of ``--reuse`` packs, and a continuation's parent with its switch points."""
 
+    cfg: PrepackConfig
+    tokens: tuple  # (tokenizer, special)
+    deadline: float
+    pixels: object = None  # PixelReuse
+    parent: object = None  # loader.reader.Pack of a continuation
+    after: "list[int] | None" = None
+
+
+def _sample_stream(how: _Sampling, stream: int, least: int, most: int, acc: _Sample) -> None:
+    """Pack ``least`` to ``most`` batches of ``stream`` into ``acc`` (fewer once settled or past the
+    deadline); a continuation's stream starts where it would (``prepack.run.chain.switch_at``)."""
+    cfg, (tokenizer, special), deadline = how.cfg, how.tokens, how.deadline
     compression = Compression.parse(cfg.prepack.compression)
     cpu0 = time.process_time()
     records, lineage, stamps = [], [], []
-    with StreamPacker(cfg, stream, tokenizer, special, reuse_pixel_table=True, pixels=pixels) as packer:
+    switch = None if how.parent is None else switch_at(how.parent, stream, how.after[stream], tokenizer, special)
+    options = PackerOptions(reuse_pixel_table=True, pixels=how.pixels)
+    with open_packer(cfg, stream, tokenizer, special, switch, options) as packer:
         if switch is not None:
-            from prepack.run.chain import state_at
-            from schemas.mix_change import group_matches
-
-            state, was = state_at(switch[0], stream, switch[1], tokenizer, special)
-            matches = group_matches(was, cfg)
-            packer.continue_from(state, matches)
-            for group, source, at in zip(cfg.groups, packer.sources, matches):
+            for group, source, at in zip(cfg.groups, packer.sources, group_matches(switch.config, cfg)):
                 where = None
                 if at is not None:
-                    st = state.sources[at]
+                    st = switch.state.sources[at]
                     where = st["passes"] + st["yields_this_pass"] / max(source.pass_rows(), 1)
                 acc.switch_at.setdefault(group.name, []).append(where)
         for batch in packer:
@@ -150,8 +167,6 @@ def lost_samples(drops: Mapping[str, int]) -> tuple[dict[str, int], int]:
     Not lost: samples still buffered when the sample's budget ran out (a longer stream packs
     them), and refused batches themselves (counted in batches; their samples are counted again,
     as samples, under their own reason)."""
-    from prepack.engine.accounting import Drop, parse_key
-
     by_group: dict[str, int] = {}
     packer = 0
     for key, n in drops.items():
@@ -203,77 +218,80 @@ def estimate_settled(record_bytes: list[int], tolerance: float = SETTLED_TOLERAN
     return abs(now - before) <= tolerance * now
 
 
-def plan_pack(cfg: PrepackConfig, *, cores: int | None = None, sample_batches: int = 4, sample_streams_n: int = 2,
-              max_seconds: float = 60.0, tokenizer=None, max_fraction: float = MAX_SAMPLE_FRACTION,
-              reuse: "tuple[str, ...] | list[str]" = (), continue_from=None,
-              bounded: "dict | None" = None) -> PackPlan:
-    """Sample up to ``sample_batches`` batches of ``sample_streams_n`` streams and project the whole run.
+@dataclass(frozen=True)
+class PlanOptions:
+    """How ``plan_pack`` samples, and what run it plans.
+
+    Up to ``sample_batches`` batches of ``sample_streams_n`` streams, for at most ``max_seconds``
+    (see :func:`batch_allotment` for the counts; ``max_fraction`` of a batch budget at most),
+    projected onto ``cores`` (default: this machine's).  ``reuse``: earlier packs the run would take
+    pixels from (``prepack run --reuse``): the sample takes them too, so CPU is projected with them,
+    and the plan says how many it found.  ``continue_from``: a ``prepack.run.chain.Continue``: the
+    sampled streams start where the continuation would (OLD's state at the switch, its records there
+    already packed).  ``bounded``: ``{"ahead": N, "keep_checkpoints": K, "checkpoint_every": C}`` of a
+    bounded run (``prepack run --ahead``): the plan adds its disk high-water mark
+    (``bounded_peak_bytes``)."""
+
+    cores: "int | None" = None
+    sample_batches: int = 4
+    sample_streams_n: int = 2
+    max_seconds: float = 60.0
+    max_fraction: float = MAX_SAMPLE_FRACTION
+    reuse: "tuple[str, ...] | list[str]" = ()
+    continue_from: "Continue | None" = None
+    bounded: "dict | None" = None
+
+
+def plan_pack(cfg: PrepackConfig, options: PlanOptions = PlanOptions(), tokenizer=None) -> PackPlan:
+    """Sample a few batches of a few streams (``PlanOptions``) and project the whole run.
 
     A stream stops early once it has packed its least batches and the estimate of bytes per batch
     (over everything sampled so far) has settled.  Past ``max_seconds`` the stream being sampled
-    stops after its least batches and the streams not begun yet are skipped.  See
-    :func:`batch_allotment` for the counts.  ``tokenizer`` (with its special ids) skips the load.
-    ``reuse``: earlier packs the run would take pixels from (``prepack run --reuse``): the sample
-    takes them too, so CPU is projected with them, and the plan says how many it found.
-    ``continue_from``: a ``prepack.run.chain.Continue``: the sampled streams start where the
-    continuation would (OLD's state at the switch, its records there already packed).
-    ``bounded``: ``{"ahead": N, "keep_checkpoints": K, "checkpoint_every": C}`` of a bounded run
-    (``prepack run --ahead``): the plan adds its disk high-water mark (``bounded_peak_bytes``).
+    stops after its least batches and the streams not begun yet are skipped.  ``tokenizer`` (with its
+    special ids) skips the load.
     """
-    from prepack.tools.plan_tokenizer import load_plan_tokenizer
-
+    o = options
     start = time.monotonic()
     loaded = tokenizer is None
-    tokenizer, special = tokenizer or load_plan_tokenizer(cfg.tokenizer)
+    tokens = tokenizer or load_plan_tokenizer(cfg.tokenizer)
     # every packing worker loads its tokenizer once (through transformers: a few seconds more than
     # the light load of qwen2-offline measured here; negligible against a run of hours)
     worker_start_s = time.monotonic() - start if loaded else 0.0
     p = cfg.prepack
     acc = _Sample()
-    deadline = start + max_seconds
-    streams = sample_streams(cfg.num_streams, sample_streams_n)
-    allot = batch_allotment(len(streams), sample_batches, p.batches_per_stream, cfg.num_streams, max_fraction)
-    parent, after = None, None
-    if continue_from is not None:
-        from prepack.run.chain import check_continuation, open_parent, switch_points
-
-        parent = open_parent(continue_from.uri)
-        check_continuation(parent, cfg, continue_from.uri)
-        after = switch_points(parent, continue_from)
+    how = _Sampling(cfg, tokens, start + o.max_seconds)
+    streams = sample_streams(cfg.num_streams, o.sample_streams_n)
+    allot = batch_allotment(len(streams), o.sample_batches, p.batches_per_stream, cfg.num_streams, o.max_fraction)
+    reuse = tuple(o.reuse)
+    if o.continue_from is not None:
+        how.parent = open_parent(o.continue_from.uri)
+        check_continuation(how.parent, cfg, o.continue_from.uri)
+        how.after = switch_points(how.parent, o.continue_from)
         for s in streams:
-            if parent.num_records(s) < after[s]:
-                from schemas.errors import PackRefused
-
-                raise PackRefused(f"plan: stream {s} of {continue_from.uri} has {parent.num_records(s)} records, "
-                                  f"fewer than the {after[s]} the continuation takes from it")
-        reuse = tuple(reuse) + (continue_from.uri,)
-    pixels = _reuse_provider(reuse, Compression.parse(p.compression))
+            if how.parent.num_records(s) < how.after[s]:
+                raise PackRefused(f"plan: stream {s} of {o.continue_from.uri} has {how.parent.num_records(s)} "
+                                  f"records, fewer than the {how.after[s]} the continuation takes from it")
+        reuse = reuse + (o.continue_from.uri,)
+    how.pixels = _reuse_provider(reuse, Compression.parse(p.compression))
     try:
         for s, (least, most) in zip(streams, allot):
-            if acc.batches and time.monotonic() > deadline:
-                log.info("plan: %.0f s of sampling reached; streams from %d on not sampled", max_seconds, s)
+            if acc.batches and time.monotonic() > how.deadline:
+                log.info("plan: %.0f s of sampling reached; streams from %d on not sampled", o.max_seconds, s)
                 break
-            _sample_stream(cfg, s, tokenizer, special, least, most, deadline, acc, pixels,
-                           None if parent is None else (parent, after[s]))
+            _sample_stream(how, s, least, most, acc)
     finally:
-        if pixels is not None:
-            pixels.close()
+        if how.pixels is not None:
+            how.pixels.close()
     if not acc.batches:
-        from schemas.errors import StreamFailed
-
         raise StreamFailed("plan: the sampled streams produced no batch (see the drop counts in the log)")
-    plan = _project(cfg, acc, cores or os.cpu_count() or 1, time.monotonic() - start, worker_start_s, bounded)
-    if parent is not None:
-        from schemas.location import redact_uri
-
+    plan = _project(cfg, acc, o.cores or os.cpu_count() or 1, (time.monotonic() - start, worker_start_s), o.bounded)
+    if how.parent is not None:
         plan.continues = {
-            "from": redact_uri(continue_from.uri),
-            "after": continue_from.after if continue_from.after is not None else "a loader state",
+            "from": redact_uri(o.continue_from.uri),
+            "after": o.continue_from.after if o.continue_from.after is not None else "a loader state",
             "groups": {g: (None if None in v else sum(v) / len(v)) for g, v in acc.switch_at.items()}}
-    if pixels is not None:
-        from schemas.location import redact_uri
-
-        counts = pixels.counts.to_json()
+    if how.pixels is not None:
+        counts = how.pixels.counts.to_json()
         plan.reuse = {"from": [redact_uri(r) for r in reuse], "images": counts["images"], "reused": counts["reused"],
                       "fallbacks": counts["fallbacks"]}
     return plan
@@ -284,14 +302,13 @@ def _reuse_provider(reuse: "tuple[str, ...] | list[str]", compression: Compressi
     are handed over as a run's writer would take them."""
     if not reuse:
         return None
-    from prepack.engine.reuse.earlier_packs import check_old_packs
-    from prepack.engine.reuse.earlier_pixels import PixelReuse
-
     return PixelReuse(check_old_packs(reuse), frame_format=compression.frame_format)
 
 
-def _project(cfg: PrepackConfig, acc: _Sample, cores: int, seconds: float, worker_start_s: float = 0.0,
+def _project(cfg: PrepackConfig, acc: _Sample, cores: int, times: "tuple[float, float]",
              bounded: "dict | None" = None) -> PackPlan:
+    """``times``: the sampling's seconds and a packing worker's start-up seconds."""
+    seconds, worker_start_s = times
     p, k = cfg.prepack, cfg.knobs
     n_streams = cfg.num_streams
     per_batch_tokens = acc.tokens / acc.batches
@@ -352,17 +369,19 @@ def _project(cfg: PrepackConfig, acc: _Sample, cores: int, seconds: float, worke
     plan.warnings += _knob_warnings(cfg, plan, records_per_shard)
     if bounded:
         plan.bounded = dict(bounded, peak_bytes=bounded_peak_bytes(
-            plan, records_per_stream, records_per_shard, max(cfg.num_workers, 1), **bounded))
+            plan, records_per_stream, records_per_shard, max(cfg.num_workers, 1), bounded))
     return plan
 
 
-def bounded_peak_bytes(plan: PackPlan, records_per_stream: int, records_per_shard: int, workers: int, *,
-                       ahead: int, keep_checkpoints: int, checkpoint_every: int) -> int:
-    """The most a bounded run holds on disk at once: every stream's records from the earliest kept
-    checkpoint (K checkpoints of C training steps, a stream advancing once per ``workers`` steps) to
-    ``ahead`` past the reader, plus the shard being finished past that and the shard the trim bound
-    falls inside; the rest of the pack (checkpoints, indexes, lineage) is never trimmed."""
-    held = ahead + keep_checkpoints * math.ceil(checkpoint_every / workers) + 2 * records_per_shard
+def bounded_peak_bytes(plan: PackPlan, records_per_stream: int, records_per_shard: int, workers: int,
+                       bounded: dict) -> int:
+    """The most a bounded run (``bounded``: ``ahead``, ``keep_checkpoints``, ``checkpoint_every``) holds
+    on disk at once: every stream's records from the earliest kept checkpoint (K checkpoints of C
+    training steps, a stream advancing once per ``workers`` steps) to ``ahead`` past the reader, plus
+    the shard being finished past that and the shard the trim bound falls inside; the rest of the
+    pack (checkpoints, indexes, lineage) is never trimmed."""
+    ahead, keep, every = bounded["ahead"], bounded["keep_checkpoints"], bounded["checkpoint_every"]
+    held = ahead + keep * math.ceil(every / workers) + 2 * records_per_shard
     records = plan.record_bytes * records_per_stream * plan.streams
     return int(plan.output_bytes - records + plan.record_bytes * min(held, records_per_stream) * plan.streams)
 

@@ -7,45 +7,37 @@ packer) is imported when it runs, so ``prepack plan --help`` stays quick.
 from __future__ import annotations
 
 import argparse
+import json
 import textwrap
 
+from prepack.run.bound import BoundSpec
 from prepack.run.command import add_bound_arguments, add_continue_arguments
 from schemas.errors import UsageError
 
 
 def cmd_plan(args) -> int:
-    import json
-
-    from prepack.run.chain import Continue
-    from prepack.tools.plan import plan_pack
-    from schemas.config import load_config
+    # the planner packs (pyarrow, torch, the tokenizer): imported when the command runs, not for --help
+    from prepack.tools import plan as planner, plan_schedule
+    from schemas.config_file import load_config  # here too: schemas.config imports numpy and pyarrow
 
     if args.cores is not None and args.cores < 1:
         raise UsageError(f"--cores must be at least 1, got {args.cores}")
-    continue_from = Continue.from_cli(args)
+    continue_from = planner.Continue.from_cli(args)
     bounded = None
     if args.ahead is not None:
-        from prepack.run.ahead import BoundSpec
-
         BoundSpec(args.ahead, ("(plan)",), args.keep_checkpoints)  # the run's own checks
         if args.checkpoint_every < 1:
             raise UsageError(f"--checkpoint-every takes training steps >= 1, got {args.checkpoint_every}")
         bounded = {"ahead": args.ahead, "keep_checkpoints": args.keep_checkpoints,
                    "checkpoint_every": args.checkpoint_every}
     cfg = load_config(args.config)
-    if cfg.schedule:
-        from prepack.tools.plan_schedule import plan_schedule
-
-        if bounded is not None:
-            raise UsageError("plan --ahead takes a config without prepack.schedule: plan each step's disk peak "
-                             "with a config of its own")
-        plan = plan_schedule(cfg, cores=args.cores, sample_batches=args.sample_batches,
-                             sample_streams_n=args.sample_streams, max_seconds=args.max_seconds,
-                             reuse=args.reuse or (), continue_from=continue_from)
-    else:
-        plan = plan_pack(cfg, cores=args.cores, sample_batches=args.sample_batches,
-                         sample_streams_n=args.sample_streams, max_seconds=args.max_seconds, reuse=args.reuse or (),
-                         continue_from=continue_from, bounded=bounded)
+    if cfg.schedule and bounded is not None:
+        raise UsageError("plan --ahead takes a config without prepack.schedule: plan each step's disk peak "
+                         "with a config of its own")
+    options = planner.PlanOptions(cores=args.cores, sample_batches=args.sample_batches,
+                                  sample_streams_n=args.sample_streams, max_seconds=args.max_seconds,
+                                  reuse=args.reuse or (), continue_from=continue_from, bounded=bounded)
+    plan = plan_schedule.plan_schedule(cfg, options) if cfg.schedule else planner.plan_pack(cfg, options)
     if args.json:
         print(json.dumps(plan.to_json(), sort_keys=True))
     else:

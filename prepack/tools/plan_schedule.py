@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from prepack.tools.plan import plan_pack
+from prepack.tools.plan import PlanOptions, plan_pack
 from prepack.tools.plan_report import size_text
 from schemas.config import PrepackConfig
 
@@ -49,7 +49,7 @@ class SchedulePlan:
         return out
 
 
-def plan_schedule(cfg: PrepackConfig, **kwargs) -> SchedulePlan:
+def plan_schedule(cfg: PrepackConfig, options: PlanOptions = PlanOptions(), tokenizer=None) -> SchedulePlan:
     """``plan_pack`` of each step of ``cfg``'s schedule over its own batches (a batch budget is split at
     the steps; a token or passes budget is the last step's, as planned from its start)."""
     bounds = [0] + [st.after for st in cfg.schedule]
@@ -64,5 +64,6 @@ def plan_schedule(cfg: PrepackConfig, **kwargs) -> SchedulePlan:
             step = dataclasses.replace(step, prepack=dataclasses.replace(
                 step.prepack, batches_per_stream=end - start, tokens_per_stream=None, passes=None))
         # only the first step can continue another pack: the later ones start from their own config
-        steps.append((start, end, plan_pack(step, **(kwargs if i == 0 else {**kwargs, "continue_from": None}))))
+        steps.append((start, end, plan_pack(step, options if i == 0 else dataclasses.replace(options, continue_from=None),
+                                            tokenizer)))
     return SchedulePlan(cfg.config_path or "config", steps, unreached)

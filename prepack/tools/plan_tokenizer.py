@@ -73,6 +73,7 @@ def load_plan_tokenizer(spec: str | os.PathLike[str] | Mapping[str, Any]) -> tup
     """(tokenizer with ``encode``, BAGEL's token ids) for sampling: the shortcut for qwen2-offline only."""
     if spec == QWEN2_OFFLINE:
         return load_qwen2_offline_backend()
+    # here, not at the top: transformers (seconds), which the qwen2-offline shortcut avoids
     from prepack.engine.tokenizer import load_tokenizer, special_token_ids
 
     return special_token_ids(load_tokenizer(spec))

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 
 def cmd_stats(args) -> int:
-    from prepack.tools.stats import pack_stats
-    from loader.reader import Pack
+    # the tool reads packs (pyarrow, numpy): imported when the command runs, not for `prepack --help`
+    from prepack.tools import stats as tool
 
-    Pack.open(args.dir)  # one line (NotAPack, PackFormatError) when DIR is no pack this version reads
-    report = pack_stats(args.dir, html=args.html)
+    tool.Pack.open(args.dir)  # one line (NotAPack, PackFormatError) when DIR is no pack this version reads
+    report = tool.pack_stats(args.dir, html=args.html)
     print(report)
     return 0
 

@@ -9,11 +9,11 @@ import sys
 
 
 def cmd_verify(args) -> int:
-    from prepack.tools.verify import verify_pack
-    from loader.reader import Pack
+    # the tool reads packs (pyarrow, numpy): imported when the command runs, not for `prepack --help`
+    from prepack.tools import verify as tool
 
-    Pack.open(args.dir)  # one line (NotAPack, PackFormatError) when DIR is no pack this version reads
-    report = verify_pack(args.dir, progress=sys.stderr.isatty(), metadata_only=args.metadata_only)
+    tool.Pack.open(args.dir)  # one line (NotAPack, PackFormatError) when DIR is no pack this version reads
+    report = tool.verify_pack(args.dir, progress=sys.stderr.isatty(), metadata_only=args.metadata_only)
     for line in report.lines():
         print(line)
     return 0 if report.ok else 1

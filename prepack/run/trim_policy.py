@@ -1,0 +1,98 @@
+"""The trim policy: which shards of a pack may go now.  The one place a new policy goes.
+
+A shard may go once no training can read it again: all its records lie before ``before(stream)``,
+the earliest chain record any training may still come back to.  Two sources of that position:
+
+- ``behind_states``: loader states given by hand (``prepack trim --state``): each one's position;
+- ``behind_checkpoints``: the trainings' progress folders (``prepack trim --progress``, and a
+  bounded run as it packs): the earliest of each training's ``keep`` newest checkpoints
+  (``prepack.run.trainings``), so a crash rolls back to nothing trimmed.
+
+``TrimPolicy.apply`` is the one loop over streams; the deleting itself (list the shard in
+``trimmed.json`` first, then delete its records file) is ``prepack.run.trim.trim_shards``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from loader.reader import Pack
+from loader.state import read_state_file  # noqa: F401  (for prepack trim --state)
+from prepack.run.trainings import Trainings
+from prepack.run.trim import positions_of, trim_shards
+from schemas.manifest import ShardEntry, TrimmedShards
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrimResult:
+    shards: dict[int, list[int]] = field(default_factory=dict)  # stream -> shards trimmed now
+    freed_bytes: int = 0
+
+    def lines(self) -> list[str]:
+        n = sum(len(v) for v in self.shards.values())
+        if not n:
+            return ["nothing to trim: no shard lies wholly behind the positions given"]
+        return [f"trimmed {n} shard(s) of {len(self.shards)} stream(s), {self.freed_bytes / 2**20:,.1f} MiB freed "
+                "(indexes, digests and checkpoints kept: prepack restore packs them again)"]
+
+
+@dataclass
+class TrimPolicy:
+    """Trim ``pack``'s shards wholly before ``before(stream)`` (chain records; 0: keep the stream whole)."""
+
+    pack: Pack
+    before: Callable[[int], int]
+
+    @classmethod
+    def behind_states(cls, pack: Pack, states: "list[dict | list]") -> "TrimPolicy":
+        """Nothing at or after the position of any of ``states`` (several trainings or checkpoints)."""
+        at = positions_of(pack, states)
+        return cls(pack, lambda s: at.get(s, 0))
+
+    @classmethod
+    def behind_checkpoints(cls, trainings: Trainings, keep: int) -> "TrimPolicy":
+        """Nothing at or after the earliest of each training's ``keep`` newest checkpoints."""
+        return cls(trainings.pack, lambda s: trainings.kept_before(s, keep))
+
+    def may_go(self, stream: int) -> list[ShardEntry]:
+        """The shards of ``stream`` not trimmed yet whose records all lie before its position."""
+        before = self.before(stream)
+        if not before:
+            return []
+        n = self.pack.switch(stream)
+        index = self.pack.index(stream, refresh=True)
+        listed = set(TrimmedShards.read(self.pack.location, stream).shards)
+        return [sh for sh in index.shards
+                if n + sh.first_record + len(sh.records) <= before and sh.shard not in listed]
+
+    def apply(self, streams: "list[int] | range | None" = None, forget: bool = False) -> TrimResult:
+        """Trim every shard that may go, of ``streams`` (default: all); ``forget``: drop each stream's
+        index from memory after it (a pass over a whole pack)."""
+        result = TrimResult()
+        for stream in sorted(range(self.pack.num_streams) if streams is None else streams):
+            shards = self.may_go(stream)
+            if shards:
+                result.shards[stream] = [sh.shard for sh in shards]
+                result.freed_bytes += trim_shards(self.pack, stream, shards)
+            if forget:
+                self.pack.forget(stream)
+        return result
+
+
+def trim_pack(out, states: "list[dict | list]") -> TrimResult:
+    """``prepack trim OUT --state ...``: every shard wholly behind the positions of ``states``."""
+    pack = Pack.open(out)
+    return TrimPolicy.behind_states(pack, states).apply(forget=True)
+
+
+def trim_to_progress(out, folders: "list[str]", keep: int) -> TrimResult:
+    """``prepack trim OUT --progress ...``: every shard behind the ``keep`` newest checkpoints the
+    trainings publishing to ``folders`` kept; a stream some training has not checkpointed ``keep``
+    times yet is left whole."""
+    trainings = Trainings(folders, Pack.open(out))
+    trainings.refresh(force=True)
+    return TrimPolicy.behind_checkpoints(trainings, keep).apply(forget=True)
