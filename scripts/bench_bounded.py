@@ -315,14 +315,14 @@ def trimmable(out: str, progress: str, keep: int) -> int:
     """Shards wholly behind the trainings' kept checkpoints as they stand now (read fresh, as
     ``prepack trim --progress`` would): what the running job could have trimmed by its end."""
     from loader.reader import Pack
-    from prepack.run.ahead import Bound, BoundSpec
+    from prepack.run.trainings import Trainings
 
     p = Pack.open(out)
-    bound = Bound(BoundSpec(None, (progress,), keep), p)
-    bound.refresh(force=True)
+    trainings = Trainings((progress,), p)
+    trainings.refresh(force=True)
     n = 0
     for s in range(p.num_streams):
-        before = bound.trim_before(s)
+        before = trainings.kept_before(s, keep)
         n += sum(1 for sh in p.index(s).shards if sh.first_record + len(sh.records) <= before)
     return n
 

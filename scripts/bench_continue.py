@@ -13,7 +13,7 @@ budget of either (``--data demo --mix vlm --tokens 10240``: small pictures at a 
 B is A annealed: one group's weight x4 (``--anneal``), a budget of batches per stream.  OLD runs ``--after`` batches
 plus enough beyond them to hold what NEW reads next (a training that switches mid-run).
 
-Both sides run in this process as ``prepack run --no-ray`` does (``run_pack(..., inline=True)``,
+Both sides run in this process as ``prepack run --no-ray`` does (``run_pack(..., RunOptions(inline=True))``,
 one stream after another, the packing worker's allocator settings), with the tokenizer loaded
 once before any timing and passed in.  OLD's pixel catalog (built once per OLD, by the first run
 that reuses it) is built and timed alone first; the resize kernel, the imports and the page cache
@@ -23,18 +23,18 @@ inside it each stream's own window (its done.json ``cpu_s`` / ``elapsed_s``: the
 the stream's start, the switch included, to its done.json).
 
 - **fresh**: ``run_pack(B, FRESH)``;
-- **continue**: ``run_pack(B, NEW, continue_from=Continue(OLD, N))``: each stream's state after
-  OLD's batch N (``prepack.run.chain.state_at``: OLD's checkpoint read, at most one shard of
+- **continue**: ``run_pack(B, NEW, RunOptions(continue_from=Continue(OLD, N)))``: each stream's state after
+  OLD's batch N (``prepack.run.chain.switch_at``: OLD's checkpoint read, at most one shard of
   batches replayed with the pictures from OLD's shards), then B's batches, OLD's chain's pictures
   reused (``--reuse`` implied);
-- ``--fresh-reuse`` adds **fresh --reuse OLD**: ``run_pack(B, FRESH, reuse=[OLD])``, a fresh pack of
+- ``--fresh-reuse`` adds **fresh --reuse OLD**: ``run_pack(B, FRESH, RunOptions(reuse=[OLD]))``, a fresh pack of
   B that takes OLD's pixels (what separates the continuation from reuse alone).
 
 Per batch: each side packs ``--skip`` and ``--skip + --batches`` batches per stream and the
 difference of the streams' CPU is taken (as ``bench_reuse.py`` does), so every fixed cost
 (opening sources, the switch, the first shard) cancels and the figure is what one more of NEW's
 own batches costs (OLD's batches are never counted).  The fixed costs are printed on their own:
-the switch (``state_at`` alone per stream, after ``open_parent(OLD)``), the job outside its
+the switch (``switch_at`` alone per stream, after ``open_parent(OLD)``), the job outside its
 streams (``run_pack``'s CPU less its streams': pack identity and tokenizer fingerprint, OLD's
 checks and catalogs, the manifest), and from them after how many batches per stream a
 continuation costs less than a fresh pack.  The sides alternate (the order flips each rep),
@@ -134,20 +134,20 @@ class Run:
 def pack(config: str, out: str, tok, *, old: str | None = None, after: int | None = None,
          reuse: tuple[str, ...] = ()) -> Run:
     from prepack.run.chain import Continue
-    from prepack.run.driver import run_pack
-    from schemas.config import load_config
+    from prepack.run.driver import RunOptions, run_pack
+    from schemas.config_file import load_config
 
     cfg = load_config(config)  # outside the timing: the same on every side
     how = Continue(old, after) if old is not None else None
     c0, w0 = time.process_time(), time.perf_counter()
-    summary = run_pack(cfg, out, inline=True, tokenizer=tok, progress=False, reuse=reuse, continue_from=how)
+    summary = run_pack(cfg, out, RunOptions(inline=True, bar=False, reuse=reuse, continue_from=how), tokenizer=tok)
     return Run(time.process_time() - c0, time.perf_counter() - w0, summary.streams)
 
 
 def switch_cpu(old: str, after: int, streams: int, tok) -> tuple[float, list[float], list[int]]:
-    """CPU of opening OLD, and per stream of ``state_at`` alone (its checkpoint read, its replay),
+    """CPU of opening OLD, and per stream of ``switch_at`` alone (its checkpoint read, its replay),
     with the batches each replays."""
-    from prepack.run.chain import open_parent, state_at
+    from prepack.run.chain import open_parent, switch_at
 
     c0 = time.process_time()
     parent = open_parent(old)
@@ -155,7 +155,7 @@ def switch_cpu(old: str, after: int, streams: int, tok) -> tuple[float, list[flo
     each, replayed = [], []
     for s in range(streams):
         c0 = time.process_time()
-        state_at(parent, s, after, *tok)
+        switch_at(parent, s, after, *tok)
         each.append(time.process_time() - c0)
         starts = [sh.first_record for sh in parent.index(s).shards]
         replayed.append(after - max(b for b in starts if b <= after))
@@ -187,7 +187,7 @@ _PLACES = (
     ("layout and packing", ("prepack/engine/sample.py", "prepack/engine/sequence.py", "prepack/engine/packer.py",
                             "prepack/engine/accounting.py")),
     ("record encoding", ("schemas/record.py", "schemas/pixel_table.py", "schemas/compression.py")),
-    ("checkpoints", ("prepack/run/checkpoints.py", "prepack/engine/checkpoint.py", "schemas/checkpoint.py")),
+    ("checkpoints", ("prepack/run/checkpoint_files.py", "prepack/engine/state_codec.py", "schemas/checkpoint.py")),
     ("lineage", ("prepack/run/lineage.py",)),
     ("shard files and index", ("prepack/run/", "schemas/")),
     ("loader (OLD's chain)", ("loader/",)),
@@ -244,35 +244,30 @@ def where_cpu(stats: dict) -> dict[str, float]:
 
 def profiled(fn, spent: dict[str, float]) -> None:
     """Run ``fn()`` with cProfile on inside each stream's packing (``pack_one_stream``) but not in its
-    switch (``state_at``): the job's start-up and the switch are timed on their own.  Adds seconds per
+    switch (``switch_at``): the job's start-up and the switch are timed on their own.  Adds seconds per
     category to ``spent``."""
     import cProfile
     import pstats
 
-    from prepack.run import stream_job
+    from prepack.run import driver, stream_job
 
     prof = cProfile.Profile()
-    real_pack, real_switch = stream_job.pack_one_stream, stream_job.state_at
+    real_pack, real_switch = driver.pack_one_stream, stream_job.switch_at
 
-    def pack_profiled(*a, **k):
-        prof.enable()
-        try:
-            return real_pack(*a, **k)
-        finally:
-            prof.disable()
+    def toggled(fn, on: bool):  # ``fn`` with the profiler on (or off) while it runs
+        def call(*a, **k):
+            (prof.enable if on else prof.disable)()
+            try:
+                return fn(*a, **k)
+            finally:
+                (prof.disable if on else prof.enable)()
+        return call
 
-    def switch_unprofiled(*a, **k):
-        prof.disable()
-        try:
-            return real_switch(*a, **k)
-        finally:
-            prof.enable()
-
-    stream_job.pack_one_stream, stream_job.state_at = pack_profiled, switch_unprofiled
+    driver.pack_one_stream, stream_job.switch_at = toggled(real_pack, True), toggled(real_switch, False)
     try:
         fn()
     finally:
-        stream_job.pack_one_stream, stream_job.state_at = real_pack, real_switch
+        driver.pack_one_stream, stream_job.switch_at = real_pack, real_switch
     for k, v in where_cpu(pstats.Stats(prof).stats).items():
         spent[k] = spent.get(k, 0.0) + v
 
@@ -395,7 +390,7 @@ def main() -> None:
         opened = [o * 1e3 for o, _, _ in switches]
         per_stream = [statistics.mean(each) * 1e3 for _, each, _ in switches]
         replayed = switches[-1][2]
-        print(f"fixed costs: the switch (state_at alone) {fmt(per_stream)} ms CPU per stream (after batch {after}: "
+        print(f"fixed costs: the switch (switch_at alone) {fmt(per_stream)} ms CPU per stream (after batch {after}: "
               f"{', '.join(str(r) for r in replayed)} batches replayed from a checkpoint); opening OLD "
               f"{statistics.median(opened):.1f} ms per job")
         print("  the job outside its streams (identity, tokenizer fingerprint, OLD's checks and catalogs, manifest), "

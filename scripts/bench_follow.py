@@ -37,7 +37,7 @@ def read_cpu(path: str, follow: bool) -> tuple[int, float]:
 
 def latency(tmp: str, batches: int, interval: float, poll: float) -> list[float]:
     from loader import PackedShardDataset
-    from prepack.run.writer import StreamWriter
+    from prepack.run.writer import ShardFormat, StreamWriter
     from schemas.location import resolve_location
     from schemas.manifest import StreamIndex
     from tests.helpers.fakepack import commit_entry, fake_metadata, mark_done, stream_batches, write_pack
@@ -50,7 +50,7 @@ def latency(tmp: str, batches: int, interval: float, poll: float) -> list[float]
 
     def writer() -> None:
         index = StreamIndex(0, [])
-        w = StreamWriter(out, 0, shard_bytes=1, compression="zstd:1", metadata=fake_metadata(identity))
+        w = StreamWriter(out, 0, ShardFormat(1, "zstd:1", fake_metadata(identity)))
         for i, b in enumerate(batches_list):
             entry = w.append(b)  # shard_bytes=1: every record is a shard
             if i == 0:

@@ -119,9 +119,9 @@ def build_pack(tmp: str, batches: int):
 
     from prepack.run.driver import finalize
     from prepack.run.identity import pack_identity, write_identity
-    from prepack.run.stream_job import pack_one_stream
+    from prepack.run.stream_job import StreamJob, pack_one_stream
     from prepack.engine.tokenizer import load_tokenizer, special_token_ids, tokenizer_fingerprint
-    from schemas.config import load_config
+    from schemas.config_file import load_config
     from schemas.location import resolve_location
 
     ds = bench_pack.make_data(os.path.join(tmp, "data"))
@@ -133,7 +133,7 @@ def build_pack(tmp: str, batches: int):
     loc.fs.create_dir(loc.base, recursive=True)
     write_identity(loc, identity)
     for s in range(cfg.num_streams):
-        pack_one_stream(cfg, out, s, tok, special, identity.shard_metadata())
+        pack_one_stream(StreamJob(cfg, out, identity.shard_metadata()), s, tok, special)
     finalize(loc, cfg)
     return cfg, tok, out
 

@@ -227,7 +227,7 @@ def child(args) -> None:
     from nemo_automodel.components.datasets.multimodal import add_special_tokens
 
     from prepack.engine.tokenizer import load_tokenizer
-    from schemas.config import load_config
+    from schemas.config_file import load_config
 
     torch.set_num_threads(args.trainer_threads)
     cfg = load_config(args.config)
@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import bench_pack
 
-    from schemas.config import load_config
+    from schemas.config_file import load_config
 
     args.tmp = tempfile.mkdtemp(prefix="bench-rank-")
     try:

@@ -64,7 +64,8 @@ def prepack(*args: str, env: dict | None = None) -> str:
 
 def stream_run(config: str, out: str, reuse: str | None, env: dict | None = None):
     """One ``prepack run`` of stream 0 on a one-CPU local Ray; its done.json entry."""
-    from schemas.manifest import StreamSummary, done_file
+    from schemas.layout import done_file
+    from schemas.manifest import StreamSummary
 
     args = ["run", config, "--out", out, "--streams", "0", "--num-cpus", "1", "--no-progress"]
     prepack(*args, *(["--reuse", reuse] if reuse else []), env=env)

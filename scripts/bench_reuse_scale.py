@@ -30,17 +30,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-log = logging.getLogger("bench_reuse_scale")
+from bench_scale import PRELUDE as _PRELUDE  # noqa: E402  (each measuring process: the project, its memory)
 
-# each measuring process: the project on its path, and its resident memory (MB) from /proc
-_PRELUDE = """
-import json, sys, time
-sys.path.insert(0, {root!r})
-def rss(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key):
-            return int(line.split()[1]) / 1024
-"""
+log = logging.getLogger("bench_reuse_scale")
 
 _LOOKUP = _PRELUDE + """import numpy as np
 from prepack.engine.reuse.source_pictures import ReuseCounts
@@ -134,7 +126,8 @@ def synthetic_shards(out: str, pictures: int, per_shard: int = 1000, streams: in
     from prepack.run.atomic_files import write_bytes_atomic
     from prepack.run.writer import write_index
     from schemas.location import resolve_location
-    from schemas.manifest import RecordEntry, ShardEntry, StreamIndex, shard_pixels_file
+    from schemas.layout import shard_pixels_file
+    from schemas.manifest import RecordEntry, ShardEntry, StreamIndex
     from schemas.pixel_index import DecodeFacts, PictureSource, PixelEntry, pixel_index_bytes
 
     loc = resolve_location(out)

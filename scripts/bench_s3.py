@@ -173,8 +173,8 @@ def pack_timed(config: str, out: str, tok_special, reuse: tuple[str, ...] = (),
     """
     from prepack.engine.tokenizer import tokenizer_fingerprint
     from prepack.run.identity import pack_identity
-    from prepack.run.stream_job import pack_one_stream
-    from schemas.config import load_config
+    from prepack.run.stream_job import StreamJob, pack_one_stream
+    from schemas.config_file import load_config
 
     tok, special = tok_special
     t0 = time.perf_counter()
@@ -193,7 +193,7 @@ def pack_timed(config: str, out: str, tok_special, reuse: tuple[str, ...] = (),
                 threads.sample()
 
         first_wait = len(waits.waits) if waits is not None else 0
-        pack_one_stream(cfg, out, stream, tok, special, metadata, reuse=reuse, report=report)
+        pack_one_stream(StreamJob(cfg, out, metadata, tuple(reuse)), stream, tok, special, report=report)
         if threads is not None:
             threads.end_window()
         if waits is not None:

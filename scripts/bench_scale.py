@@ -32,14 +32,17 @@ sys.path.insert(0, ROOT)
 
 log = logging.getLogger("bench_scale")
 
-_OPEN = """
+# each measuring process: the project on its path, and its resident memory (MB) from /proc
+PRELUDE = """
 import json, sys, time
 sys.path.insert(0, {root!r})
 def rss(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):
             return int(line.split()[1]) / 1024
-import loader
+"""
+
+_OPEN = PRELUDE + """import loader
 base = rss("VmRSS")
 t0 = time.perf_counter()
 from loader import PackedShardDataset
@@ -94,7 +97,7 @@ assert b.height > 0
 
 def fake_config(streams: int, world: int, records: int) -> dict:
     """A real PrepackConfig dict for the identity (paths are never opened)."""
-    from schemas.config import parse_config
+    from schemas.config_file import parse_config
 
     k = streams // world
     raw = {"seed": 1, "dataloader": {"num_workers": k},
@@ -115,16 +118,10 @@ def build(out: str, streams: int, records: int, world: int, per_shard: int, samp
     from prepack.run.identity import pack_identity, write_identity
     from prepack.run.atomic_files import write_bytes_atomic
     from prepack.run.writer import write_index
+    from schemas.layout import done_file, stream_lineage_file
+    from schemas.lineage import LINEAGE_SCHEMA
     from schemas.location import resolve_location
-    from schemas.manifest import (
-        LINEAGE_SCHEMA,
-        RecordEntry,
-        ShardEntry,
-        StreamIndex,
-        StreamSummary,
-        done_file,
-        stream_lineage_file,
-    )
+    from schemas.manifest import RecordEntry, ShardEntry, StreamIndex, StreamSummary
 
     cfg = fake_config(streams, world, records)
     identity = pack_identity(cfg, "bench-tokenizer", {"bos_token_id": 1})

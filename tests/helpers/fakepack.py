@@ -16,11 +16,15 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 
 from prepack.run.atomic_files import write_bytes_atomic
-from prepack.run.writer import StreamWriter, write_index
+from prepack.run.writer import ShardFormat, StreamWriter, write_index
+from schemas.documents import dump_checked
+from schemas.layout import PACK_INFO_NAME, done_file
 from schemas.location import resolve_location
-from schemas.manifest import FORMAT_VERSION, PACK_INFO_NAME, StreamIndex, StreamSummary, done_file, dump_checked
+from schemas.manifest import StreamIndex, StreamSummary
+from schemas.pack_info import FORMAT_VERSION
 from schemas.pixel_table import image_table
 from schemas.record import ATTN_MODE_CODES, RECORD_SCHEMA_VERSION, PackedBatch, SampleOrigin
 
@@ -94,13 +98,18 @@ class _Builder:
         self.a["ce_loss_weights"].append(1.0)
         self.a["packed_label_ids"].append(EOS)
 
-    def vit(self, rope: int) -> tuple[int, int]:
-        i = self.image(VIT_PATCH)
-        h, w = self.images[i].shape[0] // VIT_PATCH, self.images[i].shape[1] // VIT_PATCH
+    def _framed_image(self, scale: int) -> tuple[int, int, int, int]:
+        """A new image of ``scale``-divisible size framed by SOI/EOI at the cursor: (image, h, w, n)."""
+        i = self.image(scale)
+        h, w = self.images[i].shape[0] // scale, self.images[i].shape[1] // scale
         n = h * w
+        self.a["packed_text_ids"] += [SOI, EOI]
+        self.a["packed_text_indexes"] += [self.curr, self.curr + n + 1]
+        return i, h, w, n
+
+    def vit(self, rope: int) -> tuple[int, int]:
+        i, h, w, n = self._framed_image(VIT_PATCH)
         a, curr = self.a, self.curr
-        a["packed_text_ids"] += [SOI, EOI]
-        a["packed_text_indexes"] += [curr, curr + n + 1]
         a["vit_image_ids"].append(i)
         a["vit_token_seqlens"].append(n)
         a["packed_vit_token_indexes"] += list(range(curr + 1, curr + 1 + n))
@@ -110,12 +119,8 @@ class _Builder:
         return n + 2, rope + 1
 
     def vae(self, rope: int, target: bool) -> tuple[int, int]:
-        i = self.image(VAE_DOWNSAMPLE)
-        h, w = self.images[i].shape[0] // VAE_DOWNSAMPLE, self.images[i].shape[1] // VAE_DOWNSAMPLE
-        n = h * w
+        i, h, w, n = self._framed_image(VAE_DOWNSAMPLE)
         a, curr = self.a, self.curr
-        a["packed_text_ids"] += [SOI, EOI]
-        a["packed_text_indexes"] += [curr, curr + n + 1]
         a["vae_image_ids"].append(i)
         a["vae_latent_shapes"] += [h, w]
         a["packed_latent_position_ids"] += _grid(h, w, MAX_LATENT_SIZE)
@@ -245,8 +250,7 @@ def write_pack(
     loc.fs.create_dir(loc.base, recursive=True)
     write_bytes_atomic(loc, PACK_INFO_NAME, dump_checked(identity))
     for s in sorted(batches):
-        writer = StreamWriter(out, s, shard_bytes=shard_bytes, compression=compression,
-                              metadata=fake_metadata(identity))
+        writer = StreamWriter(out, s, ShardFormat(shard_bytes, compression, fake_metadata(identity)))
         index = StreamIndex(s, [])
         entries = [e for e in (writer.append(b) for b in batches[s]) if e is not None]
         last = writer.finish()
@@ -305,3 +309,17 @@ def batch_id(batch) -> str:
     h.update(batch.packed_text_ids.numpy().tobytes())
     h.update(repr(batch.batch_data_indexes).encode())
     return h.hexdigest()
+
+
+SMALL_LENGTHS = [5, 3, 4, 6]  # records per stream of ``small_pack``: W=2 ranks x K=2 workers
+
+
+def small_pack_fixture():
+    """A module fixture: a W=2, K=2 pack of ``SMALL_LENGTHS`` records, 40 KiB shards (several per stream)."""
+    @pytest.fixture(scope="module")
+    def pack(tmp_path_factory):
+        out = str(tmp_path_factory.mktemp("pack"))
+        make_pack(out, world_size=2, num_workers=2, lengths=SMALL_LENGTHS, shard_bytes=40 * 1024)
+        return out
+
+    return pack

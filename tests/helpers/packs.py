@@ -1,4 +1,4 @@
-"""Small real packs built in-process (``run_pack(inline=True)``: the driver without Ray), for tests."""
+"""Small real packs built in-process (``run_pack`` with ``RunOptions(inline=True)``: the driver without Ray), for tests."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import os
 
 import numpy as np
 
-from prepack.run.driver import run_pack
-from schemas.config import load_config
+from prepack.run.driver import RunOptions, run_pack
+from schemas.config_file import load_config
 from tests.helpers import datagen as dg
 
 KNOBS = dict(expected_num_tokens=700, max_num_tokens=900, max_num_tokens_per_sample=700, prefer_buffer_before=500,
@@ -43,7 +43,7 @@ def small_dataset(root: str, *, batches: int = 6, shard_bytes: int = 300_000, se
 
 def pack_in_process(config: str, out: str, tokenizer_and_special) -> str:
     """Pack every stream of ``config`` into ``out`` (any location) in this process; returns ``out``."""
-    summary = run_pack(load_config(config), out, inline=True, tokenizer=tokenizer_and_special, progress=False)
+    summary = run_pack(load_config(config), out, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
     assert summary.manifest_written
     return out
 

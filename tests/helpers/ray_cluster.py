@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Self
 
-from tests.helpers.ray_helpers import REPO, RayRun, cmdline, process_state
+from tests.helpers.ray_helpers import REPO, RayRun, cmdline, process_state, with_descendants
 
 LOOPBACK = "127.0.0.1"
 
@@ -71,15 +71,7 @@ def _alive(pid: int) -> bool:
 
 def tree(roots) -> list[int]:
     """Live ``roots`` and all their live descendants."""
-    kids = _children()
-    found = {p for p in roots if _alive(p)}
-    todo = list(found)
-    while todo:
-        for c in kids.get(todo.pop(), []):
-            if c not in found:
-                found.add(c)
-                todo.append(c)
-    return sorted(found)
+    return sorted(with_descendants({p for p in roots if _alive(p)}, _children()))
 
 
 def ray_title(pid: int) -> str:

@@ -108,13 +108,19 @@ def marked_pids(mark: str, sessions: set[int] | frozenset[int] = frozenset()) ->
     children: dict[int, list[int]] = {}
     for pid, (_, ppid, _) in procs.items():
         children.setdefault(ppid, []).append(pid)
+    return sorted(pid for pid in with_descendants(found, children) if procs[pid][0] not in ("Z", "X"))
+
+
+def with_descendants(found: set[int], children: dict[int, list[int]]) -> set[int]:
+    """``found`` and every descendant of its processes (``children``: pid -> child pids)."""
+    found = set(found)
     todo = list(found)
     while todo:
         for c in children.get(todo.pop(), []):
             if c not in found:
                 found.add(c)
                 todo.append(c)
-    return sorted(pid for pid in found if procs[pid][0] not in ("Z", "X"))
+    return found
 
 
 def kill_marked(mark: str, sessions: set[int] | frozenset[int] = frozenset(), timeout: float = 20.0) -> list[int]:

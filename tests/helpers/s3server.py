@@ -132,7 +132,7 @@ class S3Server:
 
 def config_on_s3(local_config: str, data_root: str, uri: str, s3) -> str:
     """A copy of ``local_config`` whose ``dataset_info`` paths point under ``uri`` instead of ``data_root``."""
-    from schemas.config import load_config
+    from schemas.config_file import load_config
 
     cfg = load_config(local_config)
     with open(local_config) as f:

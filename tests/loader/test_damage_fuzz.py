@@ -113,6 +113,7 @@ def fuzz(pack: str, tmp_path, seed: int, count: int) -> None:
     assert not failures, f"{len(failures)} problems in {count} mutations (seed {seed}):\n" + "\n".join(failures[:20])
 
 
+@pytest.mark.slow  # hundreds of mutations, each read back in full
 def test_random_damage_is_caught_or_harmless(pack, tmp_path):
     fuzz(pack, tmp_path, seed=16, count=12)
 

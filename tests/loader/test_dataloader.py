@@ -10,19 +10,13 @@ import textwrap
 
 import pytest
 import torch
-from tests.helpers.fakepack import batch_id, make_pack
+from tests.helpers.fakepack import SMALL_LENGTHS, batch_id, small_pack_fixture
 from tests.helpers.paths import REPO
 
 from loader import SimpleCustomBatch, build_dataloader
 
-LENGTHS = [5, 3, 4, 6]  # W=2 ranks x K=2 workers
-
-
-@pytest.fixture(scope="module")
-def pack(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("pack"))
-    make_pack(out, world_size=2, num_workers=2, lengths=LENGTHS, shard_bytes=40 * 1024)
-    return out
+LENGTHS = SMALL_LENGTHS  # W=2 ranks x K=2 workers
+pack = small_pack_fixture()
 
 
 def test_items_behave_like_the_reference_collated_batch(pack):
@@ -46,7 +40,7 @@ print(json.dumps([batch_id(b) for b in loader]))
 """
 
 
-@pytest.mark.parametrize("workers, rank", [(0, 0), (2, 1)])
+@pytest.mark.parametrize("workers, rank", [(0, 0), pytest.param(2, 1, marks=pytest.mark.slow)])
 def test_resume_in_a_new_process_with_weights_only_load(pack, tmp_path, workers, rank):
     make = lambda: build_dataloader(pack, rank=rank, world_size=2, num_workers=workers, pin_memory=False)  # noqa: E731
     full = [batch_id(b) for b in make()]

@@ -205,7 +205,7 @@ def test_dataset_state_resume_in_new_process(pack, tmp_path):
     assert head + _resume_in_subprocess(tmp_path, pack, 1, 2, "dataset") == full
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_stateful_dataloader_resume(pack, tmp_path, workers):
     rank, world_size = 0, 1  # all six streams: with 2 workers each takes three
     make = lambda: StatefulDataLoader(  # noqa: E731

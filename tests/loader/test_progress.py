@@ -21,17 +21,11 @@ from loader.dataloader import ProgressDataLoader, dataset_states
 from loader.prefetch import Prefetcher
 from loader.reader import Pack
 from schemas.location import resolve_location
-from schemas.progress import ProgressFolder, checkpoint_file, live_file
-from tests.helpers.fakepack import make_pack, mark_done
+from schemas.progress import ProgressFolder, rank_checkpoints_file, live_file
+from tests.helpers.fakepack import SMALL_LENGTHS, make_pack, mark_done, small_pack_fixture
 
-LENGTHS = [5, 3, 4, 6]  # W=2 ranks x K=2 workers
-
-
-@pytest.fixture(scope="module")
-def pack(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("pack"))
-    make_pack(out, world_size=2, num_workers=2, lengths=LENGTHS, shard_bytes=40 * 1024)
-    return out
+LENGTHS = SMALL_LENGTHS  # W=2 ranks x K=2 workers
+pack = small_pack_fixture()
 
 
 def take(iterator, n: int) -> None:
@@ -86,7 +80,7 @@ def test_state_dict_publishes_the_states_checkpoint(pack, tmp_path):
     assert positions_of(first) == {0: 2, 1: 1} and positions_of(second) == {0: 3, 1: 2}  # round-robin of [0, 1]
     got = ProgressFolder(where).read()
     assert got.packs == {ds.fingerprint}
-    assert files(where) == {checkpoint_file(2, 0), live_file(2, 0, 0)}
+    assert files(where) == {rank_checkpoints_file(2, 0), live_file(2, 0, 0)}
     for s in (0, 1):
         assert got.reached(s) == positions_of(second)[s]
         entries = sorted(got.checkpoints[s], key=lambda e: e.time)
@@ -159,7 +153,7 @@ def test_build_dataloader_publishes_one_checkpoint_per_state_dict(pack, tmp_path
     assert states is not None and len(states) == max(workers, 1)
     assert {s: p for st in states for s, p in positions_of(st).items()} == want
     got = ProgressFolder(where).read()
-    assert {n for n in files(where) if n.startswith("ckpt-")} == {checkpoint_file(2, 1)}
+    assert {n for n in files(where) if n.startswith("ckpt-")} == {rank_checkpoints_file(2, 1)}
     assert {n for n in files(where) if n.startswith("live-")} == {live_file(2, 1, j) for j in range(max(workers, 1))}
     for s in (2, 3):
         (entry,) = got.checkpoints[s]  # one entry, whatever the workers' per-step snapshots did
@@ -202,7 +196,7 @@ def test_another_world_size_is_read_across_files(pack, tmp_path):
     take(iter(one), 4)  # rounds over streams 0..3 from where each stood: (1, 1), (3, 1), then (0, 2), (1, 2)
     new = positions_of(one.state_dict())
     assert new == {0: 3, 1: 3, 2: 2, 3: 2}
-    assert files(where) == {checkpoint_file(2, 0), checkpoint_file(2, 1), checkpoint_file(1, 0),
+    assert files(where) == {rank_checkpoints_file(2, 0), rank_checkpoints_file(2, 1), rank_checkpoints_file(1, 0),
                             live_file(2, 0, 0), live_file(2, 1, 0), live_file(1, 0, 0)}
     got = ProgressFolder(where).read()
     for s in range(4):
@@ -293,7 +287,7 @@ def test_on_s3(s3, pack):
     take(it, 5)
     loader.state_dict()
     del it
-    assert set(s3.objects(where)) == {checkpoint_file(2, 0), live_file(2, 0, 0), checkpoint_file(2, 1),
+    assert set(s3.objects(where)) == {rank_checkpoints_file(2, 0), live_file(2, 0, 0), rank_checkpoints_file(2, 1),
                                       live_file(2, 1, 0), live_file(2, 1, 1)}
     got = ProgressFolder(where).read()
     assert [e.positions for e in got.checkpoints[2]] == [{2: 3, 3: 2}]

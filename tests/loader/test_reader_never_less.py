@@ -18,7 +18,8 @@ from loader.reader import Pack
 from prepack.cli import main
 from prepack.run.atomic_files import write_bytes_atomic
 from schemas.errors import DamagedFile, FollowTimeout
-from schemas.manifest import MANIFEST_NAME, StreamIndex, done_file, index_file, stream_dir, stream_lineage_file
+from schemas.layout import MANIFEST_NAME, done_file, index_file, stream_dir, stream_lineage_file
+from schemas.manifest import StreamIndex
 from tests.helpers.packs import build_pack
 
 

@@ -18,7 +18,7 @@ import pytest
 from loader import open_stream
 from loader.reader import _Blocks
 from schemas.errors import PackIntegrityError
-from schemas.manifest import shard_file
+from schemas.layout import shard_file
 from tests.helpers.packs import build_pack
 from tests.helpers.s3checks import batch_fingerprint
 

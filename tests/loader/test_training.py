@@ -140,7 +140,7 @@ def runs(tmp_path_factory, tokenizer_and_special):
     """Runs (a), (b) and the killed-then-resumed (b), as NeMo subprocesses (started together)."""
     root = str(tmp_path_factory.mktemp("train"))
     packed_dir = build_pack(root, tokenizer_and_special, batches=6)  # 2 streams x 6 batches, W=1, K=2
-    from schemas.config import load_config
+    from schemas.config_file import load_config
 
     cfg = load_config(os.path.join(root, "data", "config.yaml"))
     assert cfg.world_size == 1 and cfg.num_workers == WORKERS

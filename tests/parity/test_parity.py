@@ -20,11 +20,11 @@ from tests.helpers import oracle
 from tests.helpers.compare import diff_batches
 from tests.helpers.parity import assert_parity
 from prepack.engine.packer import StreamPacker
-from schemas.config import load_config
+from schemas.config_file import load_config
 
 from tests.helpers.paths import REPO
 
-pytestmark = pytest.mark.slow  # starts Ray or runs the reference for many batches
+# Slow (the reference runs for many batches), but for one short case in the fast lane (FAST_CASE).
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,11 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+FAST_CASE = "interpolate_1x1"  # one stream, 20 batches: the fast lane's parity check
+
+
+@pytest.mark.parametrize("case", [c if c == FAST_CASE else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in sorted(CASES)])
 def test_parity_crafted(case, mixed, tokenizer_and_special, tmp_path):
     spec = CASES[case]
     ds = dg.Dataset(str(tmp_path), groups={k: dict(v) for k, v in mixed.groups.items()}, info=mixed.info)
@@ -87,6 +91,7 @@ def demo_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("flex", [True, False])
+@pytest.mark.slow  # runs the reference for many batches
 def test_parity_demo_with_video(flex, demo_dir, tokenizer_and_special):
     """The demo dataset (videos and frame folders in the SFT group) under the demo config."""
     cfg = load_config(str(demo_dir / "configs" / "demo.yaml"),
@@ -96,6 +101,7 @@ def test_parity_demo_with_video(flex, demo_dir, tokenizer_and_special):
 
 
 @pytest.mark.parametrize("fast_resize", ["1", "0"], ids=["kernel", "pillow"])
+@pytest.mark.slow  # runs the reference for many batches
 def test_parity_with_the_resize_kernel_on_and_off(fast_resize, demo_dir, tokenizer_and_special, monkeypatch):
     """Every transform's resize (t2i, edit chains, SFT images, video frames) through the C kernel
     (numba where no compiler: asked for by name, so that a machine whose timed choice is Pillow
@@ -117,6 +123,7 @@ def test_parity_with_the_resize_kernel_on_and_off(fast_resize, demo_dir, tokeniz
         default_resizer.cache_clear()
 
 
+@pytest.mark.slow  # runs the reference for many batches
 def test_worker_emulation_matches_real_dataloader(mixed, tokenizer_and_special, tmp_path):
     """The oracle's in-process worker emulation equals a real 2-worker DataLoader's order."""
     import torch
@@ -140,18 +147,19 @@ def test_worker_emulation_matches_real_dataloader(mixed, tokenizer_and_special, 
 
 
 @pytest.mark.parametrize("flex", [True, False])
+@pytest.mark.slow  # runs the reference for many batches
 def test_parity_through_shard_files_and_open_stream(flex, mixed, tokenizer_and_special, tmp_path):
     """Packed to disk by the stream job (small shards, so several per stream), read back with
     ``open_stream``: still the reference's batches, in order."""
     from loader import open_stream
-    from prepack.run.driver import run_pack
+    from prepack.run.driver import RunOptions, run_pack
 
     tok, special = tokenizer_and_special
     ds = dg.Dataset(str(tmp_path), groups=mixed.groups, info=mixed.info)
     cfg = load_config(ds.config(knobs={**SMALL, "use_flex": flex}, num_workers=2,
                                 prepack={"batches_per_stream": 12, "shard_bytes": 400_000}))
     out = str(tmp_path / "out")
-    summary = run_pack(cfg, out, inline=True, tokenizer=tokenizer_and_special, progress=False)
+    summary = run_pack(cfg, out, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
     assert summary.manifest_written and all(e.num_shards > 1 for e in summary.streams)
     for s in range(cfg.num_streams):
         ref = oracle.reference_batches(cfg, s, tok, 12)
@@ -163,6 +171,7 @@ def test_parity_through_shard_files_and_open_stream(flex, mixed, tokenizer_and_s
 
 
 @pytest.mark.parametrize("sample", ["middle", "fps4"])
+@pytest.mark.slow  # runs the reference for many batches
 def test_parity_several_datasets_per_group_repeats_and_frame_rules(sample, tokenizer_and_special, tmp_path):
     """Two datasets in every group (two parquet_info files, two JSONL files), file lists repeated
     to num_used_data, and videos sampled with the 'middle' and 'fpsN' rules (mp4, frame folders)."""
@@ -195,6 +204,7 @@ def test_parity_several_datasets_per_group_repeats_and_frame_rules(sample, token
     assert_parity(cfg, tokenizer_and_special, [0, 1], 20)
 
 
+@pytest.mark.slow  # runs the reference for many batches
 def test_parity_with_unnormalised_absolute_paths_and_relative_parquet_info_keys(tokenizer_and_special, tmp_path):
     """Absolute paths are used verbatim (the reference joins and matches the strings as given);
     relative parquet_info keys resolve against the config's folder like every relative path."""

@@ -29,9 +29,9 @@ def test_no_subcommand_prints_help_and_fails():
 
 @pytest.mark.parametrize("args, code, text", [
     (["run", "missing.yaml", "--out", "x"], 2, "config file not found"),
-    (["run", "configs/demo.yaml", "--out", "x", "--streams", "a,b"], 2, None),
+    pytest.param(["run", "configs/demo.yaml", "--out", "x", "--streams", "a,b"], 2, None, marks=pytest.mark.slow),
     (["verify", "/nonexistent/pack"], 1, "is not a pack (no pack.json)"),
-    (["stats", "/nonexistent/pack"], 1, "is not a pack (no pack.json)"),
+    pytest.param(["stats", "/nonexistent/pack"], 1, "is not a pack (no pack.json)", marks=pytest.mark.slow),
 ])
 def test_errors_are_one_line_on_stderr(args, code, text, tmp_path):
     from tests.helpers.paths import REPO as repo
@@ -62,7 +62,7 @@ def test_bad_yaml_is_one_line(tmp_path):
 
 
 def test_progress_postfix_shows_each_stream_or_the_spread():
-    from prepack.run.progress import RunProgress, StreamProgress
+    from prepack.run.progress_bar import RunProgress, StreamProgress
 
     few = RunProgress([0, 1], 6, {})
     few.update(StreamProgress(0, batches=3, tokens=3000, done=False))
@@ -76,7 +76,7 @@ def test_progress_postfix_shows_each_stream_or_the_spread():
 
 
 def test_each_drop_reason_is_announced_once_per_run_with_its_meaning():
-    from prepack.run.progress import RunProgress, StreamProgress
+    from prepack.run.progress_bar import RunProgress, StreamProgress
 
     run = RunProgress(list(range(8)), 10, {"max_num_tokens_per_sample": 4096})
     for s in range(8):
@@ -92,7 +92,7 @@ def test_each_drop_reason_is_announced_once_per_run_with_its_meaning():
 
 
 def test_retried_streams_are_announced_once_per_attempt_with_the_cause():
-    from prepack.run.progress import RunProgress
+    from prepack.run.progress_bar import RunProgress
 
     run = RunProgress([0, 1, 2], 5, {})
     lines = run.retried({0: ["n1"], 1: ["n1", "n2"], 2: ["n2", "n2"], 3: ["?", "n1"]}, {"n1": "127.0.0.1:1234"})
@@ -141,6 +141,7 @@ def test_streams_take_ids_and_ranges():
         _streams("1,x")
 
 
+@pytest.mark.slow  # plans through the CLI in subprocesses
 def test_plan_prints_one_json_object_and_its_help_teaches(tmp_path):
     import json
 
@@ -165,6 +166,7 @@ def test_plan_prints_one_json_object_and_its_help_teaches(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().startswith("prepack: error: --cores")
 
 
+@pytest.mark.slow  # plans through the CLI in subprocesses
 def test_plan_ends_without_the_interpreter_teardown_and_says_everything_first(tmp_path):
     """The program ends a plan at once (unloading torch and numba would add ~1 s) after flushing
     its output; other commands, and ``main()`` called in process, end normally."""

@@ -9,7 +9,8 @@ import os
 import pytest
 import yaml
 
-from schemas.config import BUDGET_KEYS, ConfigError, PrepackConfig, load_config
+from schemas.config import BUDGET_KEYS, ConfigError, PrepackConfig
+from schemas.config_file import load_config
 
 from tests.helpers.paths import REPO
 

@@ -10,7 +10,8 @@ import os
 import pytest
 import yaml
 
-from schemas.config import PrepackConfig, parse_config
+from schemas.config import PrepackConfig
+from schemas.config_file import parse_config
 from schemas.errors import ConfigError
 from tests.helpers.paths import REPO
 

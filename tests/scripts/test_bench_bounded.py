@@ -11,12 +11,15 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers.paths import REPO
 
 _LAST = re.compile(r"bounded: disk peak (\d+\.\d) MiB of (\d+\.\d) MiB \(ratio (\d+\.\d\d)\); "
                    r"trainer waited (\d+\.\d) ms/step; batches (equal|DIFFER)")
 
 
+@pytest.mark.slow  # a bounded pack, two trainings and restarts through the script
 def test_bench_bounded_tiny_ends_with_the_headline_line(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
     # 10 batches a stream, a shard each; a checkpoint every 2 steps, the newest kept: the restarted

@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers.paths import REPO
 
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -19,6 +21,7 @@ _LAST = re.compile(rf"continue: {_NUM} ms CPU/batch vs fresh {_NUM} ms CPU/batch
                    r"switch start-up (\d+) ms/stream; reused (\d+) of (\d+) pictures")
 
 
+@pytest.mark.slow  # packs three times through the benchmark script (~40 s)
 def test_bench_continue_tiny_ends_with_the_headline_line():
     env = dict(os.environ, PYTHONPATH=REPO)
     proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_continue.py"), "--after", "2",
@@ -30,7 +33,7 @@ def test_bench_continue_tiny_ends_with_the_headline_line():
     for side in ("fresh", "continue", "fresh --reuse OLD"):
         assert any(ln.startswith(f"  {side:17}: CPU best ") for ln in lines), proc.stdout
         assert any(ln.startswith(f"{side}, profiled: ") for ln in lines), proc.stdout
-    assert any(ln.startswith("fixed costs: the switch (state_at alone) best ") for ln in lines), proc.stdout
+    assert any(ln.startswith("fixed costs: the switch (switch_at alone) best ") for ln in lines), proc.stdout
     m = _LAST.fullmatch(lines[-1])
     assert m, lines[-1]
     continued, fresh, ratio = float(m[1]), float(m[2]), float(m[3])

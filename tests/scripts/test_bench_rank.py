@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.helpers.paths import REPO
 
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -20,6 +22,7 @@ _LAST = re.compile(r"rank: online K=(\d+) (\d+) MB, (\d+) ms/batch; pack K=(\d+)
                    r"\(memory (\d+\.\d+) x, CPU (\d+\.\d+) x\)")
 
 
+@pytest.mark.slow  # runs the whole benchmark, both sides of a rank (~1 min)
 def test_bench_rank_tiny_ends_with_the_headline_line():
     env = dict(os.environ, PYTHONPATH=REPO, RAY_AUTH_MODE="disabled")
     proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_rank.py"), "--tiny", "--batches", "4",

@@ -25,6 +25,7 @@ def test_without_cuda_exits_0_with_one_line():
     assert lines == ["no CUDA device present: nothing to check (run this on a GPU machine)"]
 
 
+@pytest.mark.slow  # builds a pack and times the loader in a subprocess
 def test_cpu_dry_run_checks_and_times_the_loader():
     proc = _run("--device", "cpu", "--batches", "3", "--max-side", "6", "--workers", "1")
     out = proc.stdout + proc.stderr

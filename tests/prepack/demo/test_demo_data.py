@@ -45,6 +45,7 @@ def _image(payload: bytes) -> Image.Image:
     return image
 
 
+@pytest.mark.slow  # writes the demo data again
 def test_rerun_is_byte_identical(demo, tmp_path):
     root = Path(demo.root)
     first = _snapshot(root)
@@ -66,6 +67,7 @@ def test_rerun_is_byte_identical(demo, tmp_path):
     assert moved == {os.path.relpath(k, demo.root): v for k, v in json.loads(first[info_rel]).items()}
 
 
+@pytest.mark.slow  # writes the demo data again
 def test_seed_changes_content(demo, tmp_path):
     other = write_demo_data(tmp_path / "seed1", seed=1)
     assert Path(other.vlm_jsonl).read_bytes() != Path(demo.vlm_jsonl).read_bytes()
@@ -232,6 +234,7 @@ class _CountingTokenizer:
         return list(text.encode())
 
 
+@pytest.mark.slow  # the reference reads every demo row
 def test_reference_datasets_read_every_row(demo):
     """One full pass of the reference's three dataset classes over the demo data, with nothing dropped."""
     from nemo_automodel.components.datasets.multimodal.datasets import SftJSONLIterableDataset, T2IIterableDataset

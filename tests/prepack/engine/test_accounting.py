@@ -120,7 +120,7 @@ def test_logs_first_three_then_every_thousandth(caplog, prefix):
         else:
             c.warn("r", "why")
     assert _logged_counts(caplog, prefix, "r") == [1, 2, 3, 1000, 2000, 3000]
-    # per stream, for -v: the driver announces each reason once per run (prepack/run/progress.py)
+    # per stream, for -v: the driver announces each reason once per run (prepack/run/progress_bar.py)
     assert all(r.levelno == logging.INFO for r in caplog.records if r.name == LOGGER)
     assert any("why" in r.getMessage() for r in caplog.records)
 
@@ -187,7 +187,7 @@ def _knobs() -> dict:
 
 def _announce(section: str, key: str, example: str) -> list[str]:
     """The run log's announcement of one counted key, through the driver's own path."""
-    from prepack.run.progress import RunProgress, StreamProgress
+    from prepack.run.progress_bar import RunProgress, StreamProgress
 
     run = RunProgress([0], 1, _knobs())
     run.update(StreamProgress(0, batches=1, tokens=1, examples={key: example}, **{section: {key: 1}}))

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from tests.helpers import datagen as dg
-from prepack.engine.packer import StreamPacker
-from schemas.config import load_config
+from prepack.engine.packer import PackerOptions, StreamPacker
+from schemas.config_file import load_config
 from schemas.record import batch_to_record, record_digest
 
 KNOBS = dict(expected_num_tokens=1500, max_num_tokens=2000, max_num_tokens_per_sample=1500,
@@ -56,7 +56,7 @@ def test_reused_pixel_table_gives_the_same_batches(data, tokenizer_and_special):
     want, _, _ = digests(data, tokenizer_and_special, batches_per_stream=5)
     cfg = load_config(data.config(knobs=KNOBS, prepack={"batches_per_stream": 5}))
     got, tables = [], []
-    for b in StreamPacker(cfg, 0, *tokenizer_and_special, reuse_pixel_table=True):
+    for b in StreamPacker(cfg, 0, *tokenizer_and_special, options=PackerOptions(reuse_pixel_table=True)):
         got.append(record_digest(batch_to_record(b)))  # consumed now, as the writer does
         tables.append(b.image_pixels)
     assert got == want

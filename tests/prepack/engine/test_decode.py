@@ -99,7 +99,7 @@ def reference_target(width, height, *, max_size, min_size, stride, max_pixels, i
 
 def _check_size(width, height, max_size, min_size, stride, max_pixels, img_num):
     kw = dict(max_size=max_size, min_size=min_size, stride=stride, max_pixels=max_pixels, img_num=img_num)
-    ours = navit_size(width, height, **kw)
+    ours = navit_size((width, height), **kw)
     assert ours == reference_target(width, height, **kw), kw
     assert all(type(v) is int for v in ours)
 
@@ -144,7 +144,7 @@ def test_resize_pixels_equal_reference(photo, seed, stride, max_size, min_size, 
     img = dg.photo(photo, np.random.RandomState(seed), 20, 400)
     kw = dict(max_size=max_size, min_size=min_size, stride=stride, max_pixels=max_pixels)
     ref = ref_transforms.MaxLongEdgeMinShortEdgeResize(**kw)(img, img_num=img_num)
-    w, h = navit_size(*img.size, **kw, img_num=img_num)
+    w, h = navit_size(img.size, **kw, img_num=img_num)
     ours = resize_pixels(img, w, h)
     expected = np.asarray(ref)
     assert ours.dtype == np.uint8 and ours.shape == (h, w, 3)
@@ -168,7 +168,7 @@ def test_uint8_pixels_give_the_reference_transform_floats(norm, transform):
     for i in range(3):
         img = dg.photo(i, rs, 150, 700)
         expected = ref_t(img)
-        w, h = navit_size(*img.size, max_size=max_size, min_size=min_size, stride=stride, max_pixels=max_pixels)
+        w, h = navit_size(img.size, max_size=max_size, min_size=min_size, stride=stride, max_pixels=max_pixels)
         px = torch.from_numpy(resize_pixels(img, w, h).copy()).permute(2, 0, 1).to(torch.int64)  # CHW
         table = norm_table((tuple(mean), tuple(std))).view(3, 256)
         ours = torch.stack([table[c][px[c]] for c in range(3)])

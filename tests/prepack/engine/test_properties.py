@@ -16,12 +16,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prepack.engine.checkpoint import state_from_payload, state_to_payload
+from prepack.engine.state_codec import state_from_payload, state_to_payload
 from schemas.checkpoint import CheckpointDoc
 from prepack.engine.sequence import SequenceBuilder
 from prepack.engine.packer import StreamPacker
 from prepack.engine.sample import PlanItem, Sample, SampleImage
-from schemas.config import PackingKnobs, load_config
+from schemas.config import PackingKnobs
+from schemas.config_file import load_config
 from schemas.record import ATTN_MODES, SampleOrigin, batch_to_record, record_digest
 
 SPECIAL = SimpleNamespace(bos_token_id=1, eos_token_id=2, start_of_image=3, end_of_image=4)

@@ -23,9 +23,9 @@ import time
 import numpy as np
 import pytest
 
-from prepack.engine.packer import StreamPacker
+from prepack.engine.packer import PackerOptions, StreamPacker
 from prepack.engine.sources.readahead import ReadAheadSettings
-from schemas.config import load_config
+from schemas.config_file import load_config
 from tests.helpers import datagen as dg
 from tests.helpers.compare import diff_batches
 from tests.helpers.parity import ours_via_record
@@ -101,7 +101,7 @@ def _run(config: str, stream: int, tok_special, settings, *, n: int = BATCHES, s
     from schemas.record import batch_to_record, record_digest
 
     tok, special = tok_special
-    packer = StreamPacker(load_config(config), stream, tok, special, state=state, read_ahead=settings)
+    packer = StreamPacker(load_config(config), stream, tok, special, state=state, options=PackerOptions(read_ahead=settings))
     digests, threads_seen = [], False
     with packer:
         for b in packer:
@@ -143,7 +143,7 @@ def test_read_ahead_changes_no_byte_and_no_count(s3, demo_s3, tokenizer_and_spec
 
 
 def test_a_resumed_stream_reads_ahead_from_its_cursor_and_yields_the_same_bytes(s3, demo_s3, tokenizer_and_special):
-    from prepack.engine.checkpoint import state_from_payload, state_to_payload
+    from prepack.engine.state_codec import state_from_payload, state_to_payload
 
     _, s3_config = demo_s3
     whole = _run(s3_config, 0, tokenizer_and_special, ReadAheadSettings(), n=8)[0]
@@ -220,7 +220,7 @@ def test_a_stalled_source_stops_the_same_way_and_leaves_no_thread(s3, tokenizer_
     tok, special = tokenizer_and_special
     outcomes = []
     for settings in (OFF, *SETTINGS):
-        packer = StreamPacker(load_config(s3_config), 0, tok, special, read_ahead=settings)
+        packer = StreamPacker(load_config(s3_config), 0, tok, special, options=PackerOptions(read_ahead=settings))
         with pytest.raises(SourceStalled) as err:
             list(packer)
         assert not _io_threads(0), f"{settings}: I/O threads outlived a failed stream"

@@ -19,9 +19,9 @@ import yaml
 from loader import open_stream
 from loader.reader import Pack
 from prepack.run.chain import Continue
-from prepack.run.driver import run_pack
+from prepack.run.driver import RunOptions, run_pack
 from prepack.tools.audit import audit_pack
-from schemas.config import load_config
+from schemas.config_file import load_config
 from tests.helpers import oracle
 from tests.helpers.compare import diff_batches
 from tests.helpers.packs import KNOBS, make_dataset
@@ -65,7 +65,7 @@ def sched(tmp_path_factory, tokenizer_and_special):
     step2["dataset"]["max_buffer_size"] = 1
     cfg = write(root, "scheduled", scheduled)
     out = os.path.join(root, "packed")
-    run_pack(load_config(cfg), out, inline=True, tokenizer=tokenizer_and_special, progress=False)
+    run_pack(load_config(cfg), out, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
     return {"root": root, "cfg": cfg, "out": out, "scheduled": scheduled,
             "steps": [write(root, "step0", base), write(root, "step1", step1), write(root, "step2", step2)]}
 
@@ -81,7 +81,7 @@ def test_a_schedule_packs_what_the_reference_yields_switching_at_each_step(sched
             assert not diffs, f"stream {s} batch {i}: " + "; ".join(diffs[:5])
     # every switch changed something: the same stream packed without the schedule differs after it
     plain = os.path.join(sched["root"], "plain")
-    run_pack(load_config(sched["steps"][0]), plain, inline=True, tokenizer=tokenizer_and_special, progress=False)
+    run_pack(load_config(sched["steps"][0]), plain, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
     for s in (0, 1):
         a = [repr(b.batch_data_indexes) for b in open_stream(plain, s)]
         b = [repr(b.batch_data_indexes) for b in open_stream(sched["out"], s)]
@@ -106,8 +106,7 @@ def test_a_schedule_is_the_chain_of_its_steps_record_for_record(sched, tokenizer
         raw = yaml.safe_load(open(path))
         raw["prepack"]["batches_per_stream"] = bounds[i] - done
         out = os.path.join(root, f"chain{i}")
-        run_pack(load_config(write(root, f"chain{i}", raw)), out, inline=True, tokenizer=tok, progress=False,
-                 continue_from=None if prev is None else Continue(prev, done))
+        run_pack(load_config(write(root, f"chain{i}", raw)), out, RunOptions(inline=True, bar=False, continue_from=None if prev is None else Continue(prev, done)), tokenizer=tok)
         prev, done = out, bounds[i]
     ours, chain = Pack.open(sched["out"]), Pack.open(prev)
     for s in (0, 1):
@@ -123,7 +122,7 @@ def test_a_schedule_resumes_extends_and_audits_across_a_switch(sched, tokenizer_
     out = os.path.join(root, "extended")
     for budget in (STEPS[0] + 1, STEPS[1], TOTAL):  # ends one past a switch, then exactly at one, then the rest
         raw["prepack"]["batches_per_stream"] = budget
-        run_pack(load_config(write(root, f"budget{budget}", raw)), out, inline=True, tokenizer=tok, progress=False)
+        run_pack(load_config(write(root, f"budget{budget}", raw)), out, RunOptions(inline=True, bar=False), tokenizer=tok)
     once, extended = Pack.open(sched["out"]), Pack.open(out)
     for s in (0, 1):
         assert [extended.record_digest(s, r) for r in range(TOTAL)] == [once.record_digest(s, r) for r in range(TOTAL)]
@@ -141,8 +140,7 @@ def test_a_continuation_of_a_scheduled_pack_takes_the_state_of_the_step_there(sc
     raw["prepack"]["batches_per_stream"] = 2
     new = os.path.join(root, "continued")
     after = STEPS[0] + 1
-    run_pack(load_config(write(root, "continued", raw)), new, inline=True, tokenizer=tok, progress=False,
-             continue_from=Continue(sched["out"], after))
+    run_pack(load_config(write(root, "continued", raw)), new, RunOptions(inline=True, bar=False, continue_from=Continue(sched["out"], after)), tokenizer=tok)
     configs = [load_config(c) for c in sched["steps"][:2]] + [load_config(os.path.join(root, "continued.yaml"))]
     for s in (0, 1):
         ours = [b.to_dict() for b in open_stream(new, s)]
@@ -174,9 +172,10 @@ def test_stats_shows_each_steps_mix_counted_over_the_records_it_packed(sched):
 
 
 def test_plan_plans_each_step_over_its_batches_and_adds_them_up(sched, tokenizer_and_special):
+    from prepack.tools.plan import PlanOptions
     from prepack.tools.plan_schedule import plan_schedule
 
-    plan = plan_schedule(load_config(sched["cfg"]), tokenizer=tokenizer_and_special, max_seconds=30)
+    plan = plan_schedule(load_config(sched["cfg"]), PlanOptions(max_seconds=30), tokenizer=tokenizer_and_special)
     assert [(a, b) for a, b, _ in plan.steps] == [(0, STEPS[0]), (STEPS[0], STEPS[1]), (STEPS[1], TOTAL)]
     assert [p.records for _, _, p in plan.steps] == [2 * STEPS[0], 2 * (STEPS[1] - STEPS[0]), 2 * (TOTAL - STEPS[1])]
     assert plan.totals()["records"] == 2 * TOTAL
@@ -191,7 +190,7 @@ def test_plan_plans_each_step_over_its_batches_and_adds_them_up(sched, tokenizer
 
     cfg = load_config(sched["cfg"])
     short = dataclasses.replace(cfg, prepack=dataclasses.replace(cfg.prepack, batches_per_stream=5))
-    plan = plan_schedule(short, tokenizer=tokenizer_and_special, max_seconds=30)
+    plan = plan_schedule(short, PlanOptions(max_seconds=30), tokenizer=tokenizer_and_special)
     assert [(a, b) for a, b, _ in plan.steps] == [(0, 3), (3, 5)] and plan.unreached == [6]
     assert plan.totals()["records"] == 2 * 5 and "step 2 (from batch 6): not reached" in "\n".join(plan.lines())
 
@@ -204,7 +203,7 @@ def test_done_json_counts_the_whole_stream_across_its_steps(sched, tokenizer_and
 
     monkeypatch.setenv("PREPACK_REUSE_OWN", "0")
     out = os.path.join(sched["root"], "no-reuse")
-    run_pack(load_config(sched["cfg"]), out, inline=True, tokenizer=tokenizer_and_special, progress=False)
+    run_pack(load_config(sched["cfg"]), out, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
     pack = Pack.open(out)
     for s in (0, 1):
         done = StreamSummary.read(pack.location, s)
@@ -226,8 +225,7 @@ def test_a_continuation_may_itself_have_a_schedule_counted_in_its_own_batches(sc
     b1 = write(root, "own-step1", stepped)
     raw["prepack"]["schedule"] = [{"after": 2, "set": {"dataset.grouped_datasets.t2i_pretrain.weight": 0.2}}]
     new = os.path.join(root, "own-schedule")
-    run_pack(load_config(write(root, "own-schedule", raw)), new, inline=True, tokenizer=tok, progress=False,
-             continue_from=Continue(sched["out"], 4))
+    run_pack(load_config(write(root, "own-schedule", raw)), new, RunOptions(inline=True, bar=False, continue_from=Continue(sched["out"], 4)), tokenizer=tok)
     configs = [load_config(c) for c in (sched["steps"][0], sched["steps"][1], b0, b1)]
     changed = False
     for s in (0, 1):

@@ -12,15 +12,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from prepack.engine.checkpoint import state_from_payload, state_to_payload
-from prepack.engine.packer import StreamPacker
+from prepack.engine.state_codec import state_from_payload, state_to_payload
+from prepack.engine.packer import PackerOptions, StreamPacker
 from prepack.engine.sources import SOURCES, implementations
 from prepack.engine.sources.base import Source
 from prepack.engine.sources.edit import EditSource
 from prepack.engine.sources.readahead import ReadAheadSettings
 from prepack.engine.sources.sft import SftSource
 from prepack.engine.sources.t2i import T2ISource
-from schemas.config import load_config
+from schemas.config_file import load_config
 from schemas.kinds import KINDS, SourceKind
 from schemas.record import batch_to_record, record_digest
 from tests.helpers import datagen as dg
@@ -65,7 +65,7 @@ def _dataset(root: str) -> dg.Dataset:
 def _pack(config: str, tok_special, *, read_ahead: bool, n: int, state=None):
     tok, special = tok_special
     packer = StreamPacker(load_config(config), 0, tok, special, state=state,
-                          read_ahead=ReadAheadSettings(depth=8 if read_ahead else 0, threads=2))
+                          options=PackerOptions(read_ahead=ReadAheadSettings(depth=8 if read_ahead else 0, threads=2)))
     out, payloads = [], []
     with packer:
         for b in packer:

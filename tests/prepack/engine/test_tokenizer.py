@@ -110,6 +110,7 @@ def _small_tokenizer_dir(path: Path, **special) -> Path:
 # qwen2-offline
 
 
+@pytest.mark.slow  # builds qwen2-offline in a private cache (the qwen_cache fixture)
 def test_qwen2_offline_matches_tiktoken(qwen, tiktoken_qwen):
     texts = SAMPLES + _random_texts(400)
     mismatches = []
@@ -124,6 +125,7 @@ def test_qwen2_offline_matches_tiktoken(qwen, tiktoken_qwen):
     assert len(qwen.encode("1234567")) == 7
 
 
+@pytest.mark.slow  # builds qwen2-offline in a private cache (the qwen_cache fixture)
 def test_qwen2_offline_layout_and_special_tokens(qwen):
     assert type(qwen).__name__ == "Qwen2Tokenizer"
     assert qwen.vocab_size == 151643
@@ -154,6 +156,7 @@ def test_bpe_merges_rebuild_every_token(ranks):
     assert merges[:3] == [(b" ", b" "), (b"  ", b"  "), (b"i", b"n")]
 
 
+@pytest.mark.slow  # builds qwen2-offline in a private cache (the qwen_cache fixture)
 def test_cache_is_reused_not_rebuilt(qwen_cache, qwen, monkeypatch):
     marker = (qwen_cache / "bagel_prepack_build.json").read_text()
 
@@ -181,6 +184,7 @@ def _fake_builder(source_dir: Path, competitor: Path | None = None):
     return build
 
 
+@pytest.mark.slow  # builds qwen2-offline in a private cache (the qwen_cache fixture)
 def test_concurrent_builder_loses_gracefully(qwen_cache, tmp_path, monkeypatch):
     monkeypatch.setenv(tk.CACHE_ENV, str(tmp_path))
     final = tmp_path / qwen_cache.name
@@ -190,6 +194,7 @@ def test_concurrent_builder_loses_gracefully(qwen_cache, tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == [final.name]  # our staging dir is gone
 
 
+@pytest.mark.slow  # builds qwen2-offline in a private cache (the qwen_cache fixture)
 def test_incomplete_cache_is_rebuilt(qwen_cache, tmp_path, monkeypatch):
     monkeypatch.setenv(tk.CACHE_ENV, str(tmp_path))
     final = tmp_path / qwen_cache.name
@@ -201,6 +206,7 @@ def test_incomplete_cache_is_rebuilt(qwen_cache, tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == [final.name]
 
 
+@pytest.mark.slow  # builds qwen2-offline in a private cache (the qwen_cache fixture)
 def test_cache_dir_name_follows_vocabulary(qwen_cache, tmp_path, monkeypatch):
     monkeypatch.setenv(tk.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(tk, "_build_qwen2_offline", _fake_builder(qwen_cache))
@@ -279,6 +285,7 @@ def _added_state(tokenizer):
     return [(i, str(t), t.special, t.normalized) for i, t in sorted(tokenizer.added_tokens_decoder.items())]
 
 
+@pytest.mark.slow  # builds qwen2-offline in a private cache (the qwen_cache fixture)
 def test_special_token_ids_qwen_matches_reference(qwen, qwen_cache):
     reference_tok = tk.load_tokenizer(qwen_cache)
     _, expected, _ = _reference_add_special_tokens()(reference_tok)
@@ -318,6 +325,7 @@ def test_special_token_ids_small_matches_reference(tmp_path, special):
 # fingerprints
 
 
+@pytest.mark.slow  # builds qwen2-offline in a private cache (the qwen_cache fixture)
 def test_fingerprint_same_content_different_directories(qwen, qwen_cache, tmp_path):
     copy = shutil.copytree(qwen_cache, tmp_path / "elsewhere")
     other = tk.load_tokenizer(copy)
@@ -344,6 +352,7 @@ def test_fingerprint_changes_with_vocabulary(tmp_path):
     assert tk.tokenizer_fingerprint(b) != tk.tokenizer_fingerprint(a)
 
 
+@pytest.mark.slow  # builds qwen2-offline in a private cache (the qwen_cache fixture)
 def test_fingerprint_differs_between_tokenizers(qwen, tmp_path):
     small = tk.load_tokenizer(_small_tokenizer_dir(tmp_path / "small"))
     assert tk.tokenizer_fingerprint(qwen) != tk.tokenizer_fingerprint(small)

@@ -19,12 +19,14 @@ import pytest
 from loader import PackedShardDataset
 from loader.reader import Pack
 from prepack.cli import main
-from prepack.run import ahead as ahead_module
-from prepack.run.ahead import Bound, BoundSpec, trim_behind
-from prepack.run.driver import run_pack
-from prepack.run.trim import restore, trim_to_progress
+from prepack.run import trainings as trainings_module
+from prepack.run.bound import BoundSpec
+from prepack.run.trainings import Trainings
+from prepack.run.trim_policy import TrimPolicy, trim_to_progress
+from prepack.run.driver import RunOptions, run_pack
+from prepack.run.trim import restore
 from prepack.tools.verify import verify_pack
-from schemas.config import load_config
+from schemas.config_file import load_config
 from schemas.errors import UsageError
 from schemas.manifest import TrimmedShards
 from schemas.progress import ProgressFolder
@@ -46,7 +48,13 @@ def unbounded(tmp_path_factory, tokenizer_and_special):
 
 @pytest.fixture(autouse=True)
 def quick_polls(monkeypatch):
-    monkeypatch.setattr(ahead_module, "POLL_S", 0.05)
+    monkeypatch.setattr(trainings_module, "POLL_S", 0.05)
+
+
+def trim_behind(policy: TrimPolicy, streams: list[int]) -> tuple[int, int]:
+    """What the running job's trim does: (shards trimmed, bytes freed)."""
+    result = policy.apply(streams)
+    return sum(len(v) for v in result.shards.values()), result.freed_bytes
 
 
 def digests(out: str) -> dict[int, list[str]]:
@@ -112,8 +120,7 @@ def test_ahead_packs_each_stream_just_ahead_of_its_own_rank(unbounded, tmp_path,
 
     def pack():
         try:
-            result["summary"] = run_pack(load_config(unbounded["config"]), out, inline=True,
-                                         tokenizer=tokenizer_and_special, progress=False, bound=bound)
+            result["summary"] = run_pack(load_config(unbounded["config"]), out, RunOptions(inline=True, bar=False, bound=bound), tokenizer=tokenizer_and_special)
         except BaseException as e:  # noqa: BLE001
             result["error"] = e
 
@@ -154,12 +161,11 @@ def test_the_job_trims_records_packed_after_it_first_looked(tmp_path, tokenizer_
     first read still trims every shard wholly behind it (a stale index would trim nothing more)."""
     data = make_dataset(str(tmp_path / "data"))
     out, progress = str(tmp_path / "out"), str(tmp_path / "progress")
-    run_pack(small_config(data, shard_bytes=150_000, batches_per_stream=4), out, inline=True,
-             tokenizer=tokenizer_and_special, progress=False)
-    bound = Bound(BoundSpec(None, (progress,), keep=2), Pack.open(out))
-    assert trim_behind(bound, [0, 1]) == (0, 0)  # no checkpoint yet; the job has read 4 records a stream
-    run_pack(small_config(data, shard_bytes=150_000, batches_per_stream=BATCHES), out, inline=True,
-             tokenizer=tokenizer_and_special, progress=False)  # the same pack, extended
+    run_pack(small_config(data, shard_bytes=150_000, batches_per_stream=4), out, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
+    trainings = Trainings((progress,), Pack.open(out))
+    policy = TrimPolicy.behind_checkpoints(trainings, keep=2)
+    assert trim_behind(policy, [0, 1]) == (0, 0)  # no checkpoint yet; the job has read 4 records a stream
+    run_pack(small_config(data, shard_bytes=150_000, batches_per_stream=BATCHES), out, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)  # the same pack, extended
     ds = PackedShardDataset(out, rank=0, world_size=1, progress=progress)
     it = iter(ds)
     states = []
@@ -167,8 +173,8 @@ def test_the_job_trims_records_packed_after_it_first_looked(tmp_path, tokenizer_
         for _ in range(n):
             next(it)
         states.append(ds.state_dict())
-    bound.refresh(force=True)
-    trimmed_now, freed = trim_behind(bound, [0, 1])
+    trainings.refresh(force=True)
+    trimmed_now, freed = trim_behind(policy, [0, 1])
     assert trimmed_now and freed > 0
     p = Pack.open(out)
     for slot, s in enumerate(ds.streams):
@@ -279,11 +285,11 @@ def test_a_killed_bounded_run_gives_the_same_records(unbounded, tmp_path, tokeni
     cfg = load_config(unbounded["config"])
     monkeypatch.setattr(StreamWriter, "append", killed_append)
     with pytest.raises(KeyboardInterrupt):
-        run_pack(cfg, out, inline=True, tokenizer=tokenizer_and_special, progress=False, bound=bound)
+        run_pack(cfg, out, RunOptions(inline=True, bar=False, bound=bound), tokenizer=tokenizer_and_special)
     monkeypatch.setattr(StreamWriter, "append", real_append)
     threading.Thread(target=lambda: (time.sleep(0.5), folder.publish_live(fp, 1, 0, 0, {0: BATCHES, 1: BATCHES})),
                      daemon=True).start()
-    run_pack(cfg, out, inline=True, tokenizer=tokenizer_and_special, progress=False, bound=bound)
+    run_pack(cfg, out, RunOptions(inline=True, bar=False, bound=bound), tokenizer=tokenizer_and_special)
     assert digests(out) == digests(unbounded["out"])
     assert verify_pack(out).ok
 

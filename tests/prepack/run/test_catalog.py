@@ -21,7 +21,8 @@ from prepack.engine.reuse.source_pictures import ReuseCounts
 from prepack.engine.reuse.earlier_pixels import PixelReuse
 from prepack.run.catalog import build_catalog, catalog_is_current, ensure_catalog
 from prepack.engine.reuse.earlier_packs import open_old_pack
-from schemas.manifest import StreamIndex, index_file, shard_pixels_file
+from schemas.layout import index_file, shard_pixels_file
+from schemas.manifest import StreamIndex
 from schemas.pixel_catalog import CATALOG_NAME, ROW_DTYPE, Catalog, part_file
 from schemas.pixel_index import PictureSource, read_pixel_index
 from tests.helpers.packs import KNOBS, make_dataset, pack_in_process
@@ -151,7 +152,7 @@ def test_a_catalog_of_another_pack_state_is_refused(pack, tmp_path):
     out = _copy(pack, tmp_path)
     build_catalog(out)
     loc, _ = open_old_pack(out)
-    catalog = Catalog.from_bytes(loc.read_bytes(CATALOG_NAME), "catalog")
+    catalog = Catalog.read(loc)
     stream, (n, _) = next(iter(catalog.covered.items()))
     catalog.covered[stream] = (n, "0" * 64)  # says it covers shards the stream index does not have
     open(loc.path(CATALOG_NAME), "wb").write(catalog.to_bytes())
@@ -165,7 +166,7 @@ def test_a_damaged_block_loses_only_its_pictures(pack, tmp_path):
     out = _copy(pack, tmp_path)
     build_catalog(out)
     loc, _ = open_old_pack(out)
-    catalog = Catalog.from_bytes(loc.read_bytes(CATALOG_NAME), "catalog")
+    catalog = Catalog.read(loc)
     rows = _shard_rows(out)
     part = rows[0]["content"][0]
     path = loc.path(part_file(catalog.build, part))
@@ -201,7 +202,7 @@ def test_verify_checks_the_catalog(pack, tmp_path):
     rows = [r for r in rep.rows if r.check == "pixel catalog"]
     assert rep.ok and len(rows) >= 3, rows
     loc, _ = open_old_pack(out)
-    catalog = Catalog.from_bytes(loc.read_bytes(CATALOG_NAME), "catalog")
+    catalog = Catalog.read(loc)
     part = int(next(n for n in sorted(os.listdir(os.path.join(out, "pixels", catalog.build))) if n.startswith("part-"))[5:8])
     path = loc.path(part_file(catalog.build, part))
     records = np.fromfile(path, ROW_DTYPE)

@@ -24,10 +24,10 @@ import yaml
 from loader import PackedShardDataset, open_stream
 from loader.reader import Pack
 from prepack.run.chain import Continue
-from prepack.run.driver import run_pack
+from prepack.run.driver import RunOptions, run_pack
 from prepack.tools.audit import audit_pack
 from prepack.tools.verify import verify_pack
-from schemas.config import load_config
+from schemas.config_file import load_config
 from schemas.errors import PackRefused, UsageError
 from tests.helpers import oracle
 from tests.helpers.compare import diff_batches
@@ -78,7 +78,7 @@ def base(tmp_path_factory, tokenizer_and_special):
     raw_a = changed(full, drop_group="unified_edit")
     cfg_a = write_config(root, "a", raw_a)
     old = os.path.join(root, "old")
-    run_pack(load_config(cfg_a), old, inline=True, tokenizer=tokenizer_and_special, progress=False)
+    run_pack(load_config(cfg_a), old, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
     return {"root": root, "full": full, "raw_a": raw_a, "cfg_a": cfg_a, "old": old}
 
 
@@ -86,8 +86,7 @@ def continue_pack(base, name: str, raw_b: dict, tok, *, old: str | None = None, 
                   after_state=None) -> tuple[str, str]:
     cfg_b = write_config(base["root"], name, raw_b)
     new = os.path.join(base["root"], name)
-    run_pack(load_config(cfg_b), new, inline=True, tokenizer=tok, progress=False,
-             continue_from=Continue(old or base["old"], after, after_state))
+    run_pack(load_config(cfg_b), new, RunOptions(inline=True, bar=False, continue_from=Continue(old or base["old"], after, after_state)), tokenizer=tok)
     return cfg_b, new
 
 
@@ -262,8 +261,7 @@ def test_new_is_verified_audited_and_resumed_like_any_pack(base, tokenizer_and_s
     cfg_b, new = continue_pack(base, "extended", raw_b, tokenizer_and_special, after=5)
     # extended past its budget: each stream resumes from NEW's own last checkpoint, not from OLD
     raw_b4 = changed(raw_b, prepack__batches_per_stream=AFTER)
-    run_pack(load_config(write_config(base["root"], "extended", raw_b4)), new, inline=True,
-             tokenizer=tokenizer_and_special, progress=False, continue_from=Continue(base["old"], 5))
+    run_pack(load_config(write_config(base["root"], "extended", raw_b4)), new, RunOptions(inline=True, bar=False, continue_from=Continue(base["old"], 5)), tokenizer=tokenizer_and_special)
     assert_chain_is_the_reference(new, [base["cfg_a"], cfg_b], [5], tokenizer_and_special)
     assert verify_pack(new).ok
     report = audit_pack(new, all_streams=True, tokenizer=tokenizer_and_special)
@@ -294,8 +292,7 @@ def test_what_may_not_change_is_refused_in_one_line(base, tokenizer_and_special)
     raw_b = changed(base["raw_a"], t2i_pretrain__weight=2.0, prepack__batches_per_stream=1)
     _, new = continue_pack(base, "rerun", raw_b, tokenizer_and_special, after=2)
     with pytest.raises(PackRefused, match="continues .* after record 2"):
-        run_pack(load_config(write_config(base["root"], "rerun", raw_b)), new, inline=True,
-                 tokenizer=tokenizer_and_special, progress=False)
+        run_pack(load_config(write_config(base["root"], "rerun", raw_b)), new, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
 
 
 def test_a_parent_that_moved_or_changed_is_refused_not_read(base, tokenizer_and_special, tmp_path):
@@ -370,31 +367,30 @@ def test_a_removed_group_is_dropped_and_its_buffered_samples_still_pack(base, to
 
 
 def test_plan_projects_a_continuation_from_the_switch(base, tokenizer_and_special):
-    from prepack.tools.plan import plan_pack
+    from prepack.tools.plan import PlanOptions, plan_pack
 
     raw_b = changed(base["raw_a"], vlm_sft__weight=4.0, prepack__batches_per_stream=AFTER)
     cfg_b = load_config(write_config(base["root"], "plan_b", raw_b))
-    plan = plan_pack(cfg_b, tokenizer=tokenizer_and_special, continue_from=Continue(base["old"], 5), sample_batches=2)
+    plan = plan_pack(cfg_b, PlanOptions(continue_from=Continue(base["old"], 5), sample_batches=2), tokenizer=tokenizer_and_special)
     assert plan.continues["from"] == base["old"] and plan.continues["after"] == 5
     at = plan.continues["groups"]
     assert set(at) == {"t2i_pretrain", "vlm_sft"} and all(v is not None and v > 0 for v in at.values())
     assert plan.records == 2 * AFTER and any("continues" in line for line in plan.lines())
-    fresh = plan_pack(cfg_b, tokenizer=tokenizer_and_special, sample_batches=2)
+    fresh = plan_pack(cfg_b, PlanOptions(sample_batches=2), tokenizer=tokenizer_and_special)
     assert not fresh.continues
     with pytest.raises(PackRefused, match="8 records, fewer than the 9"):
-        plan_pack(cfg_b, tokenizer=tokenizer_and_special, continue_from=Continue(base["old"], 9))
+        plan_pack(cfg_b, PlanOptions(continue_from=Continue(base["old"], 9)), tokenizer=tokenizer_and_special)
 
 
 def test_a_parent_still_packing_is_waited_for(base, tokenizer_and_special, tmp_path):
     """OLD has 3 records a stream and is not done: the continuation after 5 waits until OLD holds them."""
     import threading
 
-    from schemas.manifest import MANIFEST_NAME, done_file
+    from schemas.layout import MANIFEST_NAME, done_file
 
     raw_a3 = changed(base["raw_a"], prepack__batches_per_stream=3)
     old = str(tmp_path / "old")
-    run_pack(load_config(write_config(str(tmp_path), "a3", raw_a3)), old, inline=True,
-             tokenizer=tokenizer_and_special, progress=False)
+    run_pack(load_config(write_config(str(tmp_path), "a3", raw_a3)), old, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
     for rel in [MANIFEST_NAME] + [done_file(s) for s in (0, 1)]:  # as while it is still packing
         os.remove(os.path.join(old, rel))
     raw_b = changed(base["raw_a"], t2i_pretrain__weight=4.0, prepack__batches_per_stream=AFTER)
@@ -404,8 +400,7 @@ def test_a_parent_still_packing_is_waited_for(base, tokenizer_and_special, tmp_p
 
     def continuation():
         try:
-            run_pack(load_config(cfg_b), new, inline=True, tokenizer=tokenizer_and_special, progress=False,
-                     continue_from=Continue(old, 5))
+            run_pack(load_config(cfg_b), new, RunOptions(inline=True, bar=False, continue_from=Continue(old, 5)), tokenizer=tokenizer_and_special)
         except BaseException as e:  # noqa: BLE001  (reported by the assertion below)
             errors.append(e)
 
@@ -413,7 +408,7 @@ def test_a_parent_still_packing_is_waited_for(base, tokenizer_and_special, tmp_p
     waiting.start()
     waiting.join(3.0)
     assert waiting.is_alive() and not os.path.exists(os.path.join(new, "pack.json"))  # waiting for OLD
-    run_pack(load_config(base["cfg_a"]), old, inline=True, tokenizer=tokenizer_and_special, progress=False)
+    run_pack(load_config(base["cfg_a"]), old, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
     waiting.join(300)
     assert not errors, errors
     assert_chain_is_the_reference(new, [base["cfg_a"], cfg_b], [5], tokenizer_and_special)

@@ -13,7 +13,7 @@ import pytest
 import prepack.run.direct_file as direct_file
 from prepack.run.direct_file import DirectFile
 from tests.helpers.fakepack import stream_batches
-from schemas.manifest import shard_file
+from schemas.layout import shard_file
 from tests.prepack.run.test_writer import write_stream
 
 STAGING = direct_file._STAGING

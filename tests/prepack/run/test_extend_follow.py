@@ -1,6 +1,6 @@
 """Issue-9 behaviour of the pack format: read while packing, several jobs, extend, follow.
 
-Packs are made in-process (``run_pack(inline=True)``, the driver without Ray); one test follows
+Packs are made in-process (``RunOptions(inline=True)``, the driver without Ray); one test follows
 a pack that another process is writing.
 """
 
@@ -17,10 +17,10 @@ import pytest
 
 from loader import PackedShardDataset, open_stream
 from loader.reader import Pack
-from prepack.run.driver import run_pack
+from prepack.run.driver import RunOptions, run_pack
 from prepack.tools.verify import verify_pack
 from schemas.errors import PackRefused
-from schemas.manifest import MANIFEST_NAME, done_file, shard_lineage_file, stream_lineage_file
+from schemas.layout import MANIFEST_NAME, done_file, shard_lineage_file, stream_lineage_file
 from tests.helpers.packs import make_dataset, small_config
 from tests.helpers.paths import REPO
 
@@ -42,15 +42,14 @@ def data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fresh12(data, tmp_path_factory, tokenizer_and_special) -> str:
     out = str(tmp_path_factory.mktemp("fresh") / "out")
-    run_pack(small_config(data, shard_bytes=400_000, batches_per_stream=12), out, inline=True,
-             tokenizer=tokenizer_and_special, progress=False)
+    run_pack(small_config(data, shard_bytes=400_000, batches_per_stream=12), out, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
     return out
 
 
+@pytest.mark.slow  # packs twice more and compares with the fresh pack
 def test_extend_6_to_12_equals_a_fresh_12_pack(data, fresh12, tmp_path, tokenizer_and_special):
     out = str(tmp_path / "out")
-    s6 = run_pack(small_config(data, shard_bytes=400_000, batches_per_stream=6), out, inline=True,
-                  tokenizer=tokenizer_and_special, progress=False)
+    s6 = run_pack(small_config(data, shard_bytes=400_000, batches_per_stream=6), out, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
     assert s6.manifest_written and sum(s.num_records for s in s6.streams) == 12
     before = {p: open(os.path.join(out, p), "rb").read() for p in
               [f"stream-0000{s}/shard-0000{k}.arrow" for s in (0, 1) for k in range(len(Pack.open(out).index(s).shards))]}
@@ -59,9 +58,8 @@ def test_extend_6_to_12_equals_a_fresh_12_pack(data, fresh12, tmp_path, tokenize
                      (small_config(data, shard_bytes=400_000, tokens_per_stream=10_000), "changed kind"),
                      (small_config(data, shard_bytes=300_000, batches_per_stream=12), "config differs")):
         with pytest.raises(PackRefused, match=why):
-            run_pack(cfg, out, inline=True, tokenizer=tokenizer_and_special, progress=False)
-    s12 = run_pack(small_config(data, shard_bytes=400_000, batches_per_stream=12), out, inline=True,
-                   tokenizer=tokenizer_and_special, progress=False)
+            run_pack(cfg, out, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
+    s12 = run_pack(small_config(data, shard_bytes=400_000, batches_per_stream=12), out, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
     assert s12.manifest_written and s12.packed_now[0] == 12
     assert digests(out) == digests(fresh12) and all(len(d) == 12 for d in digests(out).values())
     assert all(open(os.path.join(out, p), "rb").read() == b for p, b in before.items())  # kept their bytes
@@ -69,15 +67,15 @@ def test_extend_6_to_12_equals_a_fresh_12_pack(data, fresh12, tmp_path, tokenize
     for s in (0, 1):
         assert read_ids(open_stream(out, s)) == read_ids(open_stream(fresh12, s))
     # a loader state taken on the 6-batch pack still applies to the extended one
-    again = run_pack(small_config(data, shard_bytes=400_000, batches_per_stream=12), out, inline=True,
-                     tokenizer=tokenizer_and_special, progress=False)
+    again = run_pack(small_config(data, shard_bytes=400_000, batches_per_stream=12), out, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
     assert again.already_done
 
 
+@pytest.mark.slow  # packs in two subprocess jobs
 def test_partial_packs_are_readable_and_two_jobs_make_one_pack(data, fresh12, tmp_path, tokenizer_and_special):
     out = str(tmp_path / "out")
     cfg = small_config(data, shard_bytes=400_000, batches_per_stream=12)
-    first = run_pack(cfg, out, streams=[1], inline=True, tokenizer=tokenizer_and_special, progress=False)
+    first = run_pack(cfg, out, RunOptions(streams=[1], inline=True, bar=False), tokenizer=tokenizer_and_special)
     assert not first.manifest_written
     # stream 1 reads in full right away; stream 0 has nothing committed yet
     assert read_ids(open_stream(out, 1)) == read_ids(open_stream(fresh12, 1))
@@ -85,7 +83,7 @@ def test_partial_packs_are_readable_and_two_jobs_make_one_pack(data, fresh12, tm
     ds = PackedShardDataset(out, rank=0, world_size=1)
     assert ds.num_batches() == 12 and len(list(ds)) == 12
     assert verify_pack(out).ok
-    second = run_pack(cfg, out, streams=[0], inline=True, tokenizer=tokenizer_and_special, progress=False)
+    second = run_pack(cfg, out, RunOptions(streams=[0], inline=True, bar=False), tokenizer=tokenizer_and_special)
     assert second.manifest_written
     assert digests(out) == digests(fresh12)
     assert read_ids(PackedShardDataset(out, rank=0, world_size=1)) == read_ids(PackedShardDataset(fresh12, rank=0, world_size=1))
@@ -111,18 +109,19 @@ _WRITER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {repo!r})
     from prepack.run import writer
-    from prepack.run.driver import run_pack
-    from schemas.config import load_config
+    from prepack.run.driver import RunOptions, run_pack
+    from schemas.config_file import load_config
 
     slow = writer.write_index
     def paced(loc, index):  # commit one shard every 0.3 s, so the reader really waits
         time.sleep(0.3)
         slow(loc, index)
     writer.write_index = paced
-    run_pack(load_config({config!r}), {out!r}, inline=True, progress=False)
+    run_pack(load_config({config!r}), {out!r}, RunOptions(inline=True, bar=False))
 """)
 
 
+@pytest.mark.slow  # follows a pack a subprocess writes
 def test_follow_a_pack_while_another_process_writes_it(data, fresh12, tmp_path):
     out = str(tmp_path / "out")
     cfg = small_config(data, shard_bytes=400_000, batches_per_stream=12)
@@ -143,19 +142,20 @@ def test_follow_a_pack_while_another_process_writes_it(data, fresh12, tmp_path):
     assert digests(out) == digests(fresh12)
 
 
+@pytest.mark.slow  # waits out the follow timeout
 def test_follow_resumes_from_a_state_and_times_out(data, fresh12, tmp_path, tokenizer_and_special):
     from loader.reader import FollowTimeout
 
     out = str(tmp_path / "out")
     cfg = small_config(data, shard_bytes=400_000, batches_per_stream=12)
-    run_pack(cfg, out, streams=[0], inline=True, tokenizer=tokenizer_and_special, progress=False)
+    run_pack(cfg, out, RunOptions(streams=[0], inline=True, bar=False), tokenizer=tokenizer_and_special)
     ds = PackedShardDataset(out, rank=0, world_size=1, follow=True, poll_s=0.05, timeout_s=0.5)
     it = iter(ds)
     head = [next(it)]  # stream 0's first batch; the next in the rank's order is stream 1's first
     state = ds.state_dict()
     with pytest.raises(FollowTimeout, match="stream 1: no new committed shard for 0.5 s"):
         next(it)  # stream 1 never gets a shard
-    run_pack(cfg, out, streams=[1], inline=True, tokenizer=tokenizer_and_special, progress=False)
+    run_pack(cfg, out, RunOptions(streams=[1], inline=True, bar=False), tokenizer=tokenizer_and_special)
     resumed = PackedShardDataset(out, rank=0, world_size=1, follow=True, poll_s=0.05, timeout_s=5)
     resumed.load_state_dict(state)
     whole = read_ids(PackedShardDataset(fresh12, rank=0, world_size=1))
@@ -172,8 +172,7 @@ def test_rerun_removes_lineage_files_left_by_a_run_killed_after_done(data, fresh
     for rel in leftovers:
         with open(os.path.join(out, rel), "wb") as f:
             f.write(b"left by a killed run")
-    again = run_pack(small_config(data, shard_bytes=400_000, batches_per_stream=12), out, inline=True,
-                     tokenizer=tokenizer_and_special, progress=False)
+    again = run_pack(small_config(data, shard_bytes=400_000, batches_per_stream=12), out, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
     assert again.already_done
     assert not any(os.path.exists(os.path.join(out, rel)) for rel in leftovers)
     assert {p: open(os.path.join(out, p), "rb").read() for p in _files(out)} == before

@@ -22,7 +22,7 @@ import pytest
 from loader import open_stream
 from prepack.run.lease import LEASE_DIR
 from prepack.tools.verify import verify_pack
-from schemas.manifest import MANIFEST_NAME
+from schemas.layout import MANIFEST_NAME
 from tests.helpers import datagen as dg
 from tests.helpers.packs import KNOBS, pack_in_process
 from tests.helpers.s3checks import same_pack_objects
@@ -101,6 +101,7 @@ def wait_for_lease(out: str, proc: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow  # three packing jobs as subprocesses
 def test_two_jobs_fill_one_local_output_and_an_overlapping_one_is_refused(dataset, tmp_path):
     config, ref = dataset
     out = str(tmp_path / "out")
@@ -136,6 +137,7 @@ def test_two_jobs_fill_one_local_output_and_an_overlapping_one_is_refused(datase
     assert followed == reference_batches(ref)
 
 
+@pytest.mark.slow  # packing jobs as subprocesses, one killed and rerun
 def test_a_killed_job_is_resumed_while_the_other_goes_on(dataset, tmp_path):
     config, ref = dataset
     out = str(tmp_path / "out")
@@ -180,9 +182,9 @@ def test_extending_is_refused_while_another_job_packs(dataset, tmp_path, tokeniz
     """A larger budget rewrites pack.json's budget: not under a live job packing to the old one."""
     import shutil
 
-    from prepack.run.driver import run_pack
+    from prepack.run.driver import RunOptions, run_pack
     from prepack.run.lease import acquire_streams
-    from schemas.config import load_config
+    from schemas.config_file import load_config
     from schemas.errors import PackRefused
     from schemas.location import resolve_location
     from tests.helpers.ray_helpers import variant
@@ -194,7 +196,7 @@ def test_extending_is_refused_while_another_job_packs(dataset, tmp_path, tokeniz
     try:
         bigger = load_config(variant(config, "bigger.yaml", batches_per_stream=8))
         with pytest.raises(PackRefused, match="needs the output to itself"):
-            run_pack(bigger, out, streams=[0], inline=True, tokenizer=tokenizer_and_special, progress=False)
+            run_pack(bigger, out, RunOptions(streams=[0], inline=True, bar=False), tokenizer=tokenizer_and_special)
     finally:
         other.release()
     assert same_pack_objects(files_of(out), files_of(ref)) == []  # nothing was touched

@@ -59,10 +59,10 @@ def reference(config, tokenizer_and_special, tmp_path_factory):
     """The uninterrupted pack, in process (no Ray): each stream packed start to end."""
     from prepack.run.driver import finalize
     from prepack.run.identity import pack_identity
-    from prepack.run.stream_job import pack_one_stream
+    from prepack.run.stream_job import StreamJob, pack_one_stream
     from prepack.engine.tokenizer import tokenizer_fingerprint
     from prepack.run.identity import write_identity
-    from schemas.config import load_config
+    from schemas.config_file import load_config
     from schemas.location import resolve_location
 
     cfg = load_config(config)
@@ -70,7 +70,7 @@ def reference(config, tokenizer_and_special, tmp_path_factory):
     identity = pack_identity(cfg, tokenizer_fingerprint(tok), special)
     out = str(tmp_path_factory.mktemp("reference") / "out")
     for s in range(cfg.num_streams):
-        pack_one_stream(cfg, out, s, tok, special, identity.shard_metadata())
+        pack_one_stream(StreamJob(cfg, out, identity.shard_metadata()), s, tok, special)
     loc = resolve_location(out)
     write_identity(loc, identity)
     assert finalize(loc, cfg)[0]

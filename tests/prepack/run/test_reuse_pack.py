@@ -18,12 +18,12 @@ import pytest
 import yaml
 
 from prepack.engine.reuse.earlier_pixels import OWN_SETTING
-from prepack.run.driver import run_pack
-from prepack.run.stream_job import pack_one_stream
-from schemas.config import load_config
+from prepack.run.driver import RunOptions, run_pack
+from prepack.run.stream_job import StreamJob, pack_one_stream
+from schemas.config_file import load_config
 from schemas.errors import PackRefused
 from prepack.run.catalog import ensure_catalog
-from schemas.manifest import shard_file, shard_pixels_file
+from schemas.layout import shard_file, shard_pixels_file
 from schemas.pixel_catalog import CATALOG_DIR, CATALOG_NAME, Catalog, fences_file, part_file
 from tests.helpers.packs import KNOBS, make_dataset, make_video_dataset, pack_in_process
 from tests.helpers.s3checks import pack_bytes
@@ -48,7 +48,7 @@ def _config(ds, path: str, **change) -> str:
 
 
 def _pack(config: str, out: str, tok, reuse=()):
-    return run_pack(load_config(config), out, inline=True, tokenizer=tok, progress=False, reuse=reuse)
+    return run_pack(load_config(config), out, RunOptions(inline=True, bar=False, reuse=reuse), tokenizer=tok)
 
 
 def _reuse(summary) -> tuple[int, int, dict]:
@@ -96,7 +96,8 @@ def test_reused_pack_is_the_fresh_pack(old, change, tmp_path, tokenizer_and_spec
     assert not any("compressed again" in x for x in reused.lines())
 
 
-@pytest.mark.parametrize("compression", ["zstd:3", "lz4", "none"])
+@pytest.mark.parametrize("compression", [pytest.param("zstd:3", marks=pytest.mark.slow),
+                                         pytest.param("lz4", marks=pytest.mark.slow), "none"])
 def test_another_compression_stores_reused_pixels_anew(old, compression, tmp_path, tokenizer_and_special,
                                                        monkeypatch):
     """OLD's frames are zstd:1: a NEW of another compression decompresses them and stores the pixels
@@ -162,12 +163,13 @@ def _damaged_copy(old: str, dest: str, how: str) -> str:
     return dest
 
 
-@pytest.mark.parametrize("how,reason", [("frame", "frame_damaged"), ("deleted_shard", "shard_unreadable"),
-                                        ("truncated_shard", "shard_unreadable"),
-                                        ("index_damaged", "pixel_index_damaged"),
-                                        ("index_deleted", "pixel_index_missing"),
-                                        ("catalog_block", "pixel_catalog_damaged"),
-                                        ("catalog_fences", "pixel_catalog_damaged")])
+@pytest.mark.parametrize("how,reason", [("frame", "frame_damaged"), ("truncated_shard", "shard_unreadable"),
+                                        *(pytest.param(*p, marks=pytest.mark.slow) for p in [
+                                            ("deleted_shard", "shard_unreadable"),
+                                            ("index_damaged", "pixel_index_damaged"),
+                                            ("index_deleted", "pixel_index_missing"),
+                                            ("catalog_block", "pixel_catalog_damaged"),
+                                            ("catalog_fences", "pixel_catalog_damaged")])])
 def test_damaged_old_falls_back_to_decoding(old, how, reason, tmp_path, tokenizer_and_special, monkeypatch):
     monkeypatch.setenv(OWN_SETTING, "0")
     ensure_catalog(old["out"])  # the copy has a catalog to damage (the kinds that damage others drop it)
@@ -183,6 +185,7 @@ def test_damaged_old_falls_back_to_decoding(old, how, reason, tmp_path, tokenize
     assert _reuse(fresh)[1] == 0
 
 
+@pytest.mark.slow  # packs twice
 def test_a_picture_rewritten_under_its_path_is_not_reused(tmp_path, tokenizer_and_special, monkeypatch):
     monkeypatch.setenv(OWN_SETTING, "0")
     ds = make_dataset(str(tmp_path / "a"), seed=0)
@@ -210,6 +213,7 @@ class _Kill(Exception):
     pass
 
 
+@pytest.mark.slow  # kills a run and packs again
 def test_a_killed_reused_run_resumes_to_the_fresh_bytes(old, tmp_path, tokenizer_and_special, monkeypatch):
     monkeypatch.setenv(OWN_SETTING, "0")
     config = _config(old["ds"], str(tmp_path / "new.yaml"), seed=9, prepack={"shard_bytes": 120_000})
@@ -227,7 +231,7 @@ def test_a_killed_reused_run_resumes_to_the_fresh_bytes(old, tmp_path, tokenizer
             raise _Kill()
 
     with pytest.raises(_Kill):
-        pack_one_stream(cfg, out, 0, tok, special, _metadata(out), report, reuse=[old["out"]])
+        pack_one_stream(StreamJob(cfg, out, _metadata(out), (old["out"],)), 0, tok, special, report)
     assert os.path.exists(os.path.join(out, shard_file(0, 0)))  # killed after a commit, before the end
     assert not os.path.exists(os.path.join(out, "stream-00000", "done.json"))
     _pack(config, out, tokenizer_and_special, reuse=[old["out"]])
@@ -244,6 +248,7 @@ def _metadata(out: str) -> dict:
 
 @pytest.mark.parametrize("shard_bytes,compression", [(60_000, "zstd:1"), (1 << 30, "zstd:1"), (60_000, "none")],
                          ids=["committed-shards", "open-shard-in-memory", "uncompressed"])
+@pytest.mark.slow  # three passes, three ways
 def test_later_passes_take_their_pictures_from_the_stream_s_own_shards(shard_bytes, compression, tmp_path,
                                                                        tokenizer_and_special, monkeypatch):
     """Passes 2 and 3 of a small set take its pictures back: from the shards committed, and from
@@ -266,6 +271,7 @@ def test_later_passes_take_their_pictures_from_the_stream_s_own_shards(shard_byt
     assert any(x.startswith("reused ") and "this pack's own shards" in x for x in on.lines())
 
 
+@pytest.mark.slow  # runs the CLI in subprocesses
 def test_a_wrong_reuse_is_one_clear_line(old, tmp_path, tokenizer_and_special):
     config = _config(old["ds"], str(tmp_path / "new.yaml"), seed=3)
     with pytest.raises(PackRefused, match="is not a pack"):
@@ -301,12 +307,12 @@ def test_old_on_the_s3_server(old, s3, tmp_path, tokenizer_and_special, monkeypa
 
 
 def test_plan_projects_reuse(old, tmp_path, tokenizer_and_special, monkeypatch):
-    from prepack.tools.plan import plan_pack
+    from prepack.tools.plan import PlanOptions, plan_pack
 
     monkeypatch.setenv(OWN_SETTING, "0")
     config = load_config(_config(old["ds"], str(tmp_path / "new.yaml"), seed=9))
-    plain = plan_pack(config, tokenizer=tokenizer_and_special, sample_batches=2)
-    plan = plan_pack(config, tokenizer=tokenizer_and_special, sample_batches=2, reuse=[old["out"]])
+    plain = plan_pack(config, PlanOptions(sample_batches=2), tokenizer=tokenizer_and_special)
+    plan = plan_pack(config, PlanOptions(sample_batches=2, reuse=[old["out"]]), tokenizer=tokenizer_and_special)
     assert not plain.reuse and not any(x.strip().startswith("reuse ") for x in plain.lines())
     assert plan.reuse["images"] > 0 and 0 < plan.reuse["reused"] <= plan.reuse["images"]
     share = plan.reuse["reused"] / plan.reuse["images"]
@@ -315,11 +321,12 @@ def test_plan_projects_reuse(old, tmp_path, tokenizer_and_special, monkeypatch):
         f"({plan.reuse['reused']:,} of {plan.reuse['images']:,}); CPU above is with them"]
     assert plan.to_json()["reuse"]["reused"] == plan.reuse["reused"]
     with pytest.raises(PackRefused, match="--reuse .*not a pack"):
-        plan_pack(config, tokenizer=tokenizer_and_special, sample_batches=1, reuse=[str(tmp_path / "nothing")])
+        plan_pack(config, PlanOptions(sample_batches=1, reuse=[str(tmp_path / "nothing")]), tokenizer=tokenizer_and_special)
 
 
 def _pixel_rows(out: str) -> list[dict]:
-    from schemas.manifest import StreamIndex, index_file
+    from schemas.layout import index_file
+    from schemas.manifest import StreamIndex
     from schemas.pixel_index import read_pixel_index
 
     rows = []
@@ -334,6 +341,7 @@ def _pixel_rows(out: str) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow  # writes and packs videos twice
 def test_video_frames_are_reused(tmp_path, tokenizer_and_special, monkeypatch):
     """Frames of mp4 videos are keyed by the video's bytes and frame index: a new config takes them
     from OLD (decord does not decode a video whose sampled frames OLD holds), byte for byte."""
@@ -363,7 +371,7 @@ def test_a_stream_given_old_as_the_driver_read_it_reads_no_stream_index(old, cat
     shards' own pixel indexes the snapshot lists), and each picture's frame checks out."""
     from prepack.engine.reuse.earlier_packs import read_old_pack
     from prepack.engine.reuse.earlier_pixels import PixelReuse
-    from schemas.manifest import index_file
+    from schemas.layout import index_file
     from schemas.pixel_index import DecodeFacts, PictureSource
 
     copy = str(tmp_path / "old")

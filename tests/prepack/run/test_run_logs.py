@@ -50,6 +50,7 @@ def announcements(lines: list[str], reason: str) -> list[str]:
     return [line for line in lines if line.startswith(f"WARNING prepack.run.driver: {reason}:")]
 
 
+@pytest.mark.slow  # packs twice through the CLI
 def test_output_does_not_grow_with_streams(dataset, tmp_path):
     two = run(dataset, 1, str(tmp_path / "two"), "--no-ray")
     eight = run(dataset, 4, str(tmp_path / "eight"), "--no-ray")
@@ -69,6 +70,7 @@ def assert_left_in_buffer_announced(lines: list[str]) -> None:
     assert "still in the overflow buffer" in line, line
 
 
+@pytest.mark.slow  # packs through the CLI
 def test_verbose_shows_each_streams_drops(dataset, tmp_path):
     lines = run(dataset, 4, str(tmp_path / "v"), "--no-ray", "-v")
     streams = {line.split("stream ")[1].split()[0] for line in lines if "drop[overlength_sample]" in line

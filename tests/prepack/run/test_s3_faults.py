@@ -24,7 +24,7 @@ import time
 import pytest
 
 from prepack.run.lease import HOST_ENV, LEASE_DIR, LEASE_ENV
-from schemas.manifest import done_file, index_file
+from schemas.layout import done_file, index_file
 from tests.helpers.packs import pack_in_process
 from tests.helpers.ray_helpers import RayRun, cmdline, make_demo, prepack, read_log, summary, variant, wait_until
 from tests.helpers.s3checks import local_files, same_pack_objects, secret_leaks, stream_fingerprints

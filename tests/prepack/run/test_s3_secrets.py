@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from prepack.cli import main
-from schemas.config import load_config
+from schemas.config_file import load_config
 from schemas.errors import CredentialsInUri
 from schemas.location import resolve_location
 from tests.helpers import datagen as dg

@@ -18,12 +18,13 @@ import pytest
 from loader import PackedShardDataset, open_stream
 from loader.reader import Pack
 from prepack.cli import main
-from prepack.run.driver import run_pack
-from prepack.run.trim import restore, trim_pack
+from prepack.run.driver import RunOptions, run_pack
+from prepack.run.trim import restore
+from prepack.run.trim_policy import trim_pack
 from prepack.tools.audit import audit_pack
 from prepack.tools.stats import compute_stats, format_stats
 from prepack.tools.verify import verify_pack
-from schemas.config import load_config
+from schemas.config_file import load_config
 from schemas.errors import PackRefused, ShardTrimmed
 from schemas.manifest import TrimmedShards
 from tests.helpers.packs import small_dataset, pack_in_process
@@ -145,9 +146,9 @@ def test_packing_goes_on_over_a_trimmed_stream(original, pack, tokenizer_and_spe
     cfg = load_config(original["config"])
     bigger = cfg.__class__(**{**cfg.__dict__, "prepack": cfg.prepack.__class__(
         **{**cfg.prepack.__dict__, "batches_per_stream": 10})})
-    run_pack(bigger, pack, inline=True, tokenizer=tokenizer_and_special, progress=False)
+    run_pack(bigger, pack, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
     fresh = str(tmp_path / "fresh")
-    run_pack(bigger, fresh, inline=True, tokenizer=tokenizer_and_special, progress=False)
+    run_pack(bigger, fresh, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
     for s in (0, 1):
         a = [r.digest for sh in Pack.open(pack).index(s).shards for r in sh.records]
         b = [r.digest for sh in Pack.open(fresh).index(s).shards for r in sh.records]

@@ -14,11 +14,12 @@ from tests.helpers.fakepack import BatchSpec, make_batch, stream_batches
 
 from prepack.run.atomic_files import AtomicFile, write_json_atomic
 from prepack.run.recovery import recover_stream
-from prepack.run.writer import StreamWriter
+from prepack.run.writer import Committing, ShardFormat, StreamWriter
 from schemas.compression import Compression
 from schemas.errors import DamagedFile
+from schemas.layout import checkpoint_file
 from schemas.location import resolve_location
-from schemas.manifest import RecordEntry, ShardEntry, StreamIndex, chain_root, checkpoint_file, row_facts
+from schemas.manifest import RecordEntry, ShardEntry, StreamIndex, chain_root, row_facts
 from tests.helpers.fakepack import commit_entry
 from schemas.record import batch_fields, record_digest, record_to_batch
 
@@ -29,7 +30,7 @@ def write_stream(
     out, batches, stream=0, *, shard_bytes=40_000, compression="zstd:3", **kw
 ) -> tuple[list[ShardEntry], list[int]]:
     """Write batches; return the entries and the index of the append that returned each one."""
-    w = StreamWriter(out, stream, shard_bytes=shard_bytes, compression=compression, metadata=META, **kw)
+    w = StreamWriter(out, stream, ShardFormat(shard_bytes, compression, META), **kw)
     entries, at = [], []
     for i, b in enumerate(batches):
         e = w.append(b)
@@ -61,7 +62,7 @@ def assert_batches_equal(a, b):
 
 def test_round_trip_and_shard_entries(tmp_path):
     batches = stream_batches(3, 7)
-    entries, _ = write_stream(str(tmp_path), batches, stream=3, start_record=0)
+    entries, _ = write_stream(str(tmp_path), batches, stream=3, start=(0, 0))
     assert len(entries) > 1
     i = 0
     for k, e in enumerate(entries):
@@ -128,7 +129,7 @@ def test_compression_levels_same_content(tmp_path, spec):
 @pytest.mark.parametrize("spec", ["zstd", "gzip:3", "zstd:x", "zstd:99", "zstd:0", "", "ZSTD:3", "zstd:3 "])
 def test_bad_compression_strings(tmp_path, spec):
     with pytest.raises(ValueError, match="compression|zstd level"):
-        StreamWriter(str(tmp_path), 0, shard_bytes=100, compression=spec, metadata={})
+        StreamWriter(str(tmp_path), 0, ShardFormat(100, spec, {}))
 
 
 def test_uri_and_filesystem_outputs(tmp_path):
@@ -138,7 +139,7 @@ def test_uri_and_filesystem_outputs(tmp_path):
     # a non-local pyarrow filesystem takes the generic path (output stream + move)
     sub = pafs.SubTreeFileSystem(str(tmp_path / "c"), pafs.LocalFileSystem())
     (tmp_path / "c").mkdir()
-    other, _ = write_stream("", batches, filesystem=sub)
+    other, _ = write_stream(resolve_location("", sub), batches)
     for x in (uri, other):
         assert x == local
     assert (tmp_path / "c" / local[0].file).read_bytes() == (tmp_path / "a" / local[0].file).read_bytes()
@@ -183,7 +184,7 @@ def test_damaged_index_is_refused_naming_it(tmp_path):
 
 
 def test_abort_leaves_nothing(tmp_path):
-    w = StreamWriter(str(tmp_path), 0, shard_bytes=10**9, compression="zstd:3", metadata={})
+    w = StreamWriter(str(tmp_path), 0, ShardFormat(10**9, "zstd:3", {}))
     assert w.append(make_batch(0)) is None
     assert os.listdir(tmp_path / "stream-00000") == ["shard-00000.arrow.tmp"]
     w.abort()
@@ -199,7 +200,7 @@ def test_recover_after_crash_then_resume_gives_identical_output(tmp_path):
 
     out = str(tmp_path / "crash")
     loc = resolve_location(out)
-    w = StreamWriter(out, 4, shard_bytes=30_000, compression="zstd:3", metadata=META)
+    w = StreamWriter(out, 4, ShardFormat(30_000, "zstd:3", META))
     index, done, i = StreamIndex(4, []), [], 0
     while len(done) < 3:
         e = w.append(batches[i])
@@ -226,7 +227,7 @@ def test_recover_after_crash_then_resume_gives_identical_output(tmp_path):
     assert recover_stream(out, 4) == recovered  # idempotent
 
     rest, _ = write_stream(out, batches[recovered.num_records:], stream=4, shard_bytes=30_000,
-                           start_shard=len(recovered.shards), start_record=recovered.num_records)
+                           start=(len(recovered.shards), recovered.num_records))
     assert [(e.shard, e.first_record, e.records, e.xxh3) for e in recovered.shards + rest] == \
         [(e.shard, e.first_record, e.records, e.xxh3) for e in full]
     for e in full:
@@ -281,8 +282,7 @@ def test_a_committing_writer_makes_the_whole_commit(tmp_path):
         return f'{{"state": {n}}}'.encode(), bytes([n])
 
     index = StreamIndex(5, [])
-    with StreamWriter(out, 5, shard_bytes=20_000, compression="zstd:3", metadata=META, index=index,
-                      state=state) as w:
+    with StreamWriter(out, 5, ShardFormat(20_000, "zstd:3", META), Committing(index, state)) as w:
         entries = [e for e in (w.append(b) for b in batches[:-1]) if e is not None]
         w.append(batches[-1])
     assert len(entries) >= 2 and StreamIndex.read(loc, 5) == index and index.shards == entries
@@ -300,8 +300,7 @@ def test_a_committing_writer_makes_the_whole_commit(tmp_path):
         assert set(rows.column("record").to_pylist()) == set(range(e.first_record, e.first_record + len(e.records)))
 
     empty = StreamIndex(6, [])
-    with StreamWriter(out, 6, shard_bytes=20_000, compression="zstd:3", metadata=META, index=empty,
-                      state=state) as w:
+    with StreamWriter(out, 6, ShardFormat(20_000, "zstd:3", META), Committing(empty, state)) as w:
         assert w.finish() is None
     assert StreamIndex.read(loc, 6) == empty and empty.ckpt0_json_sha256  # no record: the index still records ckpt-0
 

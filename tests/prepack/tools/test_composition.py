@@ -13,8 +13,9 @@ from prepack.tools.composition import BATCH_QUANTITIES, LABELS, SAMPLE_QUANTITIE
 from prepack.tools.sketch import EXACT_BITS, Distribution, bucket_floor
 from prepack.tools.stats import compute_stats, format_stats, render_html
 from prepack.run.atomic_files import write_bytes_atomic
+from schemas.documents import dump_checked
+from schemas.layout import PACK_INFO_NAME
 from schemas.location import resolve_location
-from schemas.manifest import PACK_INFO_NAME, dump_checked
 from tests.helpers.fakepack import BatchSpec, make_batch, write_pack
 from tests.helpers.tokens import check_summary, close, expected_values, nearest_rank
 

@@ -18,7 +18,8 @@ from prepack.tools.inspect_record import attention_mask, inspect_record
 from prepack.tools.composition import BATCH_QUANTITIES, LABELS
 from prepack.tools.lineage_queries import batches_with_row, rows_of_batch
 from prepack.tools.stats import compute_stats, pack_stats
-from schemas.manifest import MANIFEST_NAME, PackSummary
+from schemas.layout import MANIFEST_NAME
+from schemas.manifest import PackSummary
 from schemas.pixel_table import image_table
 from schemas.record import ATTN_MODE_CODES, PackedBatch, SampleOrigin, record_to_batch
 from tests.helpers.packs import build_pack

@@ -13,10 +13,12 @@ from __future__ import annotations
 import os
 import re
 
+import pytest
+
 from loader.reader import Pack, iter_records
 from prepack.tools.composition import BATCH_QUANTITIES, SAMPLE_QUANTITIES
-from prepack.tools.plan import batch_allotment, estimate_settled, plan_pack, sample_streams
-from schemas.config import load_config
+from prepack.tools.plan import PlanOptions, batch_allotment, estimate_settled, plan_pack, sample_streams
+from schemas.config_file import load_config
 from schemas.record import record_to_batch
 from tests.helpers.packs import pack_in_process, small_dataset
 from tests.helpers.tokens import check_summary, expected_values
@@ -26,10 +28,11 @@ def _bytes_under(root: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(root) for f in names)
 
 
+@pytest.mark.slow  # packs for real to compare
 def test_projection_is_within_30_percent_of_a_real_pack(tmp_path, tokenizer_and_special):
     config = small_dataset(str(tmp_path), batches=8, shard_bytes=300_000)
     before = sorted(os.listdir(tmp_path))
-    plan = plan_pack(load_config(config), cores=2, sample_batches=2, sample_streams_n=1, tokenizer=tokenizer_and_special)
+    plan = plan_pack(load_config(config), PlanOptions(cores=2, sample_batches=2, sample_streams_n=1), tokenizer=tokenizer_and_special)
     assert sorted(os.listdir(tmp_path)) == before, "planning wrote something"
     assert plan.sample["batches"] == 2 and plan.sample["streams"] == [0]
     out = pack_in_process(config, str(tmp_path / "out"), tokenizer_and_special)
@@ -62,14 +65,13 @@ def test_projection_is_within_30_percent_of_a_real_pack(tmp_path, tokenizer_and_
 
 def test_knobs_that_look_wrong_are_named(tmp_path, tokenizer_and_special):
     config = small_dataset(str(tmp_path), batches=400, shard_bytes=1000)
-    plan = plan_pack(load_config(config), cores=64, sample_batches=2, sample_streams_n=1, tokenizer=tokenizer_and_special)
+    plan = plan_pack(load_config(config), PlanOptions(cores=64, sample_batches=2, sample_streams_n=1), tokenizer=tokenizer_and_special)
     text = "\n".join(plan.warnings)
     assert "smaller than one record" in text
     assert "runs it past its data" in text  # 400 batches over a dozen rows
     assert "cores stay idle" in text  # 2 streams on 64 cores
     assert plan.records == 800 and plan.shards_per_stream == 400
-    quiet = plan_pack(load_config(small_dataset(str(tmp_path / "b"), batches=1, shard_bytes=300_000)), cores=2,
-                      sample_batches=1, sample_streams_n=1, tokenizer=tokenizer_and_special)
+    quiet = plan_pack(load_config(small_dataset(str(tmp_path / "b"), batches=1, shard_bytes=300_000)), PlanOptions(cores=2, sample_batches=1, sample_streams_n=1), tokenizer=tokenizer_and_special)
     assert not [w for w in quiet.warnings if "past its data" in w or "shard" in w], quiet.warnings
 
 
@@ -77,10 +79,10 @@ def test_a_token_budget_is_converted_at_the_sampled_rate(tmp_path, tokenizer_and
     cfg = load_config(small_dataset(str(tmp_path), batches=1))
     from dataclasses import replace
 
-    per_batch = plan_pack(cfg, sample_batches=3, sample_streams_n=1, tokenizer=tokenizer_and_special)
+    per_batch = plan_pack(cfg, PlanOptions(sample_batches=3, sample_streams_n=1), tokenizer=tokenizer_and_special)
     tokens_per_batch = per_batch.tokens / per_batch.records
     cfg = replace(cfg, prepack=replace(cfg.prepack, batches_per_stream=None, tokens_per_stream=int(50 * tokens_per_batch)))
-    plan = plan_pack(cfg, sample_batches=3, sample_streams_n=1, tokenizer=tokenizer_and_special)
+    plan = plan_pack(cfg, PlanOptions(sample_batches=3, sample_streams_n=1), tokenizer=tokenizer_and_special)
     assert 45 <= plan.batches_per_stream <= 55, plan.batches_per_stream
     assert plan.budget == {"tokens_per_stream": int(50 * tokens_per_batch)}
 
@@ -115,9 +117,10 @@ def test_sampling_stops_once_the_bytes_estimate_settles():
     assert not estimate_settled([100, 100, 100, 300], tolerance=0.1)
 
 
+@pytest.mark.slow  # packs for real to compare
 def test_a_small_pack_is_planned_from_a_quarter_of_it(tmp_path, tokenizer_and_special):
     config = small_dataset(str(tmp_path), batches=6)  # 12 batches: 3 are sampled, the projection holds
-    plan = plan_pack(load_config(config), cores=2, tokenizer=tokenizer_and_special)
+    plan = plan_pack(load_config(config), PlanOptions(cores=2), tokenizer=tokenizer_and_special)
     assert plan.sample["batches"] == 3 and plan.sample["streams"] == [0, 1], plan.sample
     out = pack_in_process(config, str(tmp_path / "out"), tokenizer_and_special)
     assert plan.records == 12
@@ -160,8 +163,8 @@ def test_planning_imports_neither_ray_nor_transformers(tmp_path):
     import sys
 
     config = small_dataset(str(tmp_path), batches=2)
-    code = ("import sys; from prepack.tools.plan import plan_pack; from schemas.config import load_config; "
-            f"plan = plan_pack(load_config({config!r}), cores=2); assert plan.records == 4; "
+    code = ("import sys; from prepack.tools.plan import PlanOptions, plan_pack; from schemas.config_file import load_config; "
+            f"plan = plan_pack(load_config({config!r}), PlanOptions(cores=2)); assert plan.records == 4; "
             "print(sorted(m for m in ('ray', 'transformers') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -187,7 +190,7 @@ def test_a_bounded_plan_reports_the_disk_high_water_mark(tmp_path, tokenizer_and
     config = small_dataset(str(tmp_path), batches=400, shard_bytes=1000)  # a record per shard
     cfg = load_config(config)
     bound = {"ahead": 10, "keep_checkpoints": 2, "checkpoint_every": 6}
-    plan = plan_pack(cfg, sample_batches=2, sample_streams_n=1, tokenizer=tokenizer_and_special, bounded=bound)
+    plan = plan_pack(cfg, PlanOptions(sample_batches=2, sample_streams_n=1, bounded=bound), tokenizer=tokenizer_and_special)
     b = plan.bounded
     assert {k: b[k] for k in bound} == bound
     kept_bytes = plan.output_bytes - plan.record_bytes * plan.records  # checkpoints, indexes, lineage
@@ -196,8 +199,7 @@ def test_a_bounded_plan_reports_the_disk_high_water_mark(tmp_path, tokenizer_and
     assert round(held) == 10 + 2 * 3 + 2, held
     assert kept_bytes < b["peak_bytes"] < plan.output_bytes / 2
     assert any(line.startswith("  bounded       disk peak") for line in plan.lines())
-    more = plan_pack(cfg, sample_batches=2, sample_streams_n=1, tokenizer=tokenizer_and_special,
-                     bounded=dict(bound, ahead=10_000))
+    more = plan_pack(cfg, PlanOptions(sample_batches=2, sample_streams_n=1, bounded=dict(bound, ahead=10_000)), tokenizer=tokenizer_and_special)
     assert more.bounded["peak_bytes"] == more.output_bytes  # a window past the budget: the whole pack
     for argv, why in ((["--ahead", "0"], "--ahead takes"), (["--ahead", "5", "--keep-checkpoints", "0"],
                       "--keep-checkpoints takes"), (["--ahead", "5", "--checkpoint-every", "0"], "--checkpoint-every")):

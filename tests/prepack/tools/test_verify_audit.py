@@ -22,30 +22,21 @@ from tests.helpers.fakepack import make_batch
 from tests.helpers.packs import build_pack
 from loader import open_stream
 from loader.reader import Pack, read_shard
-from prepack.run.checkpoints import read_checkpoint
+from prepack.run.checkpoint_files import read_checkpoint
 from prepack.tools.audit import AuditRefused, audit_pack, first_difference
 from prepack.tools.lineage_queries import scan_lineage
+from schemas.documents import dump_checked, load_checked
 from schemas.errors import DamagedFile, PackFormatError, PackIntegrityError
 from prepack.cli import main
 from prepack.tools.lineage_queries import batches_with_row
 from prepack.tools.verify import verify_pack
 from prepack.run.atomic_files import write_bytes_atomic, write_json_atomic
 from schemas.compression import Compression
-from schemas.config import load_config
-from schemas.pack_info import PackInfo
+from schemas.config_file import load_config
+from schemas.layout import MANIFEST_NAME, PACK_INFO_NAME, checkpoint_file, done_file, index_file, stream_lineage_file
+from schemas.pack_info import FORMAT_VERSION, PackInfo
 from schemas.location import resolve_location
-from schemas.manifest import (
-    FORMAT_VERSION,
-    MANIFEST_NAME,
-    PACK_INFO_NAME,
-    StreamIndex,
-    checkpoint_file,
-    done_file,
-    dump_checked,
-    load_checked,
-    index_file,
-    stream_lineage_file,
-)
+from schemas.manifest import StreamIndex
 
 @pytest.fixture(scope="module")
 def pack(tmp_path_factory, tokenizer_and_special) -> str:
@@ -283,6 +274,7 @@ def _buffered_at(out: str, stream: int, shard: int) -> set[tuple]:
 
 
 @pytest.mark.parametrize("group", ["t2i_pretrain", "vlm_sft"])
+@pytest.mark.slow  # packs and audits twice
 def test_audit_names_record_and_field_after_a_source_row_is_edited(tmp_path, tokenizer_and_special, group):
     out = build_pack(str(tmp_path), tokenizer_and_special, seed=1)
     assert audit_pack(out, stream=0, tokenizer=tokenizer_and_special).ok
@@ -322,6 +314,7 @@ def test_audit_names_record_and_field_after_a_source_row_is_edited(tmp_path, tok
         assert audit_pack(out, stream=1, tokenizer=tokenizer_and_special).ok
 
 
+@pytest.mark.slow  # re-packs every stream to audit
 def test_audit_reports_a_tampered_checkpoint(pack, tmp_path, tokenizer_and_special):
     out = copy_pack(pack, tmp_path)
     path = os.path.join(out, checkpoint_file(0, 2))
@@ -340,6 +333,7 @@ def test_audit_reports_a_tampered_checkpoint(pack, tmp_path, tokenizer_and_speci
         read_checkpoint(resolve_location(out), indexes_of(out)[0], 2)
 
 
+@pytest.mark.slow  # packs again and audits
 def test_audit_refuses_when_fingerprints_or_data_differ(pack, tmp_path, tokenizer_and_special, capsys):
     out = copy_pack(pack, tmp_path)
     man = identity_of(out)

@@ -162,6 +162,7 @@ sides = st.integers(1, 160)
 kinds = st.sampled_from(KINDS)
 
 
+@pytest.mark.slow  # 3,000 examples; every build gets 400 in the fast lane
 @settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=sides, h=sides, ow=sides, oh=sides, kind=kinds, seed=st.integers(0, 2**32 - 1))
 def test_random_sizes_and_contents_equal_pillow(default_kernel, w, h, ow, oh, kind, seed):

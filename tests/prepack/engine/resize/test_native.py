@@ -81,6 +81,7 @@ def test_no_writable_home_uses_a_per_user_temporary_folder(tmp_path, monkeypatch
 
 
 @needs_cc
+@pytest.mark.slow  # compiles the kernel in racing processes
 def test_workers_starting_together_build_once(tmp_path):
     """Four processes ask for the kernel at the same moment on an empty cache: one compiles under
     the lock, one times the candidates under the other lock, every one of them takes the same

@@ -42,6 +42,7 @@ def _choice_files(tmp_path) -> list:
 
 
 @pytest.mark.skipif(not ON_PINNED, reason="the kernel mirrors the pinned Pillow")
+@pytest.mark.slow  # compiles and times every kernel
 def test_this_install_takes_the_fastest_exact_way_it_timed(caplog, tmp_path):
     """The real candidates, timed for real: whichever wins, it is the one the cache records as
     fastest, and it resizes as Pillow does."""
