@@ -87,7 +87,11 @@ def make_data(root: str, seed: int = 0, size: tuple[int, int] = (700, 1200)):
         lines.append('{"image": "%s", "conversations": [{"from": "human", "value": "<image>\\n%s"}, '
                      '{"from": "gpt", "value": "%s"}]}' % (name, dg.sentence(rs), dg.sentence(rs, 60, 200)))
     dg.add_sft(ds, lines, files)
-    # NeMo pretrain transforms
+    return nemo_pretrain_transforms(ds)
+
+
+def nemo_pretrain_transforms(ds):
+    """``ds`` with the image transforms of NeMo's BAGEL pretrain recipe on its three groups."""
     ds.groups["t2i_pretrain"]["image_transform_args"] = {"image_stride": 16, "max_image_size": 1024, "min_image_size": 512}
     ds.groups["unified_edit"]["image_transform_args"] = {"image_stride": 16, "max_image_size": 1024, "min_image_size": 512}
     ds.groups["unified_edit"]["vit_image_transform_args"] = {"image_stride": 14, "max_image_size": 518, "min_image_size": 224}
@@ -125,7 +129,8 @@ def prepack_run_cpu(config: str, out: str, stream: int) -> tuple[float, int, int
     once, and the stream would take its later passes' pictures from its own shards (70 ms/batch
     instead of ~130 here).  The figure is a first pass over data, which is what a user's first pack
     of a large set costs; later passes are ``bench_reuse.py --passes``'s figure."""
-    from schemas.manifest import StreamSummary, done_file
+    from schemas.layout import done_file
+    from schemas.manifest import StreamSummary
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
                PREPACK_REUSE_OWN="0")
@@ -199,7 +204,7 @@ def end_to_end(ds, knobs: dict, skip: int, batches: int, reps: int, tok) -> floa
     reference's best CPU ms per batch."""
     from compare import diff_batches
     from loader.batch import SimpleCustomBatch
-    from schemas.config import load_config
+    from schemas.config_file import load_config
     from schemas.record import record_to_batch
 
     configs = {}
@@ -280,7 +285,7 @@ def main() -> None:
     from prepack.engine.tokenizer import load_tokenizer, special_token_ids
     from prepack.run.worker_process import settle_worker_process
     from schemas.compression import Compression
-    from schemas.config import load_config
+    from schemas.config_file import load_config
     from schemas.record import RECORD_SCHEMA, encode_record, record_to_batch
     import pyarrow as pa
 
@@ -345,12 +350,12 @@ def main() -> None:
         print_floor(parts, total, references)
 
     if args.ray:
-        from prepack.run.driver import run_pack
+        from prepack.run.driver import RunOptions, run_pack
 
         for cpus in (1, 2):
             out = os.path.join(tmp, f"ray-{cpus}")
             t = time.perf_counter()
-            s = run_pack(cfg, out, progress=False, num_cpus=cpus)
+            s = run_pack(cfg, out, RunOptions(bar=False, num_cpus=cpus))
             wall = time.perf_counter() - t
             pack = max(e.elapsed_s for e in s.streams)
             toks = sum(e.num_tokens for e in s.streams)
