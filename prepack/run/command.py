@@ -43,7 +43,7 @@ def add_continue_arguments(parser, help_continue: str) -> None:
                         "training's state_dict: one rank's, a list of every rank's, or merged)")
 
 
-_BAR = "<bar>"  # --progress without a folder: force the progress bar (as before there were folders)
+_BAR = "<bar>"  # --progress without a folder: the older name of --bar (before --progress named trainings' folders)
 
 
 def add_bound_arguments(parser, what: str) -> None:
@@ -64,13 +64,15 @@ def cmd_run(args) -> int:
     if args.no_ray:  # this process packs: give it a packing worker's allocator and GC settings
         worker_process.settle_worker_process()
     folders = [p for p in args.progress or () if p is not _BAR]
+    if _BAR in (args.progress or ()):
+        log.warning("--progress without a folder: use --bar (--progress P names a training's progress folder)")
     bound = BoundSpec(args.ahead, tuple(folders), args.keep_checkpoints) if folders or args.ahead is not None else None
     for line in bound.warnings() if bound is not None else ():
         log.warning("%s", line)
     options = driver.RunOptions(streams=parse_streams(args.streams), reuse=args.reuse or (),
                                 continue_from=continue_from, bound=bound, inline=args.no_ray, address=args.address,
                                 num_cpus=args.num_cpus,
-                                bar=not args.no_progress and sys.stderr.isatty() or _BAR in (args.progress or ()))
+                                bar=args.bar or not args.no_bar and sys.stderr.isatty() or _BAR in (args.progress or ()))
     summary = driver.run_pack(cfg, args.out, options)
     for line in summary.lines():
         print(line)
@@ -89,12 +91,14 @@ def add_command(subparsers) -> None:
     r.add_argument("--progress", action="append", nargs="?", const=_BAR, metavar="P",
                    help="a training's progress folder or s3:// prefix (PackedShardDataset(..., progress=P)): with "
                    "--ahead, pack just ahead of it; and trim behind its checkpoints as it goes; repeat for several "
-                   "trainings. Without P: force the progress bar (default: when stderr is a terminal)")
+                   "trainings")
     r.add_argument("--ahead", type=int, metavar="N",
                    help="a bounded pack: each stream packs at most N batches (plus the shard it is in) past the "
                    "furthest training's position, and waits otherwise; the disk holds what the trainings still need")
     add_bound_arguments(r, "with --progress")
-    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--bar", action="store_true", help="show the progress bar (default: when stderr is a terminal)")
+    r.add_argument("--no-bar", "--no-progress", dest="no_bar", action="store_true",
+                   help="no progress bar (--no-progress: its older name)")
     r.add_argument("--reuse", action="append", metavar="OLD",
                    help="an earlier pack (any config over the same pictures, finished or still packing, local or "
                         "s3://) whose resized pixels are copied instead of decoding and resizing again: the output "

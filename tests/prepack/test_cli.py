@@ -141,6 +141,21 @@ def test_streams_take_ids_and_ranges():
         _streams("1,x")
 
 
+def test_the_bar_has_its_own_flags_and_progress_names_trainings_folders():
+    """--bar / --no-bar (--no-progress, its older name) set the progress bar; --progress P is a training's
+    folder, and a bare --progress (the bar's older name) is still read as --bar."""
+    from prepack.cli import build_parser
+    from prepack.run.command import _BAR
+
+    def run_args(*extra):
+        return build_parser().parse_args(["run", "c.yaml", "--out", "o", *extra])
+
+    assert run_args("--bar").bar and not run_args().bar
+    assert run_args("--no-bar").no_bar and run_args("--no-progress").no_bar and not run_args().no_bar
+    assert run_args("--progress", "folder").progress == ["folder"]
+    assert run_args("--progress").progress == [_BAR]
+
+
 @pytest.mark.slow  # plans through the CLI in subprocesses
 def test_plan_prints_one_json_object_and_its_help_teaches(tmp_path):
     import json

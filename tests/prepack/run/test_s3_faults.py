@@ -109,7 +109,7 @@ def test_driver_sigkill_on_one_host_rerun_from_another(s3, reference, tmp_path):
     config = reference[0]
     uri = s3.new_prefix("kill-host-a")
     with RayRun() as rr:
-        driver = rr.popen(prepack("run", config, "--out", uri, "--progress"), str(tmp_path / "killed"),
+        driver = rr.popen(prepack("run", config, "--out", uri, "--bar"), str(tmp_path / "killed"),
                           **{LEASE_ENV: LEASE, HOST_ENV: "host-a"})
         wait_until(lambda: any(s3.exists(f"{uri}/{index_file(s)}") for s in (0, 1)), 240, "a first committed shard",
                    driver, poll=0.05)
@@ -127,7 +127,7 @@ def test_concurrent_runs_refused_worker_then_driver_killed(s3, reference, tmp_pa
     config = reference[0]
     uri = s3.new_prefix("kill-worker-driver")
     with RayRun() as rr:
-        driver = rr.popen(prepack("run", config, "--out", uri, "--num-cpus", "1", "--progress"),
+        driver = rr.popen(prepack("run", config, "--out", uri, "--num-cpus", "1", "--bar"),
                           str(tmp_path / "run"), **{LEASE_ENV: LEASE})
         wait_until(lambda: any(k.startswith(LEASE_DIR + "/") for k in s3.objects(uri)), 120, "the run's lease", driver,
                    poll=0.2)
