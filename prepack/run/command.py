@@ -32,6 +32,12 @@ def parse_streams(text: str | None) -> list[int] | None:
     return out
 
 
+def add_reuse_argument(parser, help_reuse: str) -> None:
+    """``--reuse OLD`` (repeatable): earlier packs whose pixels are taken (``prepack run``) or counted
+    (``prepack plan``)."""
+    parser.add_argument("--reuse", action="append", metavar="OLD", help=help_reuse)
+
+
 def add_continue_arguments(parser, help_continue: str) -> None:
     """``--continue OLD`` with ``--after N`` or ``--after-state``: a continuation (``prepack run``) or its
     plan (``prepack plan``); ``prepack.run.chain.Continue.from_cli`` reads them."""
@@ -99,10 +105,9 @@ def add_command(subparsers) -> None:
     r.add_argument("--bar", action="store_true", help="show the progress bar (default: when stderr is a terminal)")
     r.add_argument("--no-bar", "--no-progress", dest="no_bar", action="store_true",
                    help="no progress bar (--no-progress: its older name)")
-    r.add_argument("--reuse", action="append", metavar="OLD",
-                   help="an earlier pack (any config over the same pictures, finished or still packing, local or "
-                        "s3://) whose resized pixels are copied instead of decoding and resizing again: the output "
-                        "is byte-identical to a fresh pack; repeat for several")
+    add_reuse_argument(r, "an earlier pack (any config over the same pictures, finished or still packing, local or "
+                       "s3://) whose resized pixels are copied instead of decoding and resizing again: the output "
+                       "is byte-identical to a fresh pack; repeat for several")
     add_continue_arguments(r, "continue the pack OLD under CONFIG (a mix change: new weights, mandatory groups, "
                            "token budgets, dropouts, transforms, appended groups): every stream goes on from OLD's "
                            "state after --after N of its batches (or where --after-state leaves it), nothing repeated "

@@ -11,7 +11,7 @@ import json
 import textwrap
 
 from prepack.run.bound import BoundSpec
-from prepack.run.command import add_bound_arguments, add_continue_arguments
+from prepack.run.command import add_bound_arguments, add_continue_arguments, add_reuse_argument
 from schemas.errors import UsageError
 
 
@@ -88,10 +88,10 @@ def add_command(subparsers) -> None:
     pl.add_argument("--sample-streams", type=int, default=2, help="streams to sample, first and last included (default 2)")
     pl.add_argument("--max-seconds", type=float, default=60.0,
                     help="stop sampling after this long (default 60; each sampled stream begun packs its 1-2 batches)")
-    pl.add_argument("--reuse", action="append", metavar="OLD",
-                    help="an earlier pack the run will take pixels from (prepack run --reuse): the sample takes them "
-                    "too, so the CPU is projected with them, and the plan says what share it found; repeat for several "
-                    "(reads OLD's pixel catalog if it has one, else every shard's pixel index: 'prepack index OLD')")
+    add_reuse_argument(pl, "an earlier pack the run will take pixels from (prepack run --reuse): the sample takes "
+                       "them too, so the CPU is projected with them, and the plan says what share it found; repeat for "
+                       "several (reads OLD's pixel catalog if it has one, else every shard's pixel index: "
+                       "'prepack index OLD')")
     add_continue_arguments(pl, "plan a continuation of OLD (prepack run --continue): the sampled streams start "
                            "from OLD's state at the switch, and the plan says where each group's data stands there")
     pl.add_argument("--ahead", type=int, metavar="N",
