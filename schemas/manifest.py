@@ -28,7 +28,7 @@ import xxhash
 from schemas.documents import Document, read_document
 from schemas.errors import DamagedFile, PackFormatError
 from schemas.layout import MANIFEST_NAME, done_file, index_file, shard_file, trimmed_file
-from schemas.pack_info import FORMAT_VERSION, SHARD_KEYS, PackInfo  # noqa: F401  (FORMAT_VERSION re-exported)
+from schemas.pack_info import FORMAT_VERSION, SHARD_KEYS, PackInfo
 from schemas.record import RECORD_SCHEMA_VERSION
 
 if TYPE_CHECKING:

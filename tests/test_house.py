@@ -16,7 +16,6 @@ from __future__ import annotations
 import ast
 import functools
 import io
-import os
 import textwrap
 import tokenize
 from pathlib import Path

@@ -40,8 +40,8 @@ from schemas.config import PrepackConfig
 from schemas.errors import PackRefused, StreamFailed
 from schemas.layout import MANIFEST_NAME
 from schemas.location import PackLocation, redact_uri, resolve_location
-from schemas.manifest import FORMAT_VERSION, PackSummary, StreamIndex, StreamSummary
-from schemas.pack_info import PackInfo, ParentLink
+from schemas.manifest import PackSummary, StreamIndex, StreamSummary
+from schemas.pack_info import FORMAT_VERSION, PackInfo, ParentLink
 
 log = logging.getLogger(__name__)
 
