@@ -51,13 +51,16 @@ def samples_per_record(data: bytes) -> dict[int, int]:
 
 
 def lineage_files(loc: PackLocation) -> list[str]:
-    """Filesystem paths of a pack's lineage files: each finished stream's file, then the shard files
-    of the streams that have none."""
+    """Filesystem paths of a pack's lineage files: each stream's compacted file, then the shard files
+    it does not cover (a stream still packing, or extended past an earlier finish: its compacted file
+    holds one row group per shard it covers, so a shard file of a shard it covers is a leftover)."""
     infos = loc.list("", recursive=True)
     base = loc.base.rstrip("/") + "/"
     rel = sorted(i.path[len(base):] for i in infos if i.type == pafs.FileType.File and i.path.startswith(base))
     files = [(r, f) for r, f in ((r, parse(r)) for r in rel) if f is not None]
-    done = [r for r, f in files if f.kind == STREAM_LINEAGE]
-    finished = {f.stream for _, f in files if f.kind == STREAM_LINEAGE}
-    shards = [r for r, f in files if f.kind == SHARD_LINEAGE and f.stream not in finished]
-    return [loc.path(r) for r in done + shards]
+    done = {f.stream: r for r, f in files if f.kind == STREAM_LINEAGE}
+    shards = [(r, f) for r, f in files if f.kind == SHARD_LINEAGE]
+    covered = {s: lineage_by_shard(loc.read_bytes(done[s])).num_row_groups
+               for s in {f.stream for _, f in shards if f.stream in done}}
+    return [loc.path(r) for r in done.values()] + [loc.path(r) for r, f in shards
+                                                   if f.shard >= covered.get(f.stream, 0)]
