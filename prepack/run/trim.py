@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 
 from loader.reader import Pack
-from loader.state import positions_in, read_state_file  # noqa: F401  (read_state_file: for prepack restore)
+from loader.state import positions_in, read_state_file  # noqa: F401  (read_state_file: for trim_command)
 from prepack.engine.packer import PackerOptions
 from prepack.engine.packers import open_packer
 from prepack.engine.tokenizer import load_tokenizer, special_token_ids

@@ -1,4 +1,4 @@
-"""``prepack trim`` and ``prepack restore``: their parsers and handlers (``prepack.run.trim``).
+"""``prepack trim`` and ``prepack restore``: their parsers and handlers (``prepack.run.trim_policy``, ``prepack.run.trim``).
 
 Registered by ``prepack.cli`` (``add_command``); light to import: the tool is imported when it runs.
 """
@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 
 def cmd_trim(args) -> int:
     # the policy reads packs (pyarrow): imported when the command runs, not for `prepack --help`
-    from prepack.run import trim_policy
+    from prepack.run import trim, trim_policy
 
     if bool(args.state) == bool(args.progress):
         raise UsageError("trim takes --progress P (a training's progress folder), or --state STATE.json")
@@ -26,7 +26,7 @@ def cmd_trim(args) -> int:
         result = trim_policy.trim_to_progress(args.dir, args.progress, args.keep_checkpoints)
     else:
         try:
-            states = [trim_policy.read_state_file(p) for p in args.state]
+            states = [trim.read_state_file(p) for p in args.state]
         except ValueError as e:
             raise UsageError(f"--state {e}") from None
         result = trim_policy.trim_pack(args.dir, states)

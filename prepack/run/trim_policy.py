@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loader.reader import Pack
-from loader.state import read_state_file  # noqa: F401  (for prepack trim --state)
 from prepack.run.trainings import Trainings
 from prepack.run.trim import positions_of, trim_shards
 from schemas.manifest import ShardEntry, TrimmedShards
