@@ -123,14 +123,15 @@ class Catalog:
         """The pack's ``catalog.json``, checked (``DamagedFile`` naming it); None when it has none."""
         return read_document(loc, CATALOG_NAME, cls.from_bytes)
 
-    def fences(self, loc: "PackLocation") -> pa.Table:
-        """This build's fences, held to their sha256 in ``catalog.json``: ``ValueError`` naming the file
-        when they differ or do not read, ``OSError`` when they cannot be read."""
+    def fence_bytes(self, loc: "PackLocation") -> bytes:
+        """This build's fences file (``parse_fences`` reads it), held to its sha256 in ``catalog.json``:
+        ``ValueError`` naming the file when it differs, ``OSError`` when it cannot be read.  A job's
+        driver reads it once; each of its streams parses the bytes it was given."""
         rel = fences_file(self.build)
         data = loc.read_bytes(rel)
         if hashlib.sha256(data).hexdigest() != self.fences_sha256:
             raise ValueError(f"{loc.path(rel)}: sha256 differs from {CATALOG_NAME}")
-        return parse_fences(data, loc.path(rel))
+        return data
 
     def holds_for(self, stream: int, shards: Sequence) -> bool:
         """Whether the shards it covers of ``stream`` are still the first of ``shards`` (the stream's
@@ -138,6 +139,12 @@ class Catalog:
         changed under it is not one byte trusted."""
         n, last = self.covered.get(stream, (0, ""))
         return not n or (len(shards) >= n and shards[n - 1].pixels_sha256 == last)
+
+    def current_for(self, committed: "dict[int, Sequence]") -> bool:
+        """Whether it covers exactly the shards ``committed`` lists (stream -> its committed index
+        rows, every stream of the pack): nothing committed since, nothing changed under it."""
+        return all(self.covered.get(stream, (0, ""))[0] == len(shards) and self.holds_for(stream, shards)
+                   for stream, shards in committed.items())
 
 
 def parse_fences(data: bytes, where: str) -> pa.Table:

@@ -48,22 +48,39 @@ the JPEG decoder, zstd or the resize counts as itself; the standard library, num
 the project code that called them).  cProfile sees the packing thread only and slows Python code
 more than C, so its totals are above the measured ones.
 
+**The whole job** (what a user pays for a small pack, start-up included), beside the per-batch
+figure: each side also packs ``--job-batches`` batches per stream (default 24), measured two ways,
+sides alternating, ``--reps`` times (median and best printed):
+
+- **in process**: the CPU of the whole ``run_pack`` call (the job's own start-up included: pack
+  identity, the tokenizer fingerprint, OLD's checks, indexes and catalog, every stream's start and
+  end, the manifest), the tokenizer loaded before, as above;
+- **as a process**: ``prepack run B.yaml --out X --no-ray`` (with ``--reuse OLD`` or ``--continue OLD
+  --after N``) as a user runs it, in a process of its own: the interpreter, the imports and the
+  tokenizer's load included (CPU: its rusage, user + system).  ``--no-process`` leaves it out.  Its
+  start-up is broken down once, in another process: the interpreter, ``prepack run``'s imports
+  (and whether they bring torch), the tokenizer's load, its fingerprint (from the record).
+
 Last line, exactly:
 ``continue: X ms CPU/batch vs fresh Y ms CPU/batch (Rx less); switch start-up Z ms/stream; reused I of J pictures``
 
-    python scripts/bench_continue.py --fresh-reuse --profile               # demo data, ~1 min on 2 cores
+    python scripts/bench_continue.py --fresh-reuse --profile               # demo data, ~2.5 min on 2 cores
     python scripts/bench_continue.py --fresh-reuse --profile --mix vlm
-    python scripts/bench_continue.py --fresh-reuse --mix vlm --tokens 10240
-    python scripts/bench_continue.py --fresh-reuse --profile --data photos  # ~1.5 min
+    python scripts/bench_continue.py --fresh-reuse --mix vlm --tokens 10240  # issue 45's whole job, ~6 min
+    python scripts/bench_continue.py --fresh-reuse --profile --data photos  # ~3 min
+    python scripts/bench_continue.py --fresh-reuse --no-process            # the per-batch figures, ~1 min
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -160,6 +177,49 @@ def switch_cpu(old: str, after: int, streams: int, tok) -> tuple[float, list[flo
         starts = [sh.first_record for sh in parent.index(s).shards]
         replayed.append(after - max(b for b in starts if b <= after))
     return opened, each, replayed
+
+
+def process_cpu(args: list[str]) -> float:
+    """CPU seconds (user + system) of one ``prepack`` command in a process of its own, as a user runs
+    it: the interpreter's start, every import and the tokenizer's load included."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.run([sys.executable, "-m", "prepack.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the command's process, reaped (and only it)
+    if proc.returncode != 0:
+        sys.exit(f"prepack {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+_STARTUP = """
+import json, resource, sys
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+t0 = cpu()
+import prepack.cli, prepack.run.command, prepack.run.driver, prepack.run.stream_job  # what `prepack run` imports
+t1 = cpu()
+torch = "torch" in sys.modules
+from prepack.engine.tokenizer import load_tokenizer, recorded_fingerprint, special_token_ids
+from schemas.config_file import load_config
+tok, _ = special_token_ids(load_tokenizer(load_config(sys.argv[1]).tokenizer))
+t2 = cpu()
+recorded_fingerprint(tok)
+t3 = cpu()
+print(json.dumps({"interpreter": t0, "imports": t1 - t0, "torch": torch, "tokenizer": t2 - t1,
+                  "fingerprint": t3 - t2}))
+"""
+
+
+def startup_cpu(config: str) -> dict:
+    """Where a ``prepack run`` process's start-up CPU goes (seconds), measured in a process of its own."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-c", _STARTUP, config], cwd=ROOT, env=env, capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        sys.exit(f"start-up probe failed:\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 # -- where the CPU goes (cProfile; the switch is left out) ------------------------------------------
@@ -282,6 +342,23 @@ def print_profile(label: str, small: dict[str, float], big: dict[str, float], ba
 
 
 # -- the measurement --------------------------------------------------------------------------------
+def print_whole_jobs(jobs: dict[str, list[float]], processes: dict[str, list[float]], batches: int,
+                     streams: int) -> None:
+    """The whole job's CPU per side (start-up included), and how many times less than a fresh pack's."""
+    print(f"the whole job, {batches} batches per stream x {streams} streams, start-up included (ms CPU, median "
+          f"and best; x less than fresh, medians):")
+    fresh_job = statistics.median(jobs["fresh"])
+    for side in jobs:
+        job = statistics.median(jobs[side])
+        line = (f"  {side:17}: in process (run_pack, the tokenizer loaded) {job * 1e3:.0f}, best "
+                f"{min(jobs[side]) * 1e3:.0f} ({fresh_job / job:.2f}x)")
+        if processes[side]:
+            proc = statistics.median(processes[side])
+            line += (f"; as a process (prepack run --no-ray: interpreter, imports, tokenizer load) {proc * 1e3:.0f}, "
+                     f"best {min(processes[side]) * 1e3:.0f} ({statistics.median(processes['fresh']) / proc:.2f}x)")
+        print(line)
+
+
 def fmt(xs: list[float]) -> str:
     return f"best {min(xs):.1f}, median {statistics.median(xs):.1f} (every rep {', '.join(f'{x:.1f}' for x in xs)})"
 
@@ -312,6 +389,10 @@ def main() -> None:
                     "of prepack run; off here, as in bench_reuse.py)")
     ap.add_argument("--profile", action="store_true",
                     help="then where each side's batch CPU goes (cProfile)")
+    ap.add_argument("--job-batches", type=int, default=24,
+                    help="batches per stream of the whole-job runs (in process and as a process)")
+    ap.add_argument("--no-process", action="store_true",
+                    help="leave out the whole job as a process of its own (prepack run --no-ray)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
     args = ap.parse_args()
     after = args.after if args.after is not None else (10 if args.data == "demo" else 6)
@@ -338,6 +419,7 @@ def main() -> None:
         annealed = dict(weights, **{args.anneal: weights[args.anneal] * 4})
         cfg_a = variant(raw, folder, "a", batches_per_stream=old_batches)
         cfgs_b = {n: variant(raw, folder, f"b-{n}", weights=annealed, batches_per_stream=n) for n in budgets}
+        cfg_job = variant(raw, folder, "b-job", weights=annealed, batches_per_stream=args.job_batches)
         old = os.path.join(tmp, "old")
         knobs = {k: raw["dataset"][k] for k in ("expected_num_tokens", "max_num_tokens")}
         print(f"data {args.data}, mix {args.mix}: A weights {weights}, {knobs}; B: {args.anneal} x4 -> {annealed}")
@@ -365,6 +447,9 @@ def main() -> None:
             run(cfgs_b[budgets[0]], out("warm"))
         runs: dict[str, list[tuple[Run, Run]]] = {side: [] for side in sides}
         switches: list[tuple[float, list[float], list[int]]] = []
+        flags = {"fresh": [], "continue": ["--continue", old, "--after", str(after)], "fresh --reuse OLD": ["--reuse", old]}
+        jobs: dict[str, list[float]] = {side: [] for side in sides}  # the whole run_pack call, in this process
+        processes: dict[str, list[float]] = {side: [] for side in sides}  # prepack run --no-ray, a process of its own
         order = list(sides)
         for rep in range(args.reps):
             for side in order if rep % 2 == 0 else order[::-1]:
@@ -374,6 +459,10 @@ def main() -> None:
                     if s.num_records != budgets[1]:
                         sys.exit(f"{side}: stream {s.stream} packed {s.num_records} records, not {budgets[1]}")
                 runs[side].append((small, big))
+                jobs[side].append(sides[side](cfg_job, out(side)).cpu_s)
+                if not args.no_process:
+                    processes[side].append(process_cpu(["run", cfg_job, "--out", out(f"{side}-process"), "--no-ray",
+                                                        "--no-bar", *flags[side]]))
             switches.append(switch_cpu(old, after, n_streams, tok))
 
         n = batches * n_streams
@@ -387,6 +476,12 @@ def main() -> None:
             per[side] = cpu
             job[side] = [(r.cpu_s - r.stream_cpu_s) * 1e3 for pair in rs for r in pair]
             print(f"  {side:17}: CPU {fmt(cpu)}; wall {fmt(wall)}; CPU around the whole run_pack calls {fmt(whole)}")
+        print_whole_jobs(jobs, processes, args.job_batches, n_streams)
+        if not args.no_process:
+            parts = startup_cpu(cfg_job)
+            print(f"  a prepack run process's start-up, ms CPU: interpreter {parts['interpreter'] * 1e3:.0f}, imports "
+                  f"{parts['imports'] * 1e3:.0f} (torch {'among them' if parts['torch'] else 'not imported'}), tokenizer "
+                  f"load {parts['tokenizer'] * 1e3:.0f}, its fingerprint (recorded) {parts['fingerprint'] * 1e3:.0f}")
         opened = [o * 1e3 for o, _, _ in switches]
         per_stream = [statistics.mean(each) * 1e3 for _, each, _ in switches]
         replayed = switches[-1][2]

@@ -72,6 +72,8 @@ BAGEL_TOKENS: tuple[str, ...] = ("<|im_start|>", "<|im_end|>", "<|vision_start|>
 _RECIPE = "qwen2-offline/1"
 _MARKER = "bagel_prepack_build.json"
 _PROBE_TEXT = "Hello, world! It's 2025: 你好，世界 😀\n\n  tabs\tand   spaces\r\n"
+# Opens every fingerprint, and keys its records: bump it when what the fingerprint hashes changes.
+_FINGERPRINT_TAG = b"bagel-prepack tokenizer fingerprint 1\0"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -201,23 +203,67 @@ def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     decoder, post-processor), the added tokens with their ids and flags, and the named special
     tokens.  Padding and truncation are left out: they are call-time settings, not vocabulary.
     """
+    return _fingerprint_of(*_fingerprint_inputs(tokenizer))
+
+
+def recorded_fingerprint(tokenizer: PreTrainedTokenizerBase, root: Path | None = None) -> str:
+    """``tokenizer_fingerprint``, computed once per tokenizer and recorded under ``root`` (default
+    ``cache_root()``): every job needs it, and it costs ~0.3-1 s (a 4.5 MB JSON parsed and dumped
+    sorted) where the record costs the backend's serialization and one hash of it (~0.1 s).
+
+    The record is keyed by a digest of everything the fingerprint covers, as the tokenizer gives
+    it (the backend's serialized state, the added and named tokens): changed files, another
+    transformers or tokenizers release, tokens added in place all change that, so a stale record
+    is never read.  A record that cannot be read or written costs only the time.
+    """
+    state, extras = _fingerprint_inputs(tokenizer)
+    digest = hashlib.sha256(_FINGERPRINT_TAG)
+    digest.update(state.encode())
+    digest.update(b"\0")
+    digest.update(extras)
+    key = digest.hexdigest()
+    path = (root if root is not None else cache_root()) / "tokenizer-fingerprints" / f"{key}.json"
+    try:
+        stored = json.loads(path.read_text())
+        if stored.get("key") == key and re.fullmatch(r"[0-9a-f]{64}", str(stored.get("fingerprint"))):
+            return stored["fingerprint"]
+    except (OSError, ValueError, AttributeError):
+        pass  # none yet (or unreadable): computed and recorded
+    fingerprint = _fingerprint_of(state, extras)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_name(f".{key}.{os.getpid()}.tmp")
+        staging.write_text(json.dumps({"key": key, "fingerprint": fingerprint}) + "\n")
+        os.replace(staging, path)  # atomic: a concurrent job reads the whole record or none
+    except OSError as e:
+        logger.debug("tokenizer fingerprint not recorded in %s (%s)", path.parent, e)
+    return fingerprint
+
+
+def _fingerprint_inputs(tokenizer: PreTrainedTokenizerBase) -> tuple[str, bytes]:
+    """What the fingerprint covers, as the tokenizer gives it: the backend's serialized state and
+    the added and named tokens (JSON)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise TypeError(f"{type(tokenizer).__name__} has no tokenizers backend to fingerprint")
-    state = json.loads(backend.to_str())
-    state.pop("padding", None)
-    state.pop("truncation", None)
     added = sorted(
         (int(idx), str(tok), bool(tok.special), bool(tok.normalized), bool(tok.lstrip), bool(tok.rstrip),
          bool(tok.single_word))
         for idx, tok in tokenizer.added_tokens_decoder.items()
     )
     named = {key: value for key, value in sorted(tokenizer.special_tokens_map.items())}
+    return backend.to_str(), json.dumps({"added": added, "named": named}, sort_keys=True).encode()
+
+
+def _fingerprint_of(state_json: str, extras: bytes) -> str:
+    state = json.loads(state_json)
+    state.pop("padding", None)
+    state.pop("truncation", None)
     digest = hashlib.sha256()
-    digest.update(b"bagel-prepack tokenizer fingerprint 1\0")
+    digest.update(_FINGERPRINT_TAG)
     digest.update(json.dumps(state, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode())
     digest.update(b"\0")
-    digest.update(json.dumps({"added": added, "named": named}, sort_keys=True).encode())
+    digest.update(extras)
     return digest.hexdigest()
 
 

@@ -29,7 +29,7 @@ from prepack.engine.reuse.earlier_packs import open_old_pack
 from prepack.run.atomic_files import write_bytes_atomic
 from schemas.errors import DamagedFile, PackFormatError
 from schemas.layout import PACK_INFO_NAME, shard_pixels_file
-from schemas.location import PackLocation, resolve_location
+from schemas.location import PackLocation, redact_uri, resolve_location
 from schemas.pack_info import PackInfo
 from schemas.manifest import StreamIndex
 from schemas.pixel_catalog import (BLOCK_ROWS, CATALOG_NAME, FENCES_SCHEMA, PARTS, ROW_DTYPE, Catalog,
@@ -56,6 +56,7 @@ class CatalogBuild:
     committed: int
     build: str
     skipped: tuple[str, ...] = ()  # why some shards were left out (their stream's coverage ends there)
+    catalog: Catalog | None = None  # what was written (catalog.json)
 
 
 class _Vocab:
@@ -142,12 +143,7 @@ def catalog_is_current(loc: PackLocation, streams: int) -> bool:
         catalog = Catalog.read(loc)
     except DamagedFile:
         return False
-    if catalog is None:
-        return False
-    for stream, shards in _covered(loc, streams).items():
-        if catalog.covered.get(stream, (0, ""))[0] != len(shards) or not catalog.holds_for(stream, shards):
-            return False
-    return True
+    return catalog is not None and catalog.current_for(_covered(loc, streams))
 
 
 def build_catalog(out: str, *, on_shard: Callable[[int, int], None] | None = None,
@@ -158,7 +154,28 @@ def build_catalog(out: str, *, on_shard: Callable[[int, int], None] | None = Non
     ``OSError`` when the catalog cannot be written there.
     """
     loc, streams = open_old_pack(out)
-    committed = _covered(loc, streams)
+    return _build(loc, _covered(loc, streams), on_shard, tmp_dir)
+
+
+def build_for_reuse(loc: PackLocation, committed: "dict[int, list]") -> Catalog | None:
+    """The catalog a ``--reuse`` job's driver builds when OLD has none covering what is committed,
+    from the stream indexes it has just read (``engine.reuse.earlier_packs.read_old_pack``): the
+    catalog written, or None when it cannot be (a read-only pack: a warning; the streams then read
+    the shards' own pixel indexes)."""
+    try:
+        result = _build(loc, committed)
+    except (OSError, DamagedFile, PackFormatError) as e:
+        log.warning("reuse: no pixel catalog written for %s (%s); each stream reads the shards' own pixel indexes",
+                    redact_uri(loc.base), str(e).splitlines()[0])
+        return None
+    log.info("reuse: indexed %s pictures of %s shards in %s", f"{result.rows:,}", f"{result.shards:,}",
+             redact_uri(loc.base))
+    return result.catalog
+
+
+def _build(loc: PackLocation, committed: "dict[int, list]", on_shard: Callable[[int, int], None] | None = None,
+           tmp_dir: str | None = None) -> CatalogBuild:
+    """``build_catalog`` of the committed shards listed (stream -> its stream index rows)."""
     total = sum(len(s) for s in committed.values())
     vocab = {"decode": _Vocab(), "codec": _Vocab(), "damage": _Vocab()}
     covered: dict[int, tuple[int, str]] = {}
@@ -194,7 +211,7 @@ def build_catalog(out: str, *, on_shard: Callable[[int, int], None] | None = Non
         parts.close()
         shutil.rmtree(tmp, ignore_errors=True)
     return CatalogBuild(rows=catalog.rows, shards=sum(n for n, _ in covered.values()), committed=total,
-                        build=catalog.build, skipped=tuple(skipped))
+                        build=catalog.build, skipped=tuple(skipped), catalog=catalog)
 
 
 def write_catalog(loc: PackLocation, parts: "Iterable[tuple[int, np.ndarray]]", covered: dict[int, tuple[int, str]],

@@ -23,12 +23,12 @@ from dataclasses import asdict, dataclass
 
 from pyarrow.fs import FileSelector
 
-from prepack.engine.reuse.earlier_packs import check_old_packs, read_old_pack
-from prepack.engine.tokenizer import load_tokenizer, special_token_ids, tokenizer_fingerprint
+from prepack.engine.reuse.earlier_packs import open_old_packs, read_old_pack
+from prepack.engine.tokenizer import load_tokenizer, recorded_fingerprint, special_token_ids
 from prepack.run.ahead import JobStreams, WaitRule
 from prepack.run.atomic_files import write_bytes_atomic
 from prepack.run.bound import BoundSpec
-from prepack.run.catalog import ensure_catalog
+from prepack.run.catalog import build_for_reuse
 from prepack.run.chain import Continue, check_continuation, open_parent, parent_link, switch_points, wait_for_parent
 from prepack.run.identity import settle_identity
 from prepack.run.lease import StreamLease, acquire_streams, live_leases, remove_stale_leases
@@ -144,12 +144,13 @@ def run_pack(cfg: PrepackConfig, out: str, options: RunOptions = RunOptions(), t
     for s in wanted:
         cfg.stream_rank_worker(s)  # range check with a clear message
     loc = resolve_location(out)
-    tokenizer_fp = tokenizer_fingerprint(tokenizer)  # once: it hashes the whole vocabulary (~0.5 s)
+    tokenizer_fp = recorded_fingerprint(tokenizer)  # once per job, and recorded: it hashes the whole vocabulary
     link, reuse = None, tuple(options.reuse)
     if options.continue_from is not None:
         link, chain = _settle_parent(options.continue_from, cfg, loc, tokenizer_fp)
         reuse = reuse + tuple(u for u in chain if u not in reuse)
-    reuse = check_old_packs(reuse, loc)
+    opened = open_old_packs(reuse, loc)  # each OLD's pack.json read once, for the whole job
+    reuse = tuple(o.uri for o in opened)
     try:
         loc.fs.create_dir(loc.base, recursive=True)  # on a store too: its bucket HEAD and PUTs are the early probe
     except OSError as e:  # no such bucket, no access, store unreachable: the user's to fix, in one line
@@ -170,11 +171,9 @@ def run_pack(cfg: PrepackConfig, out: str, options: RunOptions = RunOptions(), t
                           max_num_tokens=cfg.knobs.max_num_tokens, output_bytes=output_bytes(loc))
     lease = acquire_streams(loc, todo)
     try:
-        for old in reuse:  # once per job, not per stream: the streams look pictures up in it
-            line = ensure_catalog(old)
-            if line:
-                log.info("reuse: %s", line)
-        olds = tuple(read_old_pack(old) for old in reuse)  # its stream indexes read here, not by every stream
+        # each OLD read once per job (its stream indexes, its catalog: built first when behind), not per
+        # stream: the streams get what was read (StreamJob, one ray.put) and look pictures up in it
+        olds = tuple(read_old_pack(old, build_for_reuse) for old in opened)
         job = StreamJob(cfg, out, pack.metadata, olds, pack.info.parent, options.bound)
         before = [_committed_totals(loc, s) for s in todo]  # shards an earlier run already committed
         run = RunProgress(todo, cfg.prepack.batches_per_stream, asdict(cfg.knobs))

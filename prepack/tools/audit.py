@@ -80,7 +80,7 @@ def prepare(out, tokenizer=None) -> AuditContext:
     ``tokenizer`` is an optional ``(tokenizer, special_tokens)`` pair already loaded (tests).
     """
     # here, not at the top: transformers (seconds) is needed only when no tokenizer was handed in
-    from prepack.engine.tokenizer import load_tokenizer, special_token_ids, tokenizer_fingerprint
+    from prepack.engine.tokenizer import load_tokenizer, recorded_fingerprint, special_token_ids
 
     pack = Pack.open(out)
     loc, info = pack.location, pack.info
@@ -99,7 +99,7 @@ def prepare(out, tokenizer=None) -> AuditContext:
         except (OSError, ValueError, TypeError) as e:
             raise AuditRefused(f"cannot audit {loc.base}: tokenizer {cfg.tokenizer!r} unavailable ({e})") from None
     tok, special = tokenizer
-    why = identity_mismatch(info, pack_identity(cfg, tokenizer_fingerprint(tok), special, info.parent), check_code=True)
+    why = identity_mismatch(info, pack_identity(cfg, recorded_fingerprint(tok), special, info.parent), check_code=True)
     if why:
         raise AuditRefused(f"cannot audit {loc.base}: {why}")
     return AuditContext(pack, cfg, tok, special)

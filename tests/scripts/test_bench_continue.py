@@ -1,5 +1,6 @@
 """scripts/bench_continue.py packs OLD, a fresh pack of B and a continuation of OLD on tiny demo
-budgets, and ends with the headline line in its exact form (no timing is asserted); its profile
+budgets, prints each side's whole job (in process and as a process), and ends with the headline
+line in its exact form (no timing is asserted); its profile
 charges a function without a category to the functions that called it."""
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ _LAST = re.compile(rf"continue: {_NUM} ms CPU/batch vs fresh {_NUM} ms CPU/batch
                    r"switch start-up (\d+) ms/stream; reused (\d+) of (\d+) pictures")
 
 
-@pytest.mark.slow  # packs three times through the benchmark script (~40 s)
+@pytest.mark.slow  # packs three times through the benchmark script, and as `prepack run` processes (~40 s)
 def test_bench_continue_tiny_ends_with_the_headline_line():
     env = dict(os.environ, PYTHONPATH=REPO)
     proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_continue.py"), "--after", "2",
                            "--skip", "1", "--batches", "2", "--old-batches", "6", "--reps", "1", "--fresh-reuse",
-                           "--profile"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+                           "--profile", "--job-batches", "3"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert lines[0].startswith("machine: "), lines[0]
@@ -34,6 +35,12 @@ def test_bench_continue_tiny_ends_with_the_headline_line():
         assert any(ln.startswith(f"  {side:17}: CPU best ") for ln in lines), proc.stdout
         assert any(ln.startswith(f"{side}, profiled: ") for ln in lines), proc.stdout
     assert any(ln.startswith("fixed costs: the switch (switch_at alone) best ") for ln in lines), proc.stdout
+    # the whole job beside the per-batch figures: in process and as a `prepack run` process, each side
+    assert any(ln.startswith("the whole job, 3 batches per stream x 2 streams, start-up included") for ln in lines)
+    for side in ("fresh", "continue", "fresh --reuse OLD"):
+        assert any(ln.startswith(f"  {side:17}: in process (run_pack, the tokenizer loaded) ") and "as a process" in ln
+                   for ln in lines), proc.stdout
+    assert any(ln.startswith("  a prepack run process's start-up, ms CPU: interpreter ") for ln in lines)
     m = _LAST.fullmatch(lines[-1])
     assert m, lines[-1]
     continued, fresh, ratio = float(m[1]), float(m[2]), float(m[3])

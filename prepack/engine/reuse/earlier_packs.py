@@ -2,9 +2,11 @@
 and ranged reads of their files (``prepack.engine.reuse.earlier_pixels`` looks pictures up in what this finds).
 
 Only committed shards are read (the ones a stream's ``index.arrow`` lists), so an earlier pack may
-still be packing.  ``read_old_pack`` does the reading of the stream indexes and the catalog check
-once (a job's driver, for all its streams); ``CatalogView`` serves lookups by content from the
-catalog's fences and blocks; ``RangedFile`` reads a frame or a block alone, locally or on a store.
+still be packing.  ``read_old_pack`` reads an earlier pack once for a whole job (its driver, for all
+its streams): ``pack.json``, the stream indexes, ``catalog.json`` and the fences, each once, the
+catalog built first when it does not cover what is committed; its streams get what it read
+(``OldPack``) and read none of those files again.  ``CatalogView`` serves lookups by content from
+the catalog's fences and blocks; ``RangedFile`` reads a frame or a block alone, locally or on a store.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -25,7 +27,7 @@ from schemas.location import PackLocation, redact_uri, resolve_location
 from schemas.layout import PACK_INFO_NAME
 from schemas.manifest import StreamIndex
 from schemas.pack_info import PackInfo
-from schemas.pixel_catalog import ROW_DTYPE, Catalog, block_digest, part_file
+from schemas.pixel_catalog import ROW_DTYPE, Catalog, block_digest, fences_file, parse_fences, part_file
 
 log = logging.getLogger(__name__)
 
@@ -86,13 +88,10 @@ class CatalogView:
         self._bad: set[int] = set()
 
     @classmethod
-    def open(cls, loc: PackLocation) -> "CatalogView | None":
-        """The pack's catalog, checked; None when it has none.  ``ValueError`` when it is damaged."""
-        try:
-            catalog = Catalog.read(loc)
-        except DamagedFile as e:
-            raise ValueError(str(e)) from None
-        return None if catalog is None else cls(loc, catalog, catalog.fences(loc))
+    def of(cls, loc: PackLocation, catalog: Catalog, fences: bytes) -> "CatalogView":
+        """A view of ``catalog`` from its fences file as the driver read and checked it (no read here);
+        ``ValueError`` when they do not parse."""
+        return cls(loc, catalog, parse_fences(fences, loc.path(fences_file(catalog.build))))
 
     def rows(self, content: bytes, decode: str) -> "tuple[list[np.void], bool]":
         """``(rows, damaged)``: the catalog rows of ``(content, decode)`` (every resize target it holds)
@@ -153,50 +152,89 @@ def open_old_pack(old: str) -> tuple[PackLocation, int]:
     return loc, info.num_streams
 
 
-def check_old_packs(olds: "Iterable[str]", out: PackLocation | None = None) -> tuple[str, ...]:
-    """The ``--reuse`` packs, each checked to be a pack this version reads (and not ``out``):
-    a wrong one is the user's to fix, in one line (``PackRefused``), before anything runs."""
-    olds = tuple(str(o) for o in olds)
-    for old in olds:
+@dataclass(frozen=True)
+class OpenedPack:
+    """An earlier pack whose ``pack.json`` was read and checked: where it is, its number of streams."""
+
+    uri: str
+    loc: PackLocation
+    streams: int
+
+
+def open_old_packs(olds: "Iterable[str]", out: PackLocation | None = None) -> tuple[OpenedPack, ...]:
+    """The ``--reuse`` packs, each opened (its ``pack.json`` read once) and checked to be a pack this
+    version reads (and not ``out``): a wrong one is the user's to fix, in one line (``PackRefused``),
+    before anything runs."""
+    opened = []
+    for old in (str(o) for o in olds):
         try:
-            loc, _ = open_old_pack(old)
+            loc, streams = open_old_pack(old)
         except (OSError, ValueError, DamagedFile, PackFormatError) as e:
             raise PackRefused(f"--reuse {redact_uri(old)}: {str(e).strip().splitlines()[0]}") from None
         if out is not None and loc.path("") == out.path(""):
             raise PackRefused(f"--reuse {redact_uri(old)} is the output itself (a stream reuses its own shards anyway)")
-    return olds
+        opened.append(OpenedPack(old, loc, streams))
+    return tuple(opened)
+
+
+def check_old_packs(olds: "Iterable[str]", out: PackLocation | None = None) -> tuple[str, ...]:
+    """``open_old_packs``, as the paths or URIs given."""
+    return tuple(o.uri for o in open_old_packs(olds, out))
 
 
 @dataclass(frozen=True)
 class OldPack:
     """An earlier pack as read once (by a job's driver, for all its streams): where it is, the catalog
-    build whose coverage its stream indexes confirm (None: no catalog that holds), and the committed
-    shards that build does not cover, per stream.  A stream given this reads no stream index of OLD:
-    on a store that is one request per OLD stream saved per new stream.  Picklable (Ray task args)."""
+    whose coverage its stream indexes confirm with its fences file (None: no catalog that holds),
+    and the committed shards that catalog does not cover, per stream.  A stream given this reads
+    none of OLD's ``pack.json``, stream indexes, ``catalog.json`` or fences: on a store that is
+    one request per OLD stream and two for the catalog saved per new stream.  Picklable (Ray
+    task args; the fences are ~40 bytes per 256 pictures)."""
 
     uri: str
     readable: bool
-    catalog_build: str | None = None
+    catalog: Catalog | None = None
+    fences: bytes = b""  # the catalog's fences file, held to its sha256 by the driver
     uncovered: "tuple[tuple[int, tuple[CommittedShard, ...]], ...]" = ()
     fallbacks: "tuple[tuple[str, int], ...]" = ()  # counted while reading it (each stream counts them too)
 
+    @property
+    def catalog_build(self) -> str | None:
+        return self.catalog.build if self.catalog is not None else None
 
-def read_old_pack(old: str) -> OldPack:
-    """Read an earlier pack's stream indexes and check its catalog against them; what failed is kept
-    in ``fallbacks`` (a stream counts them as its own)."""
+
+# builds OLD's catalog from the stream indexes read (stream -> committed shards): the new catalog,
+# or None when it could not be written (``prepack.run.catalog.build_for_reuse``)
+CatalogBuilder = Callable[[PackLocation, "dict[int, list[CommittedShard]]"], "Catalog | None"]
+
+
+def read_old_pack(old: "str | OpenedPack", build: CatalogBuilder | None = None) -> OldPack:
+    """Read an earlier pack's stream indexes and check its catalog against them, each file once;
+    with ``build``, a catalog that does not cover exactly what is committed is built first (from
+    the indexes just read).  What failed is kept in ``fallbacks`` (a stream counts them as its own)."""
     mine = ReuseCounts()
     try:
-        loc, streams = open_old_pack(old)
+        opened = old if isinstance(old, OpenedPack) else OpenedPack(str(old), *open_old_pack(old))
     except (OSError, ValueError, DamagedFile, PackFormatError) as e:
         log.warning("reuse: %s is not read (%s); its pictures are decoded", old, e)
         mine.fallback("old_pack_unreadable")
         return OldPack(str(old), False, fallbacks=tuple(mine.fallbacks.items()))
-    committed = _committed(loc, streams, mine)
-    catalog = _checked_catalog(loc, committed, mine)
+    loc = opened.loc
+    committed = _committed(loc, opened.streams, mine)
+    catalog, damaged = _read_catalog(loc)
+    every = {s: committed.get(s, []) for s in range(opened.streams)}
+    # (a stream index that did not read leaves the catalog as it is, as `prepack index` would)
+    if build is not None and not mine.fallbacks and (damaged or catalog is None or not catalog.current_for(every)):
+        built = build(loc, every)
+        if built is not None:
+            catalog, damaged = built, False
+    if damaged:
+        mine.fallback("pixel_catalog_damaged")
+    catalog, fences = _checked_catalog(loc, catalog, committed, mine)
     covered = catalog.covered if catalog is not None else {}
     uncovered = tuple((stream, tuple(shards[covered.get(stream, (0, ""))[0]:])) for stream, shards in committed.items())
-    return OldPack(str(old), True, catalog.build if catalog is not None else None,
-                   tuple((s, sh) for s, sh in uncovered if sh), tuple(sorted(mine.fallbacks.items())))
+    return OldPack(opened.uri, True, catalog, fences, tuple((s, sh) for s, sh in uncovered if sh),
+                   tuple(sorted(mine.fallbacks.items())))
 
 
 def _committed(loc: PackLocation, streams: int, counts: ReuseCounts) -> "dict[int, list[CommittedShard]]":
@@ -218,26 +256,36 @@ def _committed(loc: PackLocation, streams: int, counts: ReuseCounts) -> "dict[in
     return out
 
 
-def _checked_catalog(loc: PackLocation, committed: "dict[int, list[CommittedShard]]", counts: ReuseCounts) -> "Catalog | None":
-    """The pack's catalog when it holds (its checksums, resize and a coverage the stream indexes
-    confirm), else None: its shards' own indexes are read instead."""
+def _read_catalog(loc: PackLocation) -> "tuple[Catalog | None, bool]":
+    """``(catalog.json, damaged)``: None when the pack has none or it does not read."""
     try:
-        view = CatalogView.open(loc)
+        return Catalog.read(loc), False
+    except (OSError, DamagedFile) as e:
+        log.debug("reuse: pixel_catalog_damaged (%s)", e)
+        return None, True
+
+
+def _checked_catalog(loc: PackLocation, catalog: "Catalog | None", committed: "dict[int, list[CommittedShard]]",
+                     counts: ReuseCounts) -> "tuple[Catalog | None, bytes]":
+    """The catalog and its fences file when it holds (its fences' checksum, resize and a coverage
+    the stream indexes confirm), else ``(None, b"")``: its shards' own indexes are read instead."""
+    if catalog is None:
+        return None, b""
+    try:
+        fences = catalog.fence_bytes(loc)
+        parse_fences(fences, loc.path(fences_file(catalog.build)))
     except (OSError, ValueError, pa.ArrowException) as e:
         counts.fallback("pixel_catalog_damaged")
         log.debug("reuse: pixel_catalog_damaged (%s)", e)
-        return None
-    if view is None:
-        return None
-    view.close()
-    if view.catalog.resize != RESIZE_IMPL:
+        return None, b""
+    if catalog.resize != RESIZE_IMPL:
         counts.fallback("pixel_catalog_other_resize")
-        return None
-    for stream in view.catalog.covered:
-        if not view.catalog.holds_for(stream, committed.get(stream, [])):
+        return None, b""
+    for stream in catalog.covered:
+        if not catalog.holds_for(stream, committed.get(stream, [])):
             counts.fallback("pixel_catalog_stale")  # the pack changed under it: not one byte trusted
-            return None
-    return view.catalog
+            return None, b""
+    return catalog, fences
 
 
 @dataclass(frozen=True)

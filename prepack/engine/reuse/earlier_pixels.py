@@ -285,26 +285,17 @@ class PixelReuse:
                 continue
             loc = resolve_location(snapshot.uri)
             view = None
-            if snapshot.catalog_build is not None:
-                view = self._catalog_of(loc, snapshot.catalog_build)
+            if snapshot.catalog is not None:  # as the driver read and checked it: nothing of it read again
+                try:
+                    view = CatalogView.of(loc, snapshot.catalog, snapshot.fences)
+                except ValueError as e:
+                    self._fallback("pixel_catalog_damaged", e)
             self._catalogs.append(view)
             for stream, shards in snapshot.uncovered:
                 self._add_shards(loc, stream, list(shards))
             if view is not None:
                 self.indexed += view.catalog.rows
         log.info("reuse: %d pictures indexed (%d in memory)", self.indexed, len(self._where))
-
-    def _catalog_of(self, loc: PackLocation, build: str) -> "CatalogView | None":
-        """The catalog build the pack was checked with; None (its pictures decoded) if it is no longer
-        readable or another build replaced it since."""
-        try:
-            view = CatalogView.open(loc)
-        except (OSError, ValueError, pa.ArrowException) as e:
-            return self._fallback("pixel_catalog_damaged", e)
-        if view is None or view.catalog.build != build:
-            self.counts.fallback("pixel_catalog_changed")
-            return None
-        return view
 
     def close(self) -> None:
         for _, fut in self._pending.values():

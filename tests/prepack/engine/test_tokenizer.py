@@ -357,3 +357,36 @@ def test_fingerprint_differs_between_tokenizers(qwen, tmp_path):
     small = tk.load_tokenizer(_small_tokenizer_dir(tmp_path / "small"))
     assert tk.tokenizer_fingerprint(qwen) != tk.tokenizer_fingerprint(small)
 
+
+
+def test_recorded_fingerprint_is_computed_once_per_tokenizer(tmp_path, monkeypatch):
+    """A job takes the fingerprint from its record (computed once per tokenizer); another vocabulary
+    or a token added in place is another tokenizer, computed anew; a damaged record is computed
+    again, and a cache that cannot be written still gives the fingerprint."""
+    computed = []
+    real = tk._fingerprint_of
+    monkeypatch.setattr(tk, "_fingerprint_of", lambda *a: computed.append(1) or real(*a))
+    root = tmp_path / "cache"
+    a = tk.load_tokenizer(_small_tokenizer_dir(tmp_path / "a"))
+    first = tk.recorded_fingerprint(a, root)
+    assert first == tk.tokenizer_fingerprint(a) and len(computed) == 2
+    computed.clear()
+    assert tk.recorded_fingerprint(a, root) == first and not computed  # recorded: not computed again
+
+    changed = tmp_path / "c"
+    shutil.copytree(tmp_path / "a", changed)
+    state = json.loads((changed / "tokenizer.json").read_text())
+    state["model"]["merges"] = state["model"]["merges"][:-1]  # the files changed: one merge less
+    (changed / "tokenizer.json").write_text(json.dumps(state))
+    other = tk.load_tokenizer(changed)
+    assert tk.recorded_fingerprint(other, root) == tk.tokenizer_fingerprint(other) != first
+    a.add_tokens(["<new>"])  # the same object, another vocabulary
+    assert tk.recorded_fingerprint(a, root) == tk.tokenizer_fingerprint(a) != first
+
+    b = tk.load_tokenizer(tmp_path / "a")
+    for record in (root / "tokenizer-fingerprints").iterdir():
+        record.write_text('{"key": "x", "fingerprint": "' + "0" * 64 + '"}')  # another key's, or damaged
+    computed.clear()
+    assert tk.recorded_fingerprint(b, root) == first and len(computed) == 1
+    (tmp_path / "not-a-dir").write_text("")
+    assert tk.recorded_fingerprint(b, tmp_path / "not-a-dir") == first

@@ -396,3 +396,37 @@ def test_a_stream_given_old_as_the_driver_read_it_reads_no_stream_index(old, cat
     assert again.catalog_build is None and not again.uncovered
     assert again.fallbacks == ((("pixel_catalog_stale", 1),) if catalog else ())
     reuse.close()
+
+
+@pytest.mark.parametrize("catalog", [True, False], ids=["catalog", "built-by-the-job"])
+def test_a_re_pack_reads_old_once_per_job(old, catalog, tmp_path, tokenizer_and_special, monkeypatch):
+    """A job reads each file of OLD it needs once (pack.json, every stream index, catalog.json, the
+    fences), whatever its number of streams: its streams get them from the driver (``OldPack``) and
+    read none again.  Without a catalog the job builds one first and reads it back not at all."""
+    from schemas.layout import PACK_INFO_NAME, index_file
+    from schemas.location import PackLocation
+
+    monkeypatch.setenv(OWN_SETTING, "0")
+    copy = str(tmp_path / "old")
+    shutil.copytree(old["out"], copy)
+    shutil.rmtree(os.path.join(copy, CATALOG_DIR), ignore_errors=True)
+    if catalog:
+        ensure_catalog(copy)
+    reads: list[str] = []
+    real = PackLocation.read_bytes
+
+    def counted(self, relpath: str) -> bytes:
+        if os.path.abspath(self.base) == os.path.abspath(copy):
+            reads.append(relpath)
+        return real(self, relpath)
+
+    monkeypatch.setattr(PackLocation, "read_bytes", counted)
+    config = _config(old["ds"], str(tmp_path / "new.yaml"), seed=7, num_workers=1,
+                     prepack={"world_size": 2, "batches_per_stream": 2})
+    reused = _pack(config, str(tmp_path / "reused"), tokenizer_and_special, reuse=[copy])
+    assert len(reused.streams) == 2 and _reuse(reused)[1] > 0 and not _reuse(reused)[2]
+    build = Catalog.from_bytes(open(os.path.join(copy, CATALOG_NAME), "rb").read(), "catalog").build
+    wanted = [PACK_INFO_NAME, CATALOG_NAME, fences_file(build), index_file(0), index_file(1)]
+    built_from = [r for r in reads if r.endswith(".pixels.arrow")]  # each shard's pixel index, to build it
+    assert sorted(r for r in reads if r not in built_from) == sorted(wanted), reads
+    assert len(set(built_from)) == len(built_from) and bool(built_from) != catalog
