@@ -8,6 +8,7 @@ Layout of a pack (every name deterministic, no uuids or timestamps)::
     OUT/stream-00003/shard-00000.arrow            Arrow IPC file, one record batch per packed batch
     OUT/stream-00003/shard-00000.pixels.arrow     where each picture of the shard lies, by content (schemas.pixel_index)
     OUT/stream-00003/shard-00000.lineage.parquet  one row per packed sample of the shard (until the stream is done)
+    OUT/stream-00003/shard-00000.sources.json     every source the shard read, by identity (schemas.sources: restorable?)
     OUT/stream-00003/ckpt-00001.json (+ .arrow)   stream state after shard 0 = at the start of shard 1
     OUT/stream-00003/index.arrow                  one row per committed shard: THE commit marker
     OUT/stream-00003/done.json                    the stream finished its budget: totals, drops, digest root
@@ -52,6 +53,7 @@ MANIFEST = "manifest"
 LEASE = "lease"
 SHARD = "shard"
 PIXELS = "pixels"
+SOURCES = "sources"
 SHARD_LINEAGE = "shard_lineage"
 CKPT_JSON = "ckpt_json"
 CKPT_ARROW = "ckpt_arrow"
@@ -68,6 +70,7 @@ LAYOUT: dict[str, str] = {
     SHARD: _STREAM_DIR + "/shard-{shard:05d}.arrow",
     PIXELS: _STREAM_DIR + "/shard-{shard:05d}.pixels.arrow",
     SHARD_LINEAGE: _STREAM_DIR + "/shard-{shard:05d}.lineage.parquet",
+    SOURCES: _STREAM_DIR + "/shard-{shard:05d}.sources.json",
     CKPT_JSON: _STREAM_DIR + "/ckpt-{shard:05d}.json",
     CKPT_ARROW: _STREAM_DIR + "/ckpt-{shard:05d}.arrow",
     INDEX: _STREAM_DIR + "/" + INDEX_NAME,
@@ -75,7 +78,7 @@ LAYOUT: dict[str, str] = {
     TRIMMED: _STREAM_DIR + "/" + TRIMMED_NAME,
     STREAM_LINEAGE: LINEAGE_DIR + "/stream-{stream:05d}.parquet",
 }
-SHARD_FILES = (SHARD, PIXELS, SHARD_LINEAGE)  # numbered by the shard they belong to
+SHARD_FILES = (SHARD, PIXELS, SHARD_LINEAGE, SOURCES)  # numbered by the shard they belong to
 CHECKPOINT_FILES = (CKPT_JSON, CKPT_ARROW)  # numbered by the shard they are the state at the start of
 _CHECKPOINT_EXT = {"json": CKPT_JSON, "arrow": CKPT_ARROW}
 
@@ -90,6 +93,10 @@ def shard_file(stream: int, shard: int) -> str:
 
 def shard_pixels_file(stream: int, shard: int) -> str:
     return LAYOUT[PIXELS].format(stream=stream, shard=shard)
+
+
+def shard_sources_file(stream: int, shard: int) -> str:
+    return LAYOUT[SOURCES].format(stream=stream, shard=shard)
 
 
 def shard_lineage_file(stream: int, shard: int) -> str:

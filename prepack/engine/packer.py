@@ -25,6 +25,7 @@ from prepack.engine.sequence import PackingError, SequenceBuilder
 from prepack.engine.reuse.source_pictures import PictureStore, PixelProvider
 from prepack.engine.sample import Sample
 from prepack.engine.sources import Source, StreamContext, make_source
+from prepack.engine.sources.ledger import NoLedger, SourceLedger
 from prepack.engine.sources.readahead import IOPool, ReadAheadSettings
 from schemas.config import PrepackConfig
 from schemas.mix_change import group_matches
@@ -72,11 +73,13 @@ class PackerOptions:
     fresh pages every batch.  ``read_ahead``: how far sources on an object store read ahead (default:
     from the environment, ``ReadAheadSettings.from_env``).  ``pixels``: where earlier pixels of the
     same pictures can be taken from instead of decoding and resizing
-    (``prepack.engine.reuse.earlier_pixels``)."""
+    (``prepack.engine.reuse.earlier_pixels``).  ``ledger``: told what the sources read, shard by
+    shard (``prepack.engine.sources.ledger``; a stream that may be trimmed)."""
 
     reuse_pixel_table: bool = False
     read_ahead: ReadAheadSettings | None = None
     pixels: PixelProvider | None = None
+    ledger: SourceLedger | None = None
 
 
 def _py_state_to_json(state: tuple) -> list:
@@ -133,8 +136,10 @@ class StreamPacker:
             config_dir=os.path.dirname(cfg.config_path) if cfg.config_path else os.getcwd(),
             io=self._io,
             pictures=self.pictures,
+            ledger=options.ledger if options.ledger is not None else NoLedger(),
         )
-        self.sources: list[Source] = [make_source(g, ctx) for g in cfg.groups]
+        with ctx.ledger.starting():  # what they read now, every shard's restore reads again
+            self.sources: list[Source] = [make_source(g, ctx) for g in cfg.groups]
         self.buffer: list[Sample] = []
         self.batches = 0
         self.tokens = 0

@@ -1,9 +1,12 @@
 """A bounded pack: pack each stream just ahead of the trainings reading it, trim behind them.
 
-``AheadGate.may_pack(stream, records)``: may the stream start another shard, having ``records`` in
-its chain?  Only while that is fewer than the furthest training's position (``prepack.run.trainings``)
-plus ``ahead``.  A shard once started is finished (readers see whole shards), so a stream holds at
-most ``ahead`` plus one shard of batches past the furthest reader.  Readers publish their position
+``AheadGate.holding(stream, records)``: what keeps the stream from starting another shard, having
+``records`` in its chain (None: nothing)?  ``--ahead N``: it has N batches or more past the furthest
+training's position (``prepack.run.trainings``).  A shard once started is finished (readers see
+whole shards), so a stream holds at most ``ahead`` plus one shard of batches past the furthest
+reader.  ``--disk-budget``: the stream's directory and its next shard would not fit in the stream's
+share of the budget (``DiskShare``; the shares add up to the budget, so the pack stays under it
+without the streams talking to each other).  Readers publish their position
 before they would wait for a batch not yet packed, so a packer holding back always hears that they
 caught up.  What may be trimmed meanwhile is the trim policy's to say (``prepack.run.trim_policy``);
 ``JobStreams`` is the job's side: which of its streams may pack now, and its trims every few seconds.
@@ -17,6 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from loader.reader import Pack
+from schemas.errors import UsageError
+from schemas.layout import stream_dir
+from schemas.manifest import TrimmedShards
 from prepack.run import trainings as trainings_module
 from prepack.run.bound import BoundSpec
 from prepack.run.trainings import Trainings
@@ -26,17 +32,62 @@ from schemas.location import PackLocation
 log = logging.getLogger(__name__)
 
 
+RECORD_BYTES_PER_TOKEN = 1024  # a record's most: every token an image patch of 16x16 RGB pixels, stored raw, + arrays
+SHARD_FILES_SLACK = 1 << 20  # a shard's checkpoint, pixel index, lineage and sources beyond its records, at first
+
+
+class DiskShare:
+    """A stream's share of ``--disk-budget``: the budget over the pack's streams.  A stream may start a
+    shard while its directory plus that shard's most (``reserve``) fits in its share.  The reserve is
+    the stream's largest shard so far plus twice its files per shard (checkpoint, pixel index,
+    lineage, sources); before its first shard, ``shard_bytes`` plus the most one record can hold
+    (``max_num_tokens`` 16x16 image patches stored raw) and a checkpoint's slack."""
+
+    def __init__(self, budget: int, pack: Pack):
+        cfg = pack.info.stored_config()
+        self.pack, self.budget = pack, budget
+        self.share = budget // max(1, pack.num_streams)
+        self.first_reserve = cfg.prepack.shard_bytes + cfg.knobs.max_num_tokens * RECORD_BYTES_PER_TOKEN \
+            + SHARD_FILES_SLACK
+        if self.share < self.first_reserve:
+            raise UsageError(f"--disk-budget {budget:,} bytes: each of the {pack.num_streams} streams would get "
+                             f"{self.share:,}, less than one shard and its files may take ({self.first_reserve:,}); "
+                             "raise it, or lower prepack.shard_bytes")
+
+    def holding(self, stream: int) -> "str | None":
+        """Why ``stream`` may not start a shard within its share now (None: it may)."""
+        used = sum(i.size for i in self.pack.location.list(stream_dir(stream)) if i.size is not None)
+        shards = self.pack.index(stream, refresh=True).shards
+        if shards:
+            trimmed = set(TrimmedShards.read(self.pack.location, stream).shards)
+            present = sum(sh.nbytes for sh in shards if sh.shard not in trimmed)
+            reserve = max(sh.nbytes for sh in shards) + 2 * (max(0, used - present) // len(shards))
+        else:
+            reserve = self.first_reserve
+        if used + reserve <= self.share:
+            return None
+        return f"{used:,} bytes on disk + {reserve:,} for its next shard > its share of --disk-budget ({self.share:,})"
+
+
 class AheadGate:
-    """``spec.ahead`` read against the trainings of ``pack`` (None ahead: every shard may start)."""
+    """``spec.ahead`` and ``spec.disk_budget`` read against the trainings of ``pack`` (neither: every
+    shard may start)."""
 
     def __init__(self, spec: BoundSpec, pack: Pack):
         self.spec = spec
         self.trainings = Trainings(spec.progress, pack)
+        self.disk = DiskShare(spec.disk_budget, pack) if spec.disk_budget is not None else None
+
+    def holding(self, stream: int, records: int) -> "str | None":
+        """Why ``stream`` may not start another shard now, having ``records`` in its chain; None: it may."""
+        if self.spec.ahead is not None:
+            reached = self.trainings.reached(stream)
+            if records >= reached + self.spec.ahead:
+                return f"{records} records packed, training at {reached} (--ahead {self.spec.ahead})"
+        return self.disk.holding(stream) if self.disk is not None else None
 
     def may_pack(self, stream: int, records: int) -> bool:
-        if self.spec.ahead is None:
-            return True
-        return records < self.trainings.reached(stream) + self.spec.ahead
+        return self.holding(stream, records) is None
 
 
 @dataclass(frozen=True)
@@ -53,10 +104,9 @@ def wait_to_pack(gate: AheadGate, stream: int, records: int, rule: WaitRule = Wa
     """Wait until ``stream`` may start another shard; False when ``rule.give_up_s`` passed first."""
     start = time.monotonic()
     said = False
-    while not gate.may_pack(stream, records):
+    while (why := gate.holding(stream, records)) is not None:
         if not said:
-            log.info("stream %d: %d records packed, training at %d: waiting (--ahead %d)", stream, records,
-                     gate.trainings.reached(stream), gate.spec.ahead)
+            log.info("stream %d: waiting: %s", stream, why)
             said = True
         if rule.give_up_s is not None and time.monotonic() - start >= rule.give_up_s:
             return False
@@ -81,7 +131,7 @@ class JobStreams:
         self.policy: TrimPolicy | None = None
         self._trimmed_at = -1e9
         if bound is not None and bound.active:
-            self.gate = AheadGate(bound, Pack.open(loc))
+            self.gate = AheadGate(bound, Pack.open(loc))  # a budget no stream's shard fits in: refused here
             self.policy = TrimPolicy.behind_checkpoints(self.gate.trainings, bound.keep)
         self.running: set[int] = set()
 

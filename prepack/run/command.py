@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from prepack.run.bound import DEFAULT_KEEP_CHECKPOINTS, BoundSpec
+from prepack.run.bound import DEFAULT_KEEP_CHECKPOINTS, BoundSpec, parse_disk_budget
 from schemas.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,9 @@ def cmd_run(args) -> int:
     folders = [p for p in args.progress or () if p is not _BAR]
     if _BAR in (args.progress or ()):
         log.warning("--progress without a folder: use --bar (--progress P names a training's progress folder)")
-    bound = BoundSpec(args.ahead, tuple(folders), args.keep_checkpoints) if folders or args.ahead is not None else None
+    budget = parse_disk_budget(args.disk_budget, args.out) if args.disk_budget is not None else None
+    asked = folders or args.ahead is not None or budget is not None
+    bound = BoundSpec(args.ahead, tuple(folders), args.keep_checkpoints, budget) if asked else None
     for line in bound.warnings() if bound is not None else ():
         log.warning("%s", line)
     options = driver.RunOptions(streams=parse_streams(args.streams), reuse=args.reuse or (),
@@ -101,6 +103,10 @@ def add_command(subparsers) -> None:
     r.add_argument("--ahead", type=int, metavar="N",
                    help="a bounded pack: each stream packs at most N batches (plus the shard it is in) past the "
                    "furthest training's position, and waits otherwise; the disk holds what the trainings still need")
+    r.add_argument("--disk-budget", metavar="SIZE",
+                   help="a bounded pack by disk: the pack stays under SIZE (2TiB, 500GB) or a share of the disk's "
+                   "free space at the start (20%%); each stream waits for the trims behind its trainings when its "
+                   "share is full (with --progress; with --ahead too, both hold)")
     add_bound_arguments(r, "with --progress")
     r.add_argument("--bar", action="store_true", help="show the progress bar (default: when stderr is a terminal)")
     r.add_argument("--no-bar", "--no-progress", dest="no_bar", action="store_true",

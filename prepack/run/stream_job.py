@@ -20,6 +20,7 @@ from prepack.engine.packer import PackerOptions
 from prepack.engine.packers import Packer, open_packer
 from prepack.engine.reuse.earlier_packs import OldPack
 from prepack.engine.reuse.earlier_pixels import PixelReuse, own_reuse_on
+from prepack.engine.sources.ledger import SourceLedger
 from prepack.run.ahead import AheadGate, WaitRule, wait_to_pack
 from prepack.run.atomic_files import write_bytes_atomic
 from prepack.run.bound import BoundSpec
@@ -81,6 +82,7 @@ class StartedStream:
     own: bool  # the stream's own committed shards are among its pixel sources
     cpu_start: float
     start: float
+    ledger: SourceLedger
 
     def committed(self, loc: PackLocation, writer: StreamWriter, entry: ShardEntry | None) -> None:
         """After each record: a later pass of this stream may take back the pictures just written."""
@@ -117,9 +119,11 @@ def start_stream(job: StreamJob, loc: PackLocation, stream: int, tokenizer, spec
     elif job.parent is not None:
         start = switch_at(open_parent(job.parent.uri), stream, job.parent.after[stream], tokenizer, special)
     # each batch is written before the next: the packer may reuse one pixel table buffer
-    packer = open_packer(cfg, stream, tokenizer, special, start, PackerOptions(reuse_pixel_table=True, pixels=pixels))
+    ledger = SourceLedger()  # what each shard reads: a trim checks it first (prepack.run.trim_policy)
+    packer = open_packer(cfg, stream, tokenizer, special, start,
+                         PackerOptions(reuse_pixel_table=True, pixels=pixels, ledger=ledger))
     return StartedStream(stream, index, packer, pixels, pixels is not None and own_reuse_on(), cpu_start,
-                         time.perf_counter())
+                         time.perf_counter(), ledger)
 
 
 def finish_stream(cfg: PrepackConfig, loc: PackLocation, started: StartedStream) -> StreamSummary:
@@ -164,22 +168,24 @@ def pack_one_stream(job: StreamJob, stream: int, tokenizer, special,
                     wait: WaitRule = WaitRule()) -> "StreamSummary | Paused":
     """Pack (or continue, or extend) stream ``stream`` of ``job``; returns its summary (done.json).
 
-    With a bound that packs ahead (``job.bound.ahead``), before each new shard the stream waits until
-    the trainings are close enough (``prepack.run.ahead``), as ``wait`` says; a stream that gave up
+    With a bound that holds streams back (``--ahead``, ``--disk-budget``), before each new shard the
+    stream waits until the trainings are close enough and its disk share has room (``prepack.run.ahead``),
+    as ``wait`` says; a stream that gave up
     waiting returns ``Paused`` instead."""
     loc = resolve_location(job.out)
     started = start_stream(job, loc, stream, tokenizer, special)
     if isinstance(started, StreamSummary):
         return started
     packer = started.packer
-    gate = AheadGate(job.bound, Pack.open(loc)) if job.bound is not None and job.bound.ahead is not None else None
+    gate = AheadGate(job.bound, Pack.open(loc)) if job.bound is not None and job.bound.holds_back else None
     offset = job.parent.after[stream] if job.parent is not None else 0  # the chain's records before this pack's
     cfg = job.cfg
     paused = None
     try:
         # a new stream's writer writes ckpt-00000 here, before the packer's first batch
         fmt = ShardFormat(cfg.prepack.shard_bytes, cfg.prepack.compression, job.metadata)
-        with StreamWriter(loc, stream, fmt, Committing(started.index, lambda: state_files(packer.state()))) as writer:
+        commit = Committing(started.index, lambda: state_files(packer.state()), started.ledger.take)
+        with StreamWriter(loc, stream, fmt, commit) as writer:
             if gate is not None and not wait_to_pack(gate, stream, offset + writer.next_record, wait):
                 paused = Paused(stream, offset + writer.next_record)
             for batch in () if paused else packer:

@@ -20,10 +20,11 @@ from loader.reader import Pack
 from loader.state import positions_in, read_state_file  # noqa: F401  (read_state_file: for trim_command)
 from prepack.engine.packer import PackerOptions
 from prepack.engine.packers import open_packer
-from prepack.engine.tokenizer import load_tokenizer, special_token_ids
+from prepack.engine.tokenizer import load_tokenizer, special_token_ids, tokenizer_fingerprint
 from prepack.engine.reuse.earlier_pixels import PixelReuse
 from prepack.run.atomic_files import write_bytes_atomic
 from prepack.run.checkpoint_files import read_checkpoint
+from prepack.run.restorable import RestoreCheck
 from prepack.run.writer import ShardFormat, StreamWriter
 from schemas.compression import Compression
 from schemas.errors import DamagedFile, PackRefused, UsageError
@@ -101,17 +102,28 @@ def restore(out, spans: dict[int, tuple[int, int | None]], tokenizer=None) -> di
     cfg = pack.info.stored_config()
     if cfg.content_hash() != pack.info.config_hash:
         raise DamagedFile(f"{pack.location.base}: the stored config does not hash to its config_hash; not restoring")
-    done: dict[int, list[int]] = {}
+    wanted: dict[int, list[ShardEntry]] = {}
     for stream, (first, last) in sorted(spans.items()):
         pack.check_stream(stream)
         n = pack.switch(stream)
         index = pack.index(stream, refresh=True)
         listed = set(TrimmedShards.read(pack.location, stream).shards)
-        wanted = [sh for sh in index.shards if sh.shard in listed
-                  and n + sh.first_record + len(sh.records) > first and (last is None or n + sh.first_record <= last)]
-        for sh in wanted:
-            if tokenizer is None:
-                tokenizer = special_token_ids(load_tokenizer(cfg.tokenizer))
+        wanted[stream] = [sh for sh in index.shards if sh.shard in listed and n + sh.first_record + len(sh.records)
+                          > first and (last is None or n + sh.first_record <= last)]
+    if any(wanted.values()) and tokenizer is None:
+        tokenizer = special_token_ids(load_tokenizer(cfg.tokenizer))
+    check = RestoreCheck(pack, tokenizer_fingerprint(tokenizer[0]) if tokenizer is not None else None)
+    for stream, shards in wanted.items():  # every shard asked for, before any work
+        for sh in shards:
+            why = check.why_not(stream, sh.shard)
+            if why is not None:
+                raise PackRefused(f"{pack.location.path(shard_file(stream, sh.shard))}: cannot be restored: {why}; "
+                                  "nothing was restored")
+    done: dict[int, list[int]] = {}
+    for stream, shards in wanted.items():
+        index = pack.index(stream)
+        listed = set(TrimmedShards.read(pack.location, stream).shards)
+        for sh in shards:
             log.info("restoring %s from its checkpoint", shard_file(stream, sh.shard))
             _restore_shard(pack, index, sh, tokenizer[0], tokenizer[1], cfg)
             listed.discard(sh.shard)

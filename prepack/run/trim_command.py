@@ -16,20 +16,22 @@ log = logging.getLogger(__name__)
 
 def cmd_trim(args) -> int:
     # the policy reads packs (pyarrow): imported when the command runs, not for `prepack --help`
-    from prepack.run import trim, trim_policy
+    from prepack.run import restorable, trim, trim_policy
 
     if bool(args.state) == bool(args.progress):
         raise UsageError("trim takes --progress P (a training's progress folder), or --state STATE.json")
+    # a shard packed with another tokenizer than a restore would load now cannot be packed again: kept
+    tokenizer = restorable.current_tokenizer(trim.Pack.open(args.dir))
     if args.progress:
         for line in BoundSpec(None, tuple(args.progress), args.keep_checkpoints).warnings():  # checks: one line
             log.warning("%s", line)
-        result = trim_policy.trim_to_progress(args.dir, args.progress, args.keep_checkpoints)
+        result = trim_policy.trim_to_progress(args.dir, args.progress, args.keep_checkpoints, tokenizer)
     else:
         try:
             states = [trim.read_state_file(p) for p in args.state]
         except ValueError as e:
             raise UsageError(f"--state {e}") from None
-        result = trim_policy.trim_pack(args.dir, states)
+        result = trim_policy.trim_pack(args.dir, states, tokenizer)
     for line in result.lines():
         print(line)
     return 0

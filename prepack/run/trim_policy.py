@@ -8,7 +8,9 @@ the earliest chain record any training may still come back to.  Two sources of t
   bounded run as it packs): the earliest of each training's ``keep`` newest checkpoints
   (``prepack.run.trainings``), so a crash rolls back to nothing trimmed.
 
-``TrimPolicy.apply`` is the one loop over streams; the deleting itself (list the shard in
+Whatever the position, a shard goes only if it could be packed again now: its sources unchanged
+and the tokenizer the same (``prepack.run.restorable``); otherwise it is kept and the reason said
+once.  ``TrimPolicy.apply`` is the one loop over streams; the deleting itself (list the shard in
 ``trimmed.json`` first, then delete its records file) is ``prepack.run.trim.trim_shards``.
 """
 
@@ -19,8 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from loader.reader import Pack
+from prepack.engine.sources.ledger import SourceCheck
+from prepack.run.restorable import KeptShards, RestoreCheck
 from prepack.run.trainings import Trainings
 from prepack.run.trim import positions_of, trim_shards
+from schemas.layout import shard_file
 from schemas.manifest import ShardEntry, TrimmedShards
 
 log = logging.getLogger(__name__)
@@ -30,34 +35,44 @@ log = logging.getLogger(__name__)
 class TrimResult:
     shards: dict[int, list[int]] = field(default_factory=dict)  # stream -> shards trimmed now
     freed_bytes: int = 0
+    kept: dict[tuple[int, int], str] = field(default_factory=dict)  # (stream, shard) -> why it could not go
 
     def lines(self) -> list[str]:
         n = sum(len(v) for v in self.shards.values())
-        if not n:
-            return ["nothing to trim: no shard lies wholly behind the positions given"]
-        return [f"trimmed {n} shard(s) of {len(self.shards)} stream(s), {self.freed_bytes / 2**20:,.1f} MiB freed "
-                "(indexes, digests and checkpoints kept: prepack restore packs them again)"]
+        out = [f"trimmed {n} shard(s) of {len(self.shards)} stream(s), {self.freed_bytes / 2**20:,.1f} MiB freed "
+               "(indexes, digests and checkpoints kept: prepack restore packs them again)"] if n else []
+        if self.kept:
+            (stream, shard), why = min(self.kept.items())
+            out.append(f"kept {len(self.kept)} shard(s) behind the trainings that could not be packed again now, "
+                       f"e.g. {shard_file(stream, shard)}: {why}")
+        return out or ["nothing to trim: no shard lies wholly behind the positions given"]
 
 
 @dataclass
 class TrimPolicy:
-    """Trim ``pack``'s shards wholly before ``before(stream)`` (chain records; 0: keep the stream whole)."""
+    """Trim ``pack``'s shards wholly before ``before(stream)`` (chain records; 0: keep the stream whole)
+    that could be packed again now (``tokenizer_fingerprint``: the tokenizer a restore would load)."""
 
     pack: Pack
     before: Callable[[int], int]
+    tokenizer_fingerprint: "str | None" = None
+    kept: KeptShards = field(default_factory=KeptShards)
+    sources: SourceCheck = field(default_factory=SourceCheck)  # each source file hashed once per policy
 
     @classmethod
-    def behind_states(cls, pack: Pack, states: "list[dict | list]") -> "TrimPolicy":
+    def behind_states(cls, pack: Pack, states: "list[dict | list]",
+                      tokenizer_fingerprint: "str | None" = None) -> "TrimPolicy":
         """Nothing at or after the position of any of ``states`` (several trainings or checkpoints)."""
         at = positions_of(pack, states)
-        return cls(pack, lambda s: at.get(s, 0))
+        return cls(pack, lambda s: at.get(s, 0), tokenizer_fingerprint)
 
     @classmethod
-    def behind_checkpoints(cls, trainings: Trainings, keep: int) -> "TrimPolicy":
+    def behind_checkpoints(cls, trainings: Trainings, keep: int,
+                           tokenizer_fingerprint: "str | None" = None) -> "TrimPolicy":
         """Nothing at or after the earliest of each training's ``keep`` newest checkpoints."""
-        return cls(trainings.pack, lambda s: trainings.kept_before(s, keep))
+        return cls(trainings.pack, lambda s: trainings.kept_before(s, keep), tokenizer_fingerprint)
 
-    def may_go(self, stream: int) -> list[ShardEntry]:
+    def behind(self, stream: int) -> list[ShardEntry]:
         """The shards of ``stream`` not trimmed yet whose records all lie before its position."""
         before = self.before(stream)
         if not before:
@@ -68,12 +83,26 @@ class TrimPolicy:
         return [sh for sh in index.shards
                 if n + sh.first_record + len(sh.records) <= before and sh.shard not in listed]
 
+    def may_go(self, stream: int, check: RestoreCheck, result: TrimResult) -> list[ShardEntry]:
+        """The shards behind the position (``behind``) that could be packed again now; the others are
+        kept, in ``result.kept``, and said once."""
+        out = []
+        for sh in self.behind(stream):
+            why = check.why_not(stream, sh.shard)
+            if why is None:
+                out.append(sh)
+            else:
+                result.kept[(stream, sh.shard)] = why
+                self.kept.say(stream, sh.shard, why)
+        return out
+
     def apply(self, streams: "list[int] | range | None" = None, forget: bool = False) -> TrimResult:
         """Trim every shard that may go, of ``streams`` (default: all); ``forget``: drop each stream's
         index from memory after it (a pass over a whole pack)."""
         result = TrimResult()
+        check = RestoreCheck(self.pack, self.tokenizer_fingerprint, self.sources)
         for stream in sorted(range(self.pack.num_streams) if streams is None else streams):
-            shards = self.may_go(stream)
+            shards = self.may_go(stream, check, result)
             if shards:
                 result.shards[stream] = [sh.shard for sh in shards]
                 result.freed_bytes += trim_shards(self.pack, stream, shards)
@@ -82,16 +111,16 @@ class TrimPolicy:
         return result
 
 
-def trim_pack(out, states: "list[dict | list]") -> TrimResult:
+def trim_pack(out, states: "list[dict | list]", tokenizer_fingerprint: "str | None" = None) -> TrimResult:
     """``prepack trim OUT --state ...``: every shard wholly behind the positions of ``states``."""
     pack = Pack.open(out)
-    return TrimPolicy.behind_states(pack, states).apply(forget=True)
+    return TrimPolicy.behind_states(pack, states, tokenizer_fingerprint).apply(forget=True)
 
 
-def trim_to_progress(out, folders: "list[str]", keep: int) -> TrimResult:
+def trim_to_progress(out, folders: "list[str]", keep: int, tokenizer_fingerprint: "str | None" = None) -> TrimResult:
     """``prepack trim OUT --progress ...``: every shard behind the ``keep`` newest checkpoints the
     trainings publishing to ``folders`` kept; a stream some training has not checkpointed ``keep``
     times yet is left whole."""
     trainings = Trainings(folders, Pack.open(out))
     trainings.refresh(force=True)
-    return TrimPolicy.behind_checkpoints(trainings, keep).apply(forget=True)
+    return TrimPolicy.behind_checkpoints(trainings, keep, tokenizer_fingerprint).apply(forget=True)

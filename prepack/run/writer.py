@@ -10,8 +10,10 @@ an upload appears whole or not at all, under its final name; names from ``schema
    read back); the shard ends after the record that makes it reach ``shard_bytes``;
 2. ``shard-k.pixels.arrow``: where each keyed picture's frame lies in it (``schemas.pixel_index``);
 3. ``shard-k.lineage.parquet``: one row per packed sample;
-4. ``ckpt-(k+1).arrow`` then ``.json``: the stream's state after the shard's last record;
-5. ``index.arrow`` rewritten with shard k's row (sizes and digests of 1-4, chained): **the
+4. ``shard-k.sources.json``: every source the shard read, by identity (``schemas.sources``: what a
+   trim checks before it deletes the shard's records, and a restore before it packs them again);
+5. ``ckpt-(k+1).arrow`` then ``.json``: the stream's state after the shard's last record;
+6. ``index.arrow`` rewritten with shard k's row (sizes and digests of 1-3 and 5, chained): **the
    commit**, atomic on a local disk (rename) and on an object store (PUT).
 
 A shard exists exactly when the index lists it; anything after the last listed shard is a crash
@@ -40,14 +42,18 @@ from prepack.run.checkpoint_files import write_checkpoint
 from prepack.run.direct_file import staging_buffer
 from prepack.run.lineage import lineage_table, parquet_bytes
 from schemas.compression import Compression
-from schemas.layout import index_file, shard_file, shard_lineage_file, shard_pixels_file
+from schemas.cost import terms_of
+from schemas.layout import index_file, shard_file, shard_lineage_file, shard_pixels_file, shard_sources_file
 from schemas.location import PackLocation, resolve_location
 from schemas.manifest import RecordEntry, ShardEntry, StreamIndex, shard_metadata
+from schemas.pack_info import SHARD_KEYS
 from schemas.pixel_index import PictureSource, PixelEntry, pixel_index_bytes
 from schemas.pixel_table import StoredImage
 from schemas.record import RECORD_SCHEMA, EncodedRecord, PackedBatch, encode_record, stored_pixel_frames
+from schemas.sources import ShardSources, SourceIdentity
 
 log = logging.getLogger(__name__)
+TOKENIZER_KEY = {name: key for key, name in SHARD_KEYS}["tokenizer_fingerprint"]  # in the shard metadata
 
 
 class _HashingSink:
@@ -110,10 +116,12 @@ class ShardFormat:
 @dataclass(frozen=True)
 class Committing:
     """What a committing writer needs: the stream's ``index`` (as ``recover_stream`` returned it) and
-    ``state``, a call giving the packer's state at that moment as a checkpoint's (json, arrow) bytes."""
+    ``state``, a call giving the packer's state at that moment as a checkpoint's (json, arrow) bytes;
+    ``sources``, a call giving the sources the shard just ended read (``SourceLedger.take``)."""
 
     index: StreamIndex
     state: Callable[[], tuple[bytes, bytes]]
+    sources: "Callable[[], list[SourceIdentity]] | None" = None
 
 
 class StreamWriter:
@@ -141,6 +149,7 @@ class StreamWriter:
         if fmt.shard_bytes <= 0:
             raise ValueError(f"shard_bytes must be positive, got {fmt.shard_bytes}")
         index, state = (commit.index, commit.state) if commit is not None else (None, None)
+        self._sources = commit.sources if commit is not None else None
         start_shard, start_record = start
         self.loc = resolve_location(out)
         self.stream = stream
@@ -196,7 +205,8 @@ class StreamWriter:
         if self._sink.seen is not None:
             self._index_pixels(batch, encoded, self._sink.seen, frames)
         self.last_images = _written_images(batch, encoded, stored, frames)
-        self._records.append(RecordEntry(encoded.digest, int(batch.sequence_length), batch.num_samples))
+        self._records.append(RecordEntry(encoded.digest, int(batch.sequence_length), batch.num_samples,
+                                         tuple(int(x) for x in terms_of(batch))))
         if self._sink.nbytes >= self.shard_bytes:
             return self._commit()
         return None
@@ -234,7 +244,7 @@ class StreamWriter:
         self._lineage = []
 
     def _commit(self) -> ShardEntry:
-        """Steps 1-5 of the module doc for the open shard (1-2 alone without an index)."""
+        """Steps 1-6 of the module doc for the open shard (1-2 alone without an index)."""
         self._ipc.close()
         self._file.commit()
         pixel_index = pixel_index_bytes(self._pixels, RESIZE_IMPL)
@@ -259,6 +269,9 @@ class StreamWriter:
             lineage = parquet_bytes(lineage_table(self.stream, entry.first_record, self._lineage))
             write_bytes_atomic(self.loc, shard_lineage_file(self.stream, entry.shard), lineage)
             entry.lineage_sha256, entry.lineage_rows = sha256_hex(lineage), sum(len(o) for o, _ in self._lineage)
+            if self._sources is not None:
+                doc = ShardSources(self.stream, entry.shard, self.metadata.get(TOKENIZER_KEY, ""), self._sources())
+                write_bytes_atomic(self.loc, shard_sources_file(self.stream, entry.shard), doc.to_json().encode())
             entry.ckpt_json_sha256, entry.ckpt_arrow_sha256 = self._checkpoint(entry.shard + 1)
             self.index.append(entry)
             write_index(self.loc, self.index)  # the commit

@@ -44,6 +44,7 @@ class PackPlan:
     warnings: list[str]
     sample: dict = field(default_factory=dict)
     composition: Composition = field(default_factory=Composition, repr=False)  # of the sampled batches
+    batch_terms: list = field(default_factory=list, repr=False)  # each sampled batch's compute terms (step spread)
     reuse: dict = field(default_factory=dict)  # with --reuse: the packs, the sampled images and those found there
     # with --continue: the pack continued, the switch, and where each group's data stands there (the
     # sampled streams' mean: completed passes + the share of the pass read), from which NEW goes on
@@ -85,6 +86,10 @@ class PackPlan:
             out.append(f"  bounded       disk peak ~{size_text(b['peak_bytes'])} of {size_text(self.output_bytes)} "
                        f"({b['peak_bytes'] / max(self.output_bytes, 1):.0%}): --ahead {b['ahead']}, "
                        f"{b['keep_checkpoints']} checkpoint(s) kept, one every {b['checkpoint_every']:,} steps")
+            # --disk-budget holds each stream to its share with a shard's reserve on top of what it holds
+            fits = b['peak_bytes'] + 2 * self.streams * self.shard_bytes
+            out.append(f"  disk budget   --disk-budget {size_text(fits)} holds that run (the peak plus two shards a "
+                       "stream); a smaller one makes the streams wait for the trims")
         if self.continues:
             c = self.continues
             out.append(f"  continues     {c['from']} after {c['after']}; each group's data stands there at "

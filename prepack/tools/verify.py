@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from loader.reader import Pack, read_shard
+from prepack.run.restorable import RestoreCheck, current_tokenizer
 from prepack.tools.report import CheckReport
 from schemas.errors import PrepackError, ShardTrimmed
 from schemas.layout import (
@@ -29,13 +30,14 @@ from schemas.layout import (
     checkpoint_file,
     done_file,
     index_file,
+    shard_file,
     shard_lineage_file,
     shard_pixels_file,
     stream_lineage_file,
 )
 from schemas.lineage import LINEAGE_SCHEMA, lineage_by_shard, lineage_columns, samples_per_record
 from schemas.location import PackLocation, resolve_location
-from schemas.manifest import PackSummary, ShardEntry, StreamIndex, StreamSummary
+from schemas.manifest import PackSummary, ShardEntry, StreamIndex, StreamSummary, TrimmedShards
 from schemas.pixel_catalog import CATALOG_NAME, ROW_DTYPE, Catalog, block_digest, fences_file, parse_fences, part_file
 
 log = logging.getLogger(__name__)
@@ -284,10 +286,26 @@ def check_catalog(pack: Pack, rep: CheckReport) -> None:
             + (f" ({committed - covered:,} committed since: the next --reuse run indexes them)" if covered < committed else ""))
 
 
-def verify_pack(out: "str | os.PathLike | PackLocation", *, threads: int | None = None,
-                progress: bool = False, metadata_only: bool = False) -> CheckReport:
+def check_restorable(pack: Pack, rep: CheckReport) -> None:
+    """Each trimmed shard: could ``prepack restore`` pack it again now (its sources and tokenizer as
+    they were when it was packed, ``prepack.run.restorable``)?"""
+    check = RestoreCheck(pack, current_tokenizer(pack))
+    trimmed = 0
+    for stream in range(pack.num_streams):
+        for shard in TrimmedShards.read(pack.location, stream).shards:
+            trimmed += 1
+            why = check.why_not(stream, shard)
+            rep.add("restorable", shard_file(stream, shard), why is None,
+                    "its sources and tokenizer are as they were packed" if why is None else why)
+    if not trimmed:
+        rep.add("restorable", "trimmed shards", True, "none is trimmed")
+
+
+def verify_pack(out: "str | os.PathLike | PackLocation", *, threads: int | None = None, progress: bool = False,
+                metadata_only: bool = False, restorable: bool = False) -> CheckReport:
     """Check every file of a pack, one stream at a time (see the module doc); ``metadata_only``
-    checks pack.json, the stream indexes, done.json and the manifest, reading no shard."""
+    checks pack.json, the stream indexes, done.json and the manifest, reading no shard;
+    ``restorable``: also whether each trimmed shard could be packed again now."""
     loc = resolve_location(out)
     rep = CheckReport(f"verify {loc.base}")
     try:
@@ -309,4 +327,6 @@ def verify_pack(out: "str | os.PathLike | PackLocation", *, threads: int | None 
     check_summary(pack, dones, rep)
     if not metadata_only:
         check_catalog(pack, rep)
+    if restorable:
+        check_restorable(pack, rep)
     return rep

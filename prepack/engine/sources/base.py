@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from concurrent.futures import Future
 from typing import Any, Callable, ClassVar, Generator, Iterator
 
@@ -22,6 +22,7 @@ from prepack.engine.accounting import Counters, Drop, Rejected, Warn
 from prepack.engine.decode import ImagePolicy
 from prepack.engine.reuse.source_pictures import PictureStore
 from prepack.engine.sources import files
+from prepack.engine.sources.ledger import NoLedger, SourceLedger
 from prepack.engine.sources.readahead import IOPool, Read, ReadAhead, Reads, plan_of, read_along
 from prepack.engine.sample import Sample
 from schemas.config import GroupConfig
@@ -49,6 +50,7 @@ class StreamContext:
     config_dir: str = ""  # relative paths inside data files (parquet_info keys) resolve here
     io: IOPool | None = None  # the stream's I/O threads: sources on an object store read ahead (None: never)
     pictures: PictureStore | None = None  # decodes pictures (and finds earlier pixels); made from the policy if None
+    ledger: "SourceLedger | NoLedger" = field(default_factory=NoLedger)  # what the sources read, per shard
 
     def __post_init__(self) -> None:
         if self.pictures is None:
@@ -82,18 +84,20 @@ def slice_for_stream(items: list, ctx: StreamContext, name: str, key: Callable |
     return mine[ctx.worker * per_worker : (ctx.worker + 1) * per_worker][::-1]
 
 
-def list_parquet_files(data_dir: str, num_files: int, counters: Counters, group: str) -> list[str]:
+def list_parquet_files(data_dir: str, num_files: int, ctx: "StreamContext", group: str) -> list[str]:
     """The reference's file list for one directory: ``os.listdir`` order, cycled to ``num_files``.
 
     Listing order decides which files are used when ``num_files`` is not a multiple of the file
     count; we use the same call so the same files are chosen on the same machine (an object
     store lists in key order).
     """
-    names = [n for n in files.list_names(data_dir) if n.endswith(".parquet")]
+    listed = files.list_names(data_dir)
+    ctx.ledger.note_listing(data_dir, listed)
+    names = [n for n in listed if n.endswith(".parquet")]
     if not names:
         raise ConfigError(f"group {group}: no .parquet files in {data_dir}")
     if num_files % len(names):
-        counters.warn(Warn.PARQUET_FILE_CHOICE_DEPENDS_ON_LISTING_ORDER, data_dir)
+        ctx.counters.warn(Warn.PARQUET_FILE_CHOICE_DEPENDS_ON_LISTING_ORDER, data_dir)
     paths = [files.join(data_dir, n) for n in names]
     return (paths * (num_files // len(paths) + 1))[:num_files]
 
@@ -171,6 +175,7 @@ class Source:
     def next_sample(self) -> Sample:
         if self._iter is None:
             self.start()
+        self.ctx.ledger.touch(self)  # what it holds, a restore of this shard reads again to go on
         sample = next(self._iter)
         self._fails_in_row = 0
         self._yields_this_pass += 1

@@ -27,12 +27,14 @@ from schemas.kinds import EDIT
 from schemas.record import SampleOrigin
 
 
-def _load_parquet_info(paths: list[str], base: str) -> dict:
+def _load_parquet_info(paths: list[str], base: str, ledger) -> dict:
     """Merged ``parquet_info`` files; relative keys resolve against the config's folder."""
     info: dict = {}
     for p in paths:
         try:
-            d = json.loads(files.read_text(p))
+            raw = files.read_bytes(p)
+            ledger.note_bytes(p, raw)
+            d = json.loads(raw.decode("utf-8"))
         except (OSError, ValueError) as e:
             raise ConfigError(f"parquet_info_path {p}: cannot read JSON ({e})") from None
         if not isinstance(d, dict):
@@ -58,11 +60,12 @@ class EditSource(Source):
 
     def __init__(self, group: GroupConfig, ctx: StreamContext):
         super().__init__(group, ctx)
-        info = _load_parquet_info([d.parquet_info_path for d in group.datasets if d.parquet_info_path], ctx.config_dir)
+        info = _load_parquet_info([d.parquet_info_path for d in group.datasets if d.parquet_info_path],
+                                  ctx.config_dir, ctx.ledger)
         listed: set[str] = set()
         row_groups: list[tuple[str, int, str]] = []
         for ds, num in zip(group.datasets, group.num_used_data):
-            for path in list_parquet_files(ds.data_dir, num, ctx.counters, group.name):
+            for path in list_parquet_files(ds.data_dir, num, ctx, group.name):
                 listed.add(path)
                 if path not in info:
                     ctx.counters.warn(Warn.EDIT_FILE_MISSING_FROM_PARQUET_INFO, path)
@@ -128,6 +131,7 @@ class EditSource(Source):
                 self._failed(Drop.PARQUET_ROW_GROUP_PARSE, f"{path} rg {rg}: {e}")
                 self.pos = [gpos + 1, 0]
                 continue
+            self.ctx.ledger.hold_row_group(self, fetched.result())
             self.pos = [gpos, self.pos[1] if self.pos[0] == gpos else 0]
             while self.pos[1] < table.num_rows:
                 row = self.pos[1]
@@ -143,6 +147,7 @@ class EditSource(Source):
                     continue
                 yield sample
             self.pos = [gpos + 1, 0]
+            self.ctx.ledger.release(self)
 
     def _row(self, table, row: int, origin: SampleOrigin) -> Sample:
         ctx, py = self.ctx, self.ctx.py_rng

@@ -13,6 +13,7 @@ spans being right.  Handles are read-only and may be read from several threads a
 from __future__ import annotations
 
 import collections
+import os
 import threading
 from typing import Sequence
 
@@ -80,6 +81,16 @@ class ParquetHandle:
         self.names = set(self.schema.names)
         self.num_row_groups = self.metadata.num_row_groups
 
+    @property
+    def size(self) -> int:
+        """The file's size in bytes."""
+        return self._size if self._local is None else os.path.getsize(self.path)
+
+    @property
+    def tail(self) -> "tuple[int, bytes] | None":
+        """On a store, the file's last bytes as fetched to open it (its footer): (offset, bytes)."""
+        return None if self._local is not None else self._tail
+
     def _view(self, *extra: tuple[int, bytes]) -> _Spans:
         return _Spans(self._objects, self._key, self._size, dict([self._tail, *extra]))
 
@@ -119,6 +130,15 @@ class RowGroup:
 
     def table(self) -> pa.Table:
         return self.handle._decode(self.rg, self.columns, self._span)
+
+    @property
+    def fetched(self) -> "tuple[int, bytes] | None":
+        """On a store, the column chunks' bytes as fetched: (offset, bytes)."""
+        return self._span
+
+    def chunk_span(self) -> "tuple[int, int] | None":
+        """The byte range decoding reads: the column chunks of ``columns``."""
+        return _chunk_span(self.handle.metadata, self.rg, self.columns)
 
 
 def open_parquet(path: str) -> ParquetHandle:

@@ -49,6 +49,7 @@ from typing import Any, Callable, Generator, Hashable, Iterator
 import pyarrow as pa
 
 from prepack.engine.sources import files
+from prepack.engine.sources.ledger import NoLedger
 from schemas.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -472,11 +473,13 @@ class Prefetched:
 
     ``read_bytes``, ``media``, ``video_source`` and ``list_names`` answer from the futures of the
     row's plan, in the order they were fetched (re-raising a failed fetch there), and read
-    directly what the plan did not fetch (a local path of a mixed group, say).
+    directly what the plan did not fetch (a local path of a mixed group, say).  Each answer is
+    told to the stream's ``ledger`` here, where the row uses it (``prepack.engine.sources.ledger``).
     """
 
-    def __init__(self, futures: "dict[tuple[str, str], list[Future]] | None" = None):
+    def __init__(self, futures: "dict[tuple[str, str], list[Future]] | None" = None, ledger=None):
         self._futures = futures if futures is not None else {}
+        self._ledger = ledger if ledger is not None else NoLedger()
 
     def _get(self, op: str, path: str):
         queued = self._futures.get((op, path))
@@ -484,17 +487,27 @@ class Prefetched:
 
     def read_bytes(self, path: str) -> bytes:
         got = self._get("read", path)
-        return files.read_bytes(path) if got is None else got
+        data = files.read_bytes(path) if got is None else got
+        self._ledger.note_bytes(path, data)
+        return data
 
     def media(self, path: str) -> "str | bytes":
-        return self.read_bytes(path) if files.is_uri(path) else path
+        if files.is_uri(path):
+            return self.read_bytes(path)
+        self._ledger.note_file(path)
+        return path
 
     def video_source(self, path: str):
-        return io.BytesIO(self.read_bytes(path)) if files.is_uri(path) else path
+        if files.is_uri(path):
+            return io.BytesIO(self.read_bytes(path))
+        self._ledger.note_file(path)
+        return path
 
     def list_names(self, directory: str) -> list[str]:
         got = self._get("list", directory)
-        return files.list_names(directory) if got is None else list(got)
+        names = files.list_names(directory) if got is None else list(got)
+        self._ledger.note_listing(directory, names)
+        return names
 
 
 DIRECT = Prefetched({})  # nothing fetched: every call reads directly (never holds futures)

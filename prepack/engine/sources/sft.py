@@ -41,9 +41,10 @@ class _Line:
     valid_utf8: bool
 
 
-def read_lines(path: str) -> list[tuple[str, bool]]:
+def read_lines(path: str, ledger) -> list[tuple[str, bool]]:
     """(line, decodes-as-UTF-8) pairs with ``readlines()`` newline semantics."""
     raw = files.read_bytes(path)
+    ledger.note_bytes(path, raw)
     text = raw.decode("utf-8", errors="surrogateescape")
     out = []
     for line in io.StringIO(text, newline=None).readlines():
@@ -110,7 +111,7 @@ class SftSource(Source):
         super().__init__(group, ctx)
         lines: list[_Line] = []
         for ds, num in zip(group.datasets, group.num_used_data):
-            raw = [(t, ok, i) for i, (t, ok) in enumerate(read_lines(ds.jsonl_path))]
+            raw = [(t, ok, i) for i, (t, ok) in enumerate(read_lines(ds.jsonl_path, ctx.ledger))]
             if group.shuffle_lines:
                 random.Random(group.shuffle_seed).shuffle(raw)
             lines += [_Line(t, ds.data_dir, ds.jsonl_path, i, ds.name, ok) for t, ok, i in raw[:num]]
@@ -166,7 +167,7 @@ class SftSource(Source):
             if op != "end":
                 fetched.setdefault((op, path), []).append(fut)
                 continue
-            objects, fetched = Prefetched(fetched), {}
+            objects, fetched = Prefetched(fetched, self.ctx.ledger), {}
             self.pos = row + 1
             line = self.lines[row]
             origin = SampleOrigin(self.group.name, line.dataset, self.ctx.worker_id, [row], True,

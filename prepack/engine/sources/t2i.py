@@ -38,7 +38,7 @@ class T2ISource(Source):
         super().__init__(group, ctx)
         files: list[tuple[str, str]] = []  # (path, dataset name)
         for info, num in zip(group.datasets, group.num_used_data):
-            files += [(p, info.name) for p in list_parquet_files(info.data_dir, num, ctx.counters, group.name)]
+            files += [(p, info.name) for p in list_parquet_files(info.data_dir, num, ctx, group.name)]
         self.files = slice_for_stream(files, ctx, group.name, key=lambda f: f[0])
         self.pos = [0, 0, 0]  # next (file position, row group, row)
 
@@ -104,6 +104,7 @@ class T2ISource(Source):
                 self._failed(Drop.PARQUET_ROW_GROUP_UNREADABLE, f"{path} rg {rg}: {e}")
                 self.pos = [fpos, rg + 1, 0]
                 continue
+            self.ctx.ledger.hold_row_group(self, fetched.result())
             images = table.column("image") if "image" in names else None
             captions = table.column("captions") if "captions" in names else None
             self.pos = [fpos, rg, self.pos[2] if self.pos[:2] == [fpos, rg] else 0]
@@ -118,6 +119,7 @@ class T2ISource(Source):
                     continue
                 yield sample
             self.pos = [fpos, rg + 1, 0]
+            self.ctx.ledger.release(self)
 
     def _row(self, images, captions, row: int, origin: SampleOrigin) -> Sample:
         ctx, args = self.ctx, self.group.image_transform

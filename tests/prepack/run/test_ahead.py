@@ -28,6 +28,7 @@ from prepack.run.trim import restore
 from prepack.tools.verify import verify_pack
 from schemas.config_file import load_config
 from schemas.errors import UsageError
+from schemas.layout import stream_dir
 from schemas.manifest import TrimmedShards
 from schemas.progress import ProgressFolder
 from tests.helpers.packs import make_dataset, pack_in_process, small_config, small_dataset
@@ -108,6 +109,32 @@ def wait_for_pack_json(out: str, thread: threading.Thread) -> None:
         if os.path.exists(os.path.join(out, "pack.json")) or not thread.is_alive():
             return
         time.sleep(0.05)
+
+
+def run_beside_trainings(pack, out: str, trainers_of, timeout: float) -> list:
+    """``pack()`` in a thread, then the trainings ``trainers_of()`` makes once pack.json exists; both
+    must end (neither waits on the other for ever) and without an error.  The trainings."""
+    result = {}
+
+    def packing():
+        try:
+            pack()
+        except BaseException as e:  # noqa: BLE001 (re-raised below)
+            result["error"] = e
+
+    packer = threading.Thread(target=packing, daemon=True)
+    packer.start()
+    wait_for_pack_json(out, packer)
+    trainers = trainers_of()
+    for t in trainers:
+        t.start()
+    for t in trainers + [packer]:
+        t.join(timeout=timeout)
+        assert not t.is_alive(), "a bounded pack and its trainings must never wait on each other for ever"
+    assert "error" not in result, result.get("error")
+    for t in trainers:
+        assert t.error is None, t.error
+    return trainers
 
 
 def test_ahead_packs_each_stream_just_ahead_of_its_own_rank(unbounded, tmp_path, tokenizer_and_special):
@@ -395,3 +422,51 @@ def test_the_readme_command_packs_beside_a_training_on_a_local_ray(unbounded, tm
     assert proc.returncode == 0, stderr[-2000:]
     assert ids(trainer.seen) == ids(PackedShardDataset(unbounded["out"], rank=0, world_size=1))
     assert digests(out) == digests(unbounded["out"])
+
+
+def _pack_bytes(out: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(out) for n in names
+               if os.path.exists(os.path.join(d, n)))
+
+
+def test_a_disk_budget_is_never_exceeded_beside_two_trainings(tmp_path, tokenizer_and_special, monkeypatch):
+    """``--disk-budget``: the pack (every file of it, checked after each shard commit) stays under the
+    budget while two trainings read it; the records are those of a pack made at once."""
+    from prepack.run.writer import StreamWriter
+
+    root = str(tmp_path)
+    config = small_dataset(root, batches=60, shard_bytes=150_000)
+    whole = pack_in_process(config, os.path.join(root, "whole"), tokenizer_and_special)
+    cfg = load_config(config)
+    first_reserve = 150_000 + cfg.knobs.max_num_tokens * 1024 + (1 << 20)
+    w = Pack.open(whole)
+    # what a stream never trims (checkpoints, pixel indexes, lineage, sources) grows with it: a share has
+    # room for all of it, the first shard's reserve and two shards
+    kept = max(sum(os.path.getsize(os.path.join(whole, stream_dir(s), n)) for n in
+                   os.listdir(os.path.join(whole, stream_dir(s)))) - sum(sh.nbytes for sh in w.index(s).shards)
+               for s in range(cfg.num_streams))
+    biggest = max(sh.nbytes for s in range(cfg.num_streams) for sh in w.index(s).shards)
+    budget = cfg.num_streams * (kept + first_reserve + 2 * biggest)
+    assert _pack_bytes(whole) > 1.2 * budget, ("the budget must bind: the whole pack is larger", _pack_bytes(whole),
+                                               budget)
+    out, progress = str(tmp_path / "out"), str(tmp_path / "progress")
+    peak = [0]
+    real_commit = StreamWriter._commit
+
+    def measured_commit(self):
+        entry = real_commit(self)
+        peak[0] = max(peak[0], _pack_bytes(out))
+        return entry
+
+    monkeypatch.setattr(StreamWriter, "_commit", measured_commit)
+    bound = BoundSpec(None, (progress,), keep=2, disk_budget=budget)
+    run_beside_trainings(
+        lambda: run_pack(cfg, out, RunOptions(inline=True, bar=False, bound=bound), tokenizer=tokenizer_and_special),
+        out, lambda: [Trainer(out, r, 2, progress, every=3, pause_s=0.0 if r == 0 else 0.03, ahead=10**6,
+                              per_shard=0) for r in (0, 1)], timeout=600)
+    assert digests(out) == digests(whole)
+    assert 0 < peak[0] <= budget, (peak[0], budget)
+    assert any(TrimmedShards.read(Pack.open(out).location, s).shards for s in range(cfg.num_streams))
+    with pytest.raises(UsageError, match="less than one shard"):
+        run_pack(cfg, str(tmp_path / "small"), RunOptions(inline=True, bar=False, bound=BoundSpec(
+            None, (progress,), keep=2, disk_budget=first_reserve)), tokenizer=tokenizer_and_special)

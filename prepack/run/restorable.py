@@ -1,0 +1,76 @@
+"""Whether a shard could be packed again now: its sources and tokenizer as they were.
+
+A trimmed shard exists only as its checkpoint and its sources (``prepack.run.trim``), so a trim
+must never delete the records of a shard a restore could not rebuild: the sources it read
+(``schemas.sources``, recorded at pack time by the stream's ``SourceLedger``) must still be there
+with the same bytes, and the tokenizer must be the one it was packed with.  ``RestoreCheck`` says
+why not, in one line naming the file: the trim policy keeps such a shard (and says so once per
+source), ``prepack restore`` refuses before doing any work, ``prepack verify --restorable`` lists
+the trimmed shards it could not restore now.  A restore still checks every file it makes against
+the index's digests: this check says why before the work, it does not replace that one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from loader.reader import Pack
+from prepack.engine.sources.ledger import SourceCheck
+from prepack.engine.tokenizer import load_tokenizer, special_token_ids, tokenizer_fingerprint
+from schemas.errors import DamagedFile
+from schemas.layout import shard_file, shard_sources_file
+from schemas.sources import ShardSources
+
+log = logging.getLogger(__name__)
+
+
+class RestoreCheck:
+    """Why shards of ``pack`` could not be packed again now, or None; ``tokenizer_fingerprint``: the
+    tokenizer a restore would load (None: not checked); ``sources``: the check of the sources, kept
+    by a caller that checks again and again (the running job's trims) so each file is hashed once."""
+
+    def __init__(self, pack: Pack, tokenizer_fingerprint: "str | None" = None, sources: "SourceCheck | None" = None):
+        self.pack = pack
+        self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.sources = sources if sources is not None else SourceCheck()
+
+    def why_not(self, stream: int, shard: int) -> "str | None":
+        """What keeps shard ``shard`` of ``stream`` from being packed again byte for byte, in a few words
+        naming the file (``source /data/a.jpg deleted since it was packed``), or None."""
+        try:
+            doc = ShardSources.read(self.pack.location, stream, shard)
+        except DamagedFile as e:
+            return f"its record of sources is damaged ({e})"
+        if doc is None:
+            return f"no record of the sources it read ({shard_sources_file(stream, shard)} is missing)"
+        if self.tokenizer_fingerprint is not None and doc.tokenizer_fingerprint != self.tokenizer_fingerprint:
+            return (f"the tokenizer a restore loads is not the one it was packed with (fingerprint "
+                    f"{self.tokenizer_fingerprint[:80]}, packed with {doc.tokenizer_fingerprint[:16]})")
+        for ident in doc.sources:
+            problem = self.sources.problem(ident)
+            if problem is not None:
+                return f"source {ident.describe()} {problem} since it was packed"
+        return None
+
+
+def current_tokenizer(pack: Pack) -> str:
+    """The fingerprint of the tokenizer a restore of ``pack`` would load now (its stored config's);
+    a description that matches no fingerprint when it does not load (so nothing counts as restorable)."""
+    try:
+        return tokenizer_fingerprint(special_token_ids(load_tokenizer(pack.info.stored_config().tokenizer))[0])
+    except Exception as e:  # noqa: BLE001 (whatever stops the tokenizer loading stops a restore)
+        return f"(none: the tokenizer does not load: {type(e).__name__}: {e})"
+
+
+class KeptShards:
+    """Shards a trim kept because they could not be restored, each reason said once (a running job
+    trims every few seconds; the first shard a changed source keeps says it)."""
+
+    def __init__(self):
+        self.said: set[str] = set()
+
+    def say(self, stream: int, shard: int, reason: str) -> None:
+        if reason not in self.said:
+            self.said.add(reason)
+            log.warning("%s kept, not trimmed: %s; a restore could not pack it again (so are other shards that "
+                        "read it)", shard_file(stream, shard), reason)
