@@ -174,6 +174,14 @@ class Pack:
             return self.parent.record_digest(stream, record)
         return self.index(stream).record(record - n).digest
 
+    def record_terms(self, stream: int, record: int) -> tuple[int, ...]:
+        """The compute terms (``schemas.cost.COST_TERMS``) of ``record`` of ``stream``, over the whole
+        chain, from the index: what balancing a step weighs, without reading the record."""
+        n = self.switch(stream)
+        if record < n:
+            return self.parent.record_terms(stream, record)
+        return self.index(stream).record(record - n).terms
+
     @property
     def identity(self) -> dict:
         """pack.json as plain data (what the manifest stores); typed: ``info``."""

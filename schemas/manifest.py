@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 import xxhash
 
+from schemas.cost import COST_TERMS
 from schemas.documents import Document, read_document
 from schemas.errors import DamagedFile, PackFormatError
 from schemas.layout import MANIFEST_NAME, done_file, index_file, shard_file, trimmed_file
@@ -133,17 +134,19 @@ class RecordEntry:
     digest: str  # schemas.record.record_digest of the record (hex)
     num_tokens: int  # sequence_length (unpadded)
     num_samples: int
+    terms: tuple[int, ...] = ()  # its compute terms, ``schemas.cost.COST_TERMS`` in order (what balancing reads)
 
 
 class RecordList(Sequence[RecordEntry]):
-    """A shard's records as three columns, read from an index without one object per record.
+    """A shard's records as columns, read from an index without one object per record.
 
-    ``digests`` is the records' 16-byte digests back to back; hex strings are made on access."""
+    ``digests`` is the records' 16-byte digests back to back; hex strings are made on access;
+    ``terms`` their compute terms, int64 ``[records, len(COST_TERMS)]``."""
 
-    __slots__ = ("digests", "tokens", "samples")
+    __slots__ = ("digests", "tokens", "samples", "terms")
 
-    def __init__(self, digests: bytes, tokens: Sequence[int], samples: Sequence[int]):
-        self.digests, self.tokens, self.samples = digests, tokens, samples
+    def __init__(self, digests: bytes, tokens: Sequence[int], samples: Sequence[int], terms: np.ndarray):
+        self.digests, self.tokens, self.samples, self.terms = digests, tokens, samples, terms
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -155,7 +158,8 @@ class RecordList(Sequence[RecordEntry]):
             i += len(self)
         if not 0 <= i < len(self):
             raise IndexError(i)
-        return RecordEntry(self.digests[16 * i:16 * i + 16].hex(), int(self.tokens[i]), int(self.samples[i]))
+        return RecordEntry(self.digests[16 * i:16 * i + 16].hex(), int(self.tokens[i]), int(self.samples[i]),
+                           tuple(int(x) for x in self.terms[i]))
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Sequence) and len(other) == len(self) and all(a == b for a, b in zip(self, other))
@@ -216,7 +220,7 @@ def expected_shard_metadata(info: PackInfo, shard: "ShardEntry") -> dict[str, st
 INDEX_SCHEMA = pa.schema([
     ("shard", pa.int32()), ("nbytes", pa.int64()), ("xxh3", pa.string()), ("first_record", pa.int64()),
     ("record_digests", pa.list_(pa.binary(16))), ("record_tokens", pa.list_(pa.int32())),
-    ("record_samples", pa.list_(pa.int32())), ("root", pa.string()),
+    ("record_samples", pa.list_(pa.int32())), ("record_terms", pa.list_(pa.int64())), ("root", pa.string()),
     ("lineage_sha256", pa.string()), ("lineage_rows", pa.int64()),
     ("ckpt_json_sha256", pa.string()), ("ckpt_arrow_sha256", pa.string()), ("pixels_sha256", pa.string()),
 ])
@@ -227,6 +231,7 @@ INDEX_SCHEMA = pa.schema([
 # stream header and the footer).  Every byte of the file is covered, padding and flatbuffer slack
 # included, without a second file that a crash could leave out of step with the commit marker.
 _SEAL_KEY = "prepack.index_xxh3"
+_TERMS_KEY = "prepack.cost_terms"  # the names of record_terms' columns, in order
 _SEAL_PLACEHOLDER = b"~" * 32
 
 
@@ -243,9 +248,9 @@ def _seal_holds(data: bytes, seal: bytes) -> bool:
     return xxhash.xxh3_128(data.replace(seal, _SEAL_PLACEHOLDER)).hexdigest().encode() == seal
 
 
-def _int_values(arr: pa.Array) -> np.ndarray:
-    """An int32 Arrow array (no nulls) as a numpy view: ``to_numpy`` would import pandas (~50 MB)."""
-    return np.frombuffer(arr.buffers()[1], dtype=np.int32)[arr.offset:arr.offset + len(arr)]
+def _int_values(arr: pa.Array, dtype=np.int32) -> np.ndarray:
+    """An integer Arrow array (no nulls) as a numpy view: ``to_numpy`` would import pandas (~50 MB)."""
+    return np.frombuffer(arr.buffers()[1], dtype=dtype)[arr.offset:arr.offset + len(arr)]
 
 
 @dataclass
@@ -299,12 +304,14 @@ class StreamIndex:
             cols["record_digests"].append([bytes.fromhex(r.digest) for r in s.records])
             cols["record_tokens"].append([r.num_tokens for r in s.records])
             cols["record_samples"].append([r.num_samples for r in s.records])
+            cols["record_terms"].append([int(x) for r in s.records for x in (r.terms or (0,) * len(COST_TERMS))])
             for name in ("root", "lineage_sha256", "lineage_rows", "ckpt_json_sha256", "ckpt_arrow_sha256",
                          "pixels_sha256"):
                 cols[name].append(getattr(s, name))
         meta = {"prepack.format_version": str(FORMAT_VERSION), "prepack.stream": str(self.stream),
                 "prepack.ckpt0_json_sha256": self.ckpt0_json_sha256,
-                "prepack.ckpt0_arrow_sha256": self.ckpt0_arrow_sha256, _SEAL_KEY: _SEAL_PLACEHOLDER.decode()}
+                "prepack.ckpt0_arrow_sha256": self.ckpt0_arrow_sha256, _TERMS_KEY: ",".join(COST_TERMS),
+                _SEAL_KEY: _SEAL_PLACEHOLDER.decode()}
         batch = pa.RecordBatch.from_pydict(cols, schema=INDEX_SCHEMA.with_metadata(meta))
         sink = pa.BufferOutputStream()
         with pa.ipc.new_file(sink, batch.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as w:
@@ -343,17 +350,23 @@ class StreamIndex:
             raise DamagedFile(f"{where}: unexpected index columns")
         if meta.get("prepack.stream") != str(stream):
             raise DamagedFile(f"{where}: index of stream {meta.get('prepack.stream')}, expected {stream}")
+        if meta.get(_TERMS_KEY) != ",".join(COST_TERMS):
+            raise DamagedFile(f"{where}: its records' compute terms are {meta.get(_TERMS_KEY)!r}, this bagel-prepack "
+                              f"counts {','.join(COST_TERMS)!r}")
         # Plain column reads: Table/ChunkedArray helpers and to_numpy would import pyarrow.compute
         # and pandas (~40 MB, 0.4 s) into every training rank.
         scalars = {f.name: table.column(f.name).to_pylist() for f in INDEX_SCHEMA if not f.name.startswith("record_")}
-        lists = {name: table.column(name) for name in ("record_digests", "record_tokens", "record_samples")}
+        lists = {name: table.column(name) for name in ("record_digests", "record_tokens", "record_samples",
+                                                       "record_terms")}
         offsets = _int_values(lists["record_digests"].offsets)
         values = lists["record_digests"].values  # (.flatten() would import pyarrow.compute)
         digests = values.buffers()[1].to_pybytes()[16 * values.offset:16 * (values.offset + len(values))]
         tokens = _int_values(lists["record_tokens"].values)
         samples = _int_values(lists["record_samples"].values)
+        terms = _int_values(lists["record_terms"].values, np.int64).reshape(-1, len(COST_TERMS))
         if not (np.array_equal(offsets, _int_values(lists["record_tokens"].offsets))
-                and np.array_equal(offsets, _int_values(lists["record_samples"].offsets))):
+                and np.array_equal(offsets, _int_values(lists["record_samples"].offsets))
+                and np.array_equal(offsets * len(COST_TERMS), _int_values(lists["record_terms"].offsets))):
             raise DamagedFile(f"{where}: record columns of different lengths")
         index = cls(stream, [], meta.get("prepack.ckpt0_json_sha256", ""), meta.get("prepack.ckpt0_arrow_sha256", ""))
         root, next_record = index._chain_start(), 0
@@ -364,7 +377,7 @@ class StreamIndex:
                                   f"first record {scalars['first_record'][i]}, expected {i} / {next_record})")
             entry = ShardEntry(
                 stream=stream, shard=i, nbytes=scalars["nbytes"][i], xxh3=scalars["xxh3"][i], first_record=next_record,
-                records=RecordList(digests[16 * lo:16 * hi], tokens[lo:hi], samples[lo:hi]),
+                records=RecordList(digests[16 * lo:16 * hi], tokens[lo:hi], samples[lo:hi], terms[lo:hi]),
                 root=scalars["root"][i],
                 lineage_sha256=scalars["lineage_sha256"][i], lineage_rows=scalars["lineage_rows"][i],
                 ckpt_json_sha256=scalars["ckpt_json_sha256"][i], ckpt_arrow_sha256=scalars["ckpt_arrow_sha256"][i],

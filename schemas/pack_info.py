@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 # Of the whole layout (schemas.layout); pack.json names it.  3: stream indexes are sealed; 4: one
 # pixel frame per image and a pixel index per shard, for reuse; 5: record digests by image, frame
 # formats and frame digests in the pixel index, so a later pack passes frames through; 6: a pack may
-# continue another (``parent``): its streams are the parent's first records, then its own.
-FORMAT_VERSION = 6
+# continue another (``parent``): its streams are the parent's first records, then its own; 7: each
+# record's compute terms in the stream index (``schemas.cost``), each shard's sources (``schemas.sources``).
+FORMAT_VERSION = 7
 
 # What a loader state is tied to: the pack's content, not its budget (an extended pack keeps every
 # record, so a state taken before the extension still applies).

@@ -21,7 +21,8 @@ packs (``scripts/make_cost_pack.py`` makes one), unpacked to a temporary folder;
 ``--pack`` are read in turn, and records are taken round-robin over every (pack, stream), so a
 ``--max-records`` prefix has every kind.
 
-**Terms** (one dict per record, ``record_terms``; the CSV's columns after pack, stream, record):
+**Terms** (one dict per record, ``schemas.cost.record_terms``, the cost model's one home; the CSV's
+columns after pack, stream, record):
 
 - ``tokens``: the packed sequence's length (``sequence_length``, = sum of ``sample_lens``);
 - ``samples``: number of samples; ``sum_sq_sample_lens``: sum of the samples' lengths squared
@@ -104,29 +105,30 @@ import platform
 import signal
 import statistics
 import sys
-import tarfile
 import tempfile
 import time
 import types
 from dataclasses import asdict, dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+for _p in (os.path.dirname(os.path.abspath(__file__)), ROOT):  # pack_dirs: a script beside this one
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from pack_dirs import pack_dirs  # noqa: E402
 from torch import nn  # noqa: E402
+
+from schemas.cost import RECORD_TERMS, record_terms  # noqa: E402 (numpy only: what a GPU machine has)
 
 log = logging.getLogger("time_record_cost")
 
 FULL_LLM_LAYERS = 28  # Qwen2.5-7B
 FULL_VIT_LAYERS = 26  # SigLIP-so400m's 27, less the last (BAGEL's vit_select_layer -2)
 
-TERMS = ("tokens", "samples", "sum_sq_sample_lens", "flex_pad", "flex_pad_sq", "vit_images", "vit_tokens",
-         "sum_sq_vit_lens", "vae_images", "vae_canvas_h", "vae_canvas_w", "vae_canvas_pixels", "vae_canvas_sq",
-         "vae_latent_tokens", "ce_tokens", "mse_tokens", "text_tokens")
+TERMS = RECORD_TERMS  # the CSV's term columns
 # the cost model's terms (with an intercept); flex_pad itself is tokens' complement (max_num_tokens - tokens)
 FEATURES = ("tokens", "sum_sq_sample_lens", "flex_pad_sq", "vit_images", "vit_tokens", "sum_sq_vit_lens",
             "vae_images", "vae_canvas_pixels", "vae_canvas_sq", "ce_tokens", "mse_tokens")
@@ -152,28 +154,6 @@ def import_reader():
     from schemas.record import record_to_batch
 
     return Pack, iter_records, record_to_batch
-
-
-def pack_dirs(spec: str, tmp: str) -> list[str]:
-    """The pack folders ``--pack spec`` names: a pack, a folder of packs, or an archive of packs."""
-    if os.path.isfile(spec):
-        if not tarfile.is_tarfile(spec):
-            raise SystemExit(f"--pack {spec}: a file, but not a tar archive")
-        dest = tempfile.mkdtemp(prefix="costpack-", dir=tmp)
-        with tarfile.open(spec) as tar:
-            if sys.version_info >= (3, 12):
-                tar.extractall(dest, filter="data")
-            else:
-                tar.extractall(dest)  # noqa: S202 (our own archive)
-        spec = dest
-    if os.path.exists(os.path.join(spec, "pack.json")):
-        return [spec]
-    found = sorted(os.path.join(d, n) for d, subdirs, _ in os.walk(spec) for n in subdirs
-                   if os.path.exists(os.path.join(d, n, "pack.json")))
-    found = [p for p in found if not any(p != q and p.startswith(q + os.sep) for q in found)]
-    if not found:
-        raise SystemExit(f"--pack {spec}: no pack.json in it or below it")
-    return found
 
 
 @dataclass
@@ -205,6 +185,7 @@ class Shape:
     packed_vae_token_indexes: np.ndarray
     packed_timesteps: np.ndarray
     mse_loss_indexes: np.ndarray
+    terms: dict  # schemas.cost.record_terms of the record
 
 
 def shape_of(pb, where: str) -> Shape:
@@ -225,41 +206,8 @@ def shape_of(pb, where: str) -> Shape:
         packed_latent_position_ids=c(pb.packed_latent_position_ids),
         packed_vae_token_indexes=c(pb.packed_vae_token_indexes),
         packed_timesteps=c(pb.packed_timesteps, np.float32), mse_loss_indexes=c(pb.mse_loss_indexes),
+        terms=record_terms(pb),
     )
-
-
-def record_terms(pb) -> dict[str, int]:
-    """The cost terms of one record (a ``PackedBatch`` or a ``Shape``): see the module doc."""
-    sl = np.asarray(pb.sample_lens, np.int64)
-    vit = np.asarray(pb.vit_token_seqlens, np.int64)
-    if hasattr(pb, "vae_heights"):
-        vh, vw = np.asarray(pb.vae_heights, np.int64), np.asarray(pb.vae_widths, np.int64)
-    else:
-        vae = np.asarray(pb.vae_image_ids, np.int64)
-        vh, vw = np.asarray(pb.image_heights, np.int64)[vae], np.asarray(pb.image_widths, np.int64)[vae]
-    n_vae = len(vh)
-    H, W = (int(vh.max()), int(vw.max())) if n_vae else (0, 0)
-    lat = np.asarray(pb.vae_latent_shapes, np.int64).reshape(-1, 2)
-    pad = int(pb.max_num_tokens) - int(pb.sequence_length) if pb.use_flex else 0
-    return {
-        "tokens": int(pb.sequence_length),
-        "samples": len(sl),
-        "sum_sq_sample_lens": int((sl * sl).sum()),
-        "flex_pad": pad,
-        "flex_pad_sq": pad * pad,
-        "vit_images": len(vit),
-        "vit_tokens": int(vit.sum()),
-        "sum_sq_vit_lens": int((vit * vit).sum()),
-        "vae_images": n_vae,
-        "vae_canvas_h": H,
-        "vae_canvas_w": W,
-        "vae_canvas_pixels": n_vae * H * W,
-        "vae_canvas_sq": n_vae * ((H // 8) * (W // 8)) ** 2,
-        "vae_latent_tokens": int((lat[:, 0] * lat[:, 1]).sum()),
-        "ce_tokens": len(pb.ce_loss_indexes),
-        "mse_tokens": len(pb.mse_loss_indexes),
-        "text_tokens": len(pb.packed_text_ids),
-    }
 
 
 def read_shapes(specs: list[str], max_records: int, tmp: str, verify: bool = True) -> list[Shape]:
@@ -1086,7 +1034,7 @@ def main(argv=None) -> int:
             if args.time_budget and rows and time.perf_counter() - t_begin > args.time_budget:
                 log.info("time budget of %.0f s spent: %d of %d records timed", args.time_budget, n, len(shapes))
                 break
-            terms = record_terms(sh)
+            terms = sh.terms
             try:
                 rec = Record(sh, dims, device, dtype, gen, attention, flex_masks)
                 if n == 0 and warmup:  # compilation, kernels, allocator

@@ -34,6 +34,7 @@ from prepack.engine.reuse.earlier_pixels import PixelReuse
 from prepack.run.chain import Continue, check_continuation, open_parent, switch_at, switch_points
 from prepack.run.lineage import lineage_table, parquet_bytes
 from prepack.tools.composition import Composition, packed_batch_counts
+from schemas.cost import terms_of
 from prepack.tools.plan_report import GroupPlan, PackPlan, size_text
 from prepack.tools.plan_tokenizer import load_plan_tokenizer
 from schemas.compression import Compression
@@ -74,6 +75,7 @@ class _Sample:
     streams: list = field(default_factory=list)
     batch_bytes: list = field(default_factory=list)  # each sampled record's buffer bytes: when to stop sampling
     composition: Composition = field(default_factory=Composition)  # tokens of each kind per sampled batch
+    terms: list = field(default_factory=list)  # each sampled batch's compute terms (schemas.cost), for the step spread
     switch_at: dict = field(default_factory=dict)  # a continuation: group -> passes read at the switch, per stream
 
 
@@ -130,6 +132,7 @@ def _sample_stream(how: _Sampling, stream: int, least: int, most: int, acc: _Sam
             stamps.append(time.process_time())
             acc.batch_bytes.append(record.nbytes)
             acc.composition.add(packed_batch_counts(batch))
+            acc.terms.append([int(x) for x in terms_of(batch)])
             if len(records) >= most:
                 break
             if len(records) >= least and (time.monotonic() > deadline or estimate_settled(acc.batch_bytes)):
@@ -363,6 +366,7 @@ def _project(cfg: PrepackConfig, acc: _Sample, cores: int, times: "tuple[float, 
         shards_per_stream=shards, shard_bytes=int(shard_bytes), record_bytes=record_bytes,
         cpu_core_hours=stream_cpu * n_streams / 3600, wall_hours=(worker_start_s + waves * stream_cpu) / 3600, groups=groups,
         packer_drop_rate=packer_drop_rate, fill=fill, warnings=warnings, composition=acc.composition,
+        batch_terms=list(acc.terms),
         sample={"streams": acc.streams, "batches": acc.batches, "seconds": round(seconds, 2),
                 "cpu_s_per_batch": round(cpu_per_batch, 4)},
     )

@@ -7,21 +7,25 @@ packer) is imported when it runs, so ``prepack plan --help`` stays quick.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import textwrap
 
 from prepack.run.bound import BoundSpec
 from prepack.run.command import add_bound_arguments, add_continue_arguments, add_reuse_argument
+from prepack.tools.stats_command import add_cost_model_argument
 from schemas.errors import UsageError
 
 
 def cmd_plan(args) -> int:
     # the planner packs (pyarrow, torch, the tokenizer): imported when the command runs, not for --help
-    from prepack.tools import plan as planner, plan_schedule
+    from prepack.tools import plan as planner, plan_schedule, step_spread
     from schemas.config_file import load_config  # here too: schemas.config imports numpy and pyarrow
 
     if args.cores is not None and args.cores < 1:
         raise UsageError(f"--cores must be at least 1, got {args.cores}")
+    if args.micro_batches < 1 or args.world_size is not None and args.world_size < 1:
+        raise UsageError("--world-size and --micro-batches take numbers >= 1")
     continue_from = planner.Continue.from_cli(args)
     bounded = None
     if args.ahead is not None:
@@ -38,10 +42,16 @@ def cmd_plan(args) -> int:
                                   sample_streams_n=args.sample_streams, max_seconds=args.max_seconds,
                                   reuse=args.reuse or (), continue_from=continue_from, bounded=bounded)
     plan = plan_schedule.plan_schedule(cfg, options) if cfg.schedule else planner.plan_pack(cfg, options)
+    spread = None
+    if getattr(plan, "batch_terms", None):  # a schedule's plan is per step: weigh a step's own config
+        model = step_spread.cost_model(args.cost_model)
+        spread = step_spread.drawn_spread(model.estimate(plan.batch_terms), args.world_size or cfg.world_size,
+                                          args.micro_batches)
     if args.json:
-        print(json.dumps(plan.to_json(), sort_keys=True))
+        print(json.dumps({**plan.to_json(), **({"step_spread": dataclasses.asdict(spread)} if spread else {})},
+                         sort_keys=True))
     else:
-        for line in plan.lines():
+        for line in plan.lines() + (spread.lines() if spread else []):
             print(line)
     return 0
 
@@ -97,6 +107,13 @@ def add_command(subparsers) -> None:
     pl.add_argument("--ahead", type=int, metavar="N",
                     help="plan a bounded run (prepack run --ahead N): add its disk high-water mark next to the total")
     add_bound_arguments(pl, "with --ahead")
+    pl.add_argument("--world-size", type=int, metavar="W",
+                    help="weigh optimizer steps of W ranks (default: the config's world size): the step spread "
+                    "line draws steps from the sampled batches and says how much slower the slowest rank is than "
+                    "the mean, and what balancing gives")
+    pl.add_argument("--micro-batches", type=int, default=1, metavar="M",
+                    help="micro-batches per rank per optimizer step for the step spread (default 1)")
+    add_cost_model_argument(pl)
     pl.add_argument("--checkpoint-every", type=int, default=1000, metavar="C",
                     help="with --ahead: training steps between the training's checkpoints (default 1000)")
     # skip_teardown: the program ends a plan without the interpreter's teardown (prepack.cli._exit_now)

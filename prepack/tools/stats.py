@@ -27,6 +27,7 @@ import numpy as np
 import polars as pl
 
 from loader.reader import Pack, read_shard
+from prepack.tools.step_spread import cost_model as step_cost_model, pack_spread
 from prepack.tools.composition import COLUMNS, BatchCounts, Composition, record_counts, table_lines
 from prepack.tools.lineage_queries import ROW_KEY, chain_segments, scan_chain_lineage, scan_lineage
 from schemas.manifest import StreamSummary
@@ -436,10 +437,14 @@ def render_html(st: PackStats) -> str:
     return "\n".join(parts)
 
 
-def pack_stats(out, html: str | None = None) -> str:
-    """The plain-text report; with ``html``, also write the page there."""
+def pack_stats(out, html: str | None = None, steps: "tuple[int | None, int]" = (None, 1),
+               cost_model: "str | None" = None) -> str:
+    """The plain-text report; with ``html``, also write the page there; ``steps``: the world size (None:
+    the pack's) and micro-batches per step its step spread is weighed for (``prepack.tools.step_spread``),
+    by the model in the file ``cost_model`` (None: the default)."""
     st = compute_stats(out)
-    text = format_stats(st)
+    spread = pack_spread(out, *steps, model=step_cost_model(cost_model))
+    text = format_stats(st) + "\n\n" + "\n".join(spread.lines())
     if html:
         with open(os.fspath(html), "w", encoding="utf-8") as f:
             f.write(render_html(st))

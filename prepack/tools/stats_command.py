@@ -5,19 +5,38 @@ Registered by ``prepack.cli`` (``add_command``); light to import: the tool (pola
 
 from __future__ import annotations
 
+from schemas.errors import UsageError
+
 
 def cmd_stats(args) -> int:
     # the tool reads packs (pyarrow, numpy): imported when the command runs, not for `prepack --help`
     from prepack.tools import stats as tool
 
     tool.Pack.open(args.dir)  # one line (NotAPack, PackFormatError) when DIR is no pack this version reads
-    report = tool.pack_stats(args.dir, html=args.html)
+    if args.micro_batches < 1 or args.world_size is not None and args.world_size < 1:
+        raise UsageError("--world-size and --micro-batches take numbers >= 1")
+    report = tool.pack_stats(args.dir, html=args.html, steps=(args.world_size, args.micro_batches),
+                             cost_model=args.cost_model)
     print(report)
     return 0
+
+
+def add_cost_model_argument(parser) -> None:
+    """``--cost-model FILE``: what a batch costs, for the step spread (``schemas.cost.CostModel.read``)."""
+    parser.add_argument("--cost-model", metavar="FILE",
+                        help="the step spread's cost model: JSON or YAML {term: ms per unit, intercept: ms}, or a "
+                        "fit scripts/time_record_cost.py wrote (default: BAGEL-7B from FLOPs, docs/performance.md)")
 
 
 def add_command(subparsers) -> None:
     s = subparsers.add_parser("stats", help="fill ratio, group mix, drops, row reuse (polars over the indexes and lineage)")
     s.add_argument("dir")
     s.add_argument("--html", help="also write a self-contained HTML page with plots")
+    s.add_argument("--world-size", type=int, metavar="W",
+                   help="weigh the optimizer steps of W ranks (default: the pack's world size)")
+    s.add_argument("--micro-batches", type=int, default=1, metavar="M",
+                   help="micro-batches per rank per optimizer step (gradient accumulation; default 1): the step "
+                   "spread line says how much slower the slowest rank is than the mean, and what balancing "
+                   "(PackedShardDataset(..., micro_batches=M, balance=True)) gives")
+    add_cost_model_argument(s)
     s.set_defaults(func=cmd_stats)

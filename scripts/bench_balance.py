@@ -1,0 +1,298 @@
+#!/usr/bin/env python
+"""How much of a step's time balancing gives back: the slowest rank against the mean, before and after.
+
+    python scripts/bench_balance.py                          # builds the two cost packs (a few minutes)
+    python scripts/bench_balance.py --pack .costpack/costpack.tar.xz
+    python scripts/bench_balance.py --pack PACK [--pack PACK2] --steps 200 \
+        --cost-fit docs/data/record_cost_fit_h200.json
+
+Why: a step lasts as long as its slowest rank (issue 44; ``loader.balance``).  The packs are
+``scripts/make_cost_pack.py``'s (its functions: camera-sized pictures, NeMo's pretrain knobs
+32768/36864/16384 with flex, a ``default`` mix and a VLM-heavy ``vlm`` mix), built under
+``--out`` when no ``--pack`` is given; ``--pack`` takes a pack folder, a folder of packs, or a
+``.tar``/``.tar.xz`` archive of packs (``make_cost_pack.py``'s ``costpack.tar.xz``).
+
+Every record's cost terms (``schemas.cost.terms_of``) are read through the loader's reader
+(``loader.reader.read_shard``, a projected read of ``schemas.cost.TERM_COLUMNS``: never the
+pixel table; each shard's size, identity and record count checked) and priced by the cost
+model: ``schemas.cost.CostModel.default()`` (BAGEL-7B from FLOPs), or ``--cost-fit`` (the
+``coefficients_ms`` of a ``time_record_cost.py`` fit).  Then for every cell of ``--worlds`` x
+``--micro`` (W ranks, M micro-batches per rank and optimizer step) ``--steps`` steps are
+simulated: each step's W x M batches drawn from the packs' records with replacement by
+``numpy.random.default_rng([seed, W, M])`` (fixed: the same draw every run; a cell does not
+depend on the others).  Per cell:
+
+- **spread**: the slowest rank's summed cost over the mean rank's, averaged over the steps, for
+  the reference assignment (rank r computes batches r*M..r*M+M-1), for ``assign_step`` (balanced
+  batches) and for the ideal (a lower bound: ``loader.balance.ideal_spread``);
+- **step time**: the summed slowest ranks over the steps, balanced (and ideal) over reference;
+- **CPU per step**: ``assign_step``'s own CPU time (``time.thread_time``), mean over the steps.
+
+W=64, M=4 is always simulated (the headline).  "Balanced samples" (M = 1: each step's samples
+re-split among its batches, ``loader.balance.balance_samples``; ``samples_figure``) is simulated
+the same way at W=64 on the records' own samples: the re-split batches are not packed.  With ``--check-csv`` (default: the H200 timings
+in docs/data/, when present) the model is also checked against the full-depth estimates there:
+how it ranks them, its error, and the step time at W=64, M=4 when steps drawn from those records
+are balanced by the model (by tokens alone, by the estimates themselves) and timed by the estimates.
+
+Last line, exactly:
+``balance: step time X of the reference at W=64 M=4 (ideal Y); samples at M=1: Z``
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _p in (os.path.dirname(os.path.abspath(__file__)), ROOT):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import numpy as np  # noqa: E402
+
+from pack_dirs import pack_dirs  # noqa: E402
+from loader.balance import assign_step, balance_samples, ideal_spread, rank_loads, samples_of, step_spread  # noqa: E402
+from loader.reader import Pack, read_shard  # noqa: E402
+from schemas.cost import COST_TERMS, TERM_COLUMNS, CostModel, terms_of  # noqa: E402
+from schemas.record import RECORD_SCHEMA, PackedBatch  # noqa: E402
+
+log = logging.getLogger("bench_balance")
+
+HEADLINE = (64, 4)  # (W, M) of the last line
+CHECK_CSV = os.path.join(ROOT, "docs", "data", "record_cost_h200.csv")
+_COLUMNS = sorted(TERM_COLUMNS, key=RECORD_SCHEMA.get_field_index)  # a projection reads in schema order
+_SCALARS = ("use_flex", "max_num_tokens", "sequence_length")
+
+
+# -- the packs ----------------------------------------------------------------------------------
+def build_packs(out: str, batches: int, seed: int) -> list[str]:
+    """``make_cost_pack.py``'s two packs (``default``, ``vlm``) under ``out``, by the product's command."""
+    import make_cost_pack as mcp  # a script beside this one (PIL, yaml): only when packs are built
+
+    ds = mcp.make_data(os.path.join(out, "data"), seed)
+    dests = []
+    for mix in ("default", "vlm"):
+        cfg = mcp.config(ds, batches, seed, mix, mcp.VLM_WEIGHTS if mix == "vlm" else None)
+        dest = os.path.join(out, mix)
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "prepack.cli", "run", cfg, "--out", dest, "--no-ray", "--no-progress"],
+                       cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": ROOT},
+                       stdout=sys.stderr)  # this one's stdout holds the figures only
+        log.info("pack %s: %d records in %.0f s", mix, mcp.records(dest), time.perf_counter() - t0)
+        dests.append(dest)
+    return dests
+
+
+def cost_view(record) -> PackedBatch:
+    """The fields ``terms_of`` reads, from a projected record (the others left empty)."""
+    fields = {name: record.column(name)[0].as_py() for name in _SCALARS}
+    for name in _COLUMNS:
+        if name not in _SCALARS:
+            fields[name] = record.column(name).flatten().to_numpy(zero_copy_only=False)
+    fields["vae_latent_shapes"] = fields["vae_latent_shapes"].reshape(-1, 2)
+    return PackedBatch(vit_patch_size=0, **fields)
+
+
+def read_terms(pack_dir: str) -> np.ndarray:
+    """Every record's ``COST_TERMS`` of one pack, stream by stream, int64 [records, terms]: from the
+    stream indexes, which store them (no record is read)."""
+    pack = Pack.open(pack_dir)
+    rows = [pack.record_terms(s, i) for s in range(pack.num_streams) for i in range(pack.num_records(s))]
+    return np.array(rows, np.int64).reshape(-1, len(COST_TERMS))
+
+
+def model_of(fit_path: str | None) -> tuple[CostModel, str]:
+    """The default model, or a ``time_record_cost.py`` fit's (``CostModel.read``)."""
+    if not fit_path:
+        return CostModel.default(), "default (BAGEL-7B from FLOPs)"
+    return CostModel.read(fit_path), f"fit {fit_path}"
+
+
+# -- the simulation -------------------------------------------------------------------------------
+@dataclass
+class Cell:
+    """One (W, M) cell's figures over its steps."""
+
+    world_size: int
+    micro_batches: int
+    steps: int
+    reference: float  # mean spread (slowest / mean rank), reference assignment
+    balanced: float  # the same, assign_step
+    ideal: float  # the same, the lower bound
+    step_time: float  # sum of slowest ranks, balanced / reference
+    ideal_time: float  # sum of lower bounds / reference
+    cpu_us: float  # assign_step's CPU per step
+
+
+def simulate(costs: np.ndarray, world_size: int, micro_batches: int, steps: int, seed: int) -> Cell:
+    """``steps`` steps of W x M batches drawn from ``costs`` (with replacement, fixed seed)."""
+    rng = np.random.default_rng([seed, world_size, micro_batches])
+    n = world_size * micro_batches
+    spreads = np.zeros((steps, 3))
+    slowest = np.zeros((steps, 3))
+    cpu = 0
+    for t in range(steps):
+        c = costs[rng.integers(len(costs), size=n)]
+        t0 = time.thread_time_ns()
+        a = assign_step(c, world_size, micro_batches)
+        cpu += time.thread_time_ns() - t0
+        ref, bal = rank_loads(c, world_size, micro_batches), rank_loads(c, world_size, micro_batches, a)
+        mean = c.sum() / world_size
+        ideal = ideal_spread(c, world_size, micro_batches)
+        spreads[t] = (step_spread(c, world_size, micro_batches), step_spread(c, world_size, micro_batches, a), ideal)
+        slowest[t] = (ref.max(), bal.max(), ideal * mean)
+    ref_time = slowest[:, 0].sum()
+    return Cell(world_size, micro_batches, steps, *spreads.mean(axis=0).tolist(),
+                float(slowest[:, 1].sum() / ref_time), float(slowest[:, 2].sum() / ref_time), cpu / steps / 1e3)
+
+
+SAMPLES_W = 64  # the W of "samples at M=1" in the last line
+
+
+def read_steps_samples(pack_dir: str, model: CostModel) -> list[tuple[list, float, int]]:
+    """Every record of one pack as ``balance_samples`` sees it: (its samples, its fixed cost, its
+    capacity ``max_num_tokens``), from a projected read (never the pixel table)."""
+    pack = Pack.open(pack_dir)
+    out = []
+    for stream in range(pack.num_streams):
+        for shard in pack.index(stream).shards:
+            for _, record in read_shard(pack, shard, columns=_COLUMNS):
+                batch = cost_view(record)
+                samples, fixed = samples_of(batch, model)
+                out.append((samples, fixed, int(batch.max_num_tokens)))
+        pack.forget(stream)
+    return out
+
+
+def samples_figure(pack_dirs_: list[str], model: CostModel, args) -> float | None:
+    """Balanced samples' step time over the reference at M = 1, W = ``SAMPLES_W``: steps drawn from
+    the packs' records (as ``simulate`` draws), each step's samples re-split by
+    ``loader.balance.balance_samples`` (VAE samples in place, within each batch's max_num_tokens)
+    and its slowest batch compared with the reference's.  A simulation of what the pack-time option
+    would give: the re-split batches are not packed here."""
+    records = [r for d in pack_dirs_ for r in read_steps_samples(d, model)]
+    if not records:
+        return None
+    rng = np.random.default_rng([args.seed, SAMPLES_W, 1])
+    ref_time = bal_time = 0.0
+    for _ in range(args.steps):
+        step = [records[i] for i in rng.integers(len(records), size=SAMPLES_W)]
+        # a batch's cost: the intercept, its fixed part (its VAE canvas stays with it), its samples'
+        cost = lambda b, taken: model.intercept + step[b][1] + sum(step[src][0][k].cost for src, k in taken)  # noqa: E731
+        ref_time += max(cost(b, [(b, k) for k in range(len(step[b][0]))]) for b in range(SAMPLES_W))
+        split = balance_samples([r[0] for r in step], [r[2] for r in step], [r[1] for r in step])
+        bal_time += max(cost(b, taken) for b, taken in enumerate(split))
+    return bal_time / ref_time
+
+
+def model_check(path: str, model: CostModel, steps: int, seed: int) -> list[str]:
+    """The model against ``time_record_cost.py``'s full-depth estimates: how it ranks them, its
+    error, and what balancing by it gives when the step is timed by the estimates themselves."""
+    if not path or not os.path.exists(path):
+        return []
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows or "est_full_ms" not in rows[0]:
+        return []
+    terms = np.array([[int(r[k]) for k in COST_TERMS] for r in rows], np.int64)
+    measured = np.array([float(r["est_full_ms"]) for r in rows])
+    est = model.estimate(terms)
+    tokens = terms[:, COST_TERMS.index("tokens")].astype(float)
+    rank = lambda a: np.argsort(np.argsort(a, kind="stable"), kind="stable")  # noqa: E731
+    spearman = lambda a: float(np.corrcoef(rank(a), rank(measured))[0, 1])  # noqa: E731
+    err = np.abs(est / measured - 1)
+    scaled = np.abs(est * (measured.mean() / est.mean()) / measured - 1)
+    where = os.path.relpath(path, ROOT)
+    lines = [f"cost model vs {where} ({len(rows)} records' full-depth estimates): "
+             f"Spearman {spearman(est):.3f} (tokens alone {spearman(tokens):.3f}); error median "
+             f"{100 * np.median(err):.1f}%, max {100 * err.max():.1f}% (scale-free: median "
+             f"{100 * np.median(scaled):.1f}%, max {100 * scaled.max():.1f}%); "
+             f"mean estimate {est.mean() / measured.mean():.3f} of measured"]
+    w, m = HEADLINE
+    rng = np.random.default_rng([seed, w, m])
+    slowest = np.zeros(4)  # reference; balanced by the model, by tokens alone, by the estimates themselves
+    for _ in range(steps):
+        idx = rng.integers(len(rows), size=w * m)
+        c = measured[idx]
+        slowest += [rank_loads(c, w, m).max()] + [rank_loads(c, w, m, assign_step(by[idx], w, m)).max()
+                                                  for by in (est, tokens, measured)]
+    lines.append(f"  timed by those estimates, W={w} M={m}, {steps} steps drawn from its records: step time "
+                 f"{slowest[1] / slowest[0]:.3f} of the reference balanced by the model (by tokens alone "
+                 f"{slowest[2] / slowest[0]:.3f}, by the estimates themselves {slowest[3] / slowest[0]:.3f})")
+    return lines
+
+
+def ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pack", action="append", default=[],
+                    help="a pack, a folder of packs or an archive of packs (repeatable); "
+                         "none: build make_cost_pack's two")
+    ap.add_argument("--out", default=None, help="where packs are built when no --pack (default: a temporary folder)")
+    ap.add_argument("--batches", type=int, default=40, help="records per stream of each built pack (default 40)")
+    ap.add_argument("--worlds", type=ints, default=[8, 64, 512], help="W values (default 8,64,512)")
+    ap.add_argument("--micro", type=ints, default=[1, 4, 8], help="M values (default 1,4,8)")
+    ap.add_argument("--steps", type=int, default=100, help="steps simulated per cell (default 100)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the draw (and of built packs; default 0)")
+    ap.add_argument("--cost-fit", default=None, help="a time_record_cost.py fit JSON instead of the default model")
+    ap.add_argument("--check-csv", default=CHECK_CSV, help="time_record_cost.py CSV to check the model on ('' : none)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    if args.steps < 1 or min(args.worlds + args.micro, default=0) < 1:
+        ap.error("--steps, --worlds and --micro must be >= 1")
+    from machine import machine_line  # a script beside this one (it imports the resize kernel)
+
+    print(machine_line())
+    model, model_name = model_of(args.cost_fit)
+    with tempfile.TemporaryDirectory(prefix="bench-balance-") as tmp:
+        if args.pack:
+            dirs = [d for spec in args.pack for d in pack_dirs(spec, tmp)]
+        else:
+            out = os.path.abspath(args.out or os.path.join(tmp, "packs"))
+            os.makedirs(out, exist_ok=True)
+            dirs = build_packs(out, args.batches, args.seed)
+        t0 = time.perf_counter()
+        per_pack = [read_terms(d) for d in dirs]
+        read_s = time.perf_counter() - t0
+        samples = samples_figure(dirs, model, args)
+    terms = np.concatenate(per_pack)
+    if not len(terms):
+        raise SystemExit("no records in the packs")
+    costs = model.estimate(terms)
+    names = ", ".join(f"{os.path.basename(os.path.normpath(d))} ({len(t)})" for d, t in zip(dirs, per_pack))
+    print(f"records: {len(terms)} from {len(dirs)} pack(s): {names}; terms read in {read_s:.2f} s")
+    print(f"cost model: {model_name}; per record {costs.min():.0f}-{costs.max():.0f} ms (mean {costs.mean():.0f}, "
+          f"max/min {costs.max() / max(costs.min(), 1e-12):.2f})")
+    for line in model_check(args.check_csv, model, args.steps, args.seed):
+        print(line)
+    print(f"draw: each step's W x M batches from the {len(terms)} records with replacement, "
+          f"numpy default_rng([seed={args.seed}, W, M]); {args.steps} steps per cell")
+    print(f"{'W':>4} {'M':>2}  spread: reference balanced  ideal   step time: balanced  ideal   CPU/step")
+    grid = [(w, m) for w in args.worlds for m in args.micro]
+    cells = {}
+    for w, m in grid + ([HEADLINE] if HEADLINE not in grid else []):
+        cell = cells[(w, m)] = simulate(costs, w, m, args.steps, args.seed)
+        print(f"{w:>4} {m:>2}  {cell.reference:17.4f} {cell.balanced:8.4f} {cell.ideal:6.4f}   "
+              f"{cell.step_time:19.4f} {cell.ideal_time:6.4f}   {cell.cpu_us:7.0f} us")
+    head = cells[HEADLINE]
+    z = "n/a" if samples is None else f"{samples:.3f}"
+    print(f"balance: step time {head.step_time:.3f} of the reference at W={HEADLINE[0]} M={HEADLINE[1]} "
+          f"(ideal {head.ideal_time:.3f}); samples at M=1: {z}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
