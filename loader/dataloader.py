@@ -26,6 +26,8 @@ import pyarrow.fs as pafs
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from loader.dataset import PackedShardDataset
+from loader.state import checkpoint_entry
+from schemas.cost import CostModel
 from schemas.progress import ProgressFolder
 
 log = logging.getLogger(__name__)
@@ -78,12 +80,7 @@ class ProgressDataLoader(StatefulDataLoader):
                 log.warning("no dataset state found in the DataLoader's state (a torchdata version with another "
                             "layout?): no checkpoint published to the progress folder; training goes on")
             return state
-        positions: dict[int, int] = {}
-        last: dict[int, str] = {}
-        for st in states:
-            positions.update(zip((int(s) for s in st["streams"]), (int(p) for p in st["positions"])))
-            if st.get("last") is not None:
-                last.update(zip((int(s) for s in st["streams"]), (str(x) for x in st["last"])))
+        positions, last = checkpoint_entry(states)
         progress.checkpoint(dataset.fingerprint, dataset.world_size, dataset.rank, positions, last)
         return state
 
@@ -101,6 +98,9 @@ def build_dataloader(
     prefetch: int = 2,
     filesystem: pafs.FileSystem | None = None,
     progress: "str | os.PathLike | ProgressFolder | None" = None,
+    micro_batches: int = 1,
+    balance: bool = False,
+    cost_model: CostModel | None = None,
 ) -> StatefulDataLoader:
     """A ``StatefulDataLoader`` over this rank's share of the pack at ``packed_dir``.
 
@@ -111,10 +111,14 @@ def build_dataloader(
     Resume: ``loader.load_state_dict(state)`` before iterating, with the state of the same rank.
     ``progress``: the folder where the training's live position and checkpoints are published
     (module doc); then the loader is a ``ProgressDataLoader``.
+    ``balance=True`` deals each optimizer step's ``micro_batches`` x world-size batches to the
+    ranks by their estimated cost (``cost_model``; ``loader.balanced``): iterate ``micro_batches``
+    batches per optimizer step and normalize the loss by the step's global token counts.
     """
     dataset = PackedShardDataset(
         packed_dir, rank=rank, world_size=world_size, verify=verify, prefetch=prefetch, filesystem=filesystem,
-        progress=progress, publish_checkpoints=False,
+        progress=progress, publish_checkpoints=False, micro_batches=micro_batches, balance=balance,
+        cost_model=cost_model,
     )
     return (StatefulDataLoader if progress is None else ProgressDataLoader)(
         dataset,

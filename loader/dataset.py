@@ -25,6 +25,15 @@ worker) with ``PackedShardDataset.merge_states(states)`` and load the merged sta
 rank; each stream then continues at its next unread record under the new assignment, so every
 batch is read exactly once overall.
 
+Balanced steps (``balance=True``, ``micro_batches=M``; ``loader.balanced``): each optimizer step's
+W x M reference batches are dealt to the ranks, M each, evening out the slowest rank's estimated
+cost (``cost_model``, default ``CostModel.default()``); every rank computes the same assignment
+from the index.  Inside a DataLoader with J workers, worker j yields items j, j+J, ... of the
+rank's balanced sequence (each worker computes the whole sequence and reads only its items).  The
+state is the optimizer step, the item within it and every stream's position at the step's start;
+``merge_states`` of every rank's balanced states at one step boundary loads on any world size,
+balanced or not.  Without ``balance`` nothing changes.
+
 ``progress`` (a folder, ``file://`` or ``s3://`` URI; ``schemas.progress``) publishes where the
 training stands, for a pack that is bounded by it: ``prepack run --ahead N --progress P`` packs
 at most N batches past the live position, ``prepack trim --progress P`` trims behind the K
@@ -47,12 +56,16 @@ from typing import Any
 import pyarrow.fs as pafs
 import torch
 
+from loader.balanced import (BalancedRun, StepStart, after, balanced_order, check_start, cost_fingerprint,
+                             fresh_start, read_balanced)
 from loader.batch import SimpleCustomBatch
+from loader.index_window import StreamWindows
 from loader.prefetch import Prefetcher
 from loader.progress import ProgressPublisher
 from loader.reader import Follow, Pack
-from loader.state import LoaderState, MergedState, WorkerState, merge_states, state_from_dict
+from loader.state import BalancedState, LoaderState, MergedState, WorkerState, merge_states, state_from_dict
 from loader.stream import interleaved_batches
+from schemas.cost import CostModel
 from schemas.progress import ProgressFolder
 
 
@@ -99,8 +112,17 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         progress: "str | os.PathLike | ProgressFolder | None" = None,
         live_every_s: float = 5.0,
         publish_checkpoints: bool = True,
+        micro_batches: int = 1,
+        balance: bool = False,
+        cost_model: CostModel | None = None,
     ):
         super().__init__()
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
+        if cost_model is not None and not balance:
+            raise ValueError("cost_model weighs balanced steps: give it with balance=True")
+        if cost_model is not None and not isinstance(cost_model, CostModel):
+            raise ValueError(f"cost_model must be a schemas.cost.CostModel, got {type(cost_model).__name__}")
         self.pack = Pack.open(path, filesystem)
         self.rank = _env_int("RANK", 0) if rank is None else int(rank)
         self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else int(world_size)
@@ -118,6 +140,14 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         self._pid = os.getpid()
         self.progress = None if progress is None else ProgressPublisher(progress, live_every_s=live_every_s)
         self.publish_checkpoints = publish_checkpoints
+        self.micro_batches = micro_batches
+        self.balance = bool(balance)
+        self.cost_model = (cost_model or CostModel.default()) if balance else None
+        self._balanced_run = BalancedRun(self.fingerprint, self.rank, self.world_size, micro_batches,
+                                         cost_fingerprint(self.cost_model), tuple(self.streams)) if balance else None
+        self._start: StepStart | None = None  # balanced: where the next iteration starts, and its first item
+        self._first = 0
+        self._at: tuple[StepStart, int] | None = None  # balanced: (step start, this worker's next item)
 
     def num_batches(self) -> int:
         """Batches committed for this rank so far (all DataLoader workers together); final once the
@@ -135,6 +165,8 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         self._split = (info.id, info.num_workers) if info is not None else (0, 1)
         if os.getpid() != self._pid:  # a forked DataLoader worker: an object-store client of its own
             self.pack, self._pid = self.pack.reopened(), os.getpid()
+        if self.balance:
+            return self._iter_balanced()
         streams = self._worker_streams()
         self._positions = [0] * len(streams)
         self._firsts = [0] * len(streams)
@@ -184,6 +216,80 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         finally:
             prefetcher.close()
 
+    # --- balanced steps (loader.balanced) ---------------------------------------------------------
+    def _rank_streams(self) -> list[list[int]]:
+        """Every rank's streams in its interleaving order (each rank's reference)."""
+        p = self.pack
+        return [streams_for_rank(p.num_streams, p.world_size, p.num_workers, r, self.world_size)
+                for r in range(self.world_size)]
+
+    def _windows(self, model: CostModel | None) -> StreamWindows:
+        return StreamWindows(self.pack, model, self.follow)
+
+    def _iter_balanced(self) -> Iterator[SimpleCustomBatch]:
+        worker, workers = self._split
+        if self._pending is not None:
+            state, self._pending = self._pending, None
+            if isinstance(state, BalancedState) and (state.worker, state.num_workers) != self._split:
+                raise ValueError(f"balanced state is for DataLoader worker {state.worker} of {state.num_workers}; "
+                                 f"this is worker {worker} of {workers}")
+        start, first = self._start or fresh_start(self.pack.num_streams), self._first
+        self._start, self._first = None, 0  # a later iter() without a state starts afresh, as without balance
+        if first % workers != worker:  # a fresh start: this worker's first item
+            first += (worker - first) % workers
+        self._at = (start, first)
+        windows = self._windows(self.cost_model)
+        order = balanced_order(windows, self._rank_streams(), self.rank, self.micro_batches, start, first)
+        mine = (item for item in order if item.index % workers == worker)
+        source = read_balanced(windows, mine, self.verify)
+        prefetcher = Prefetcher(source, self.prefetch, f"prefetch-rank{self.rank}-worker{worker}")
+        return self._hand_out_balanced(prefetcher)
+
+    def _published_streams(self) -> list[int]:
+        """The streams this worker's live file covers: its share of the rank's own streams."""
+        worker, workers = self._split
+        return self.streams[worker::workers]
+
+    def _hand_out_balanced(self, prefetcher: Prefetcher) -> Iterator[SimpleCustomBatch]:
+        workers, m = self._split[1], self.micro_batches
+        live, mine = None, self._published_streams()
+        if self.progress is not None:
+            live = self.progress.live(self.fingerprint, self.world_size, self.rank, self._split[0], mine)
+            live.update([self._at[0].positions[s] for s in mine], now=True)
+        try:
+            while True:
+                if live is not None and not prefetcher.ready():
+                    live.update([self._at[0].positions[s] for s in mine], now=True)
+                try:
+                    item, batch = next(prefetcher)
+                except StopIteration:
+                    break
+                self._at = after(item, workers, m)
+                if live is not None:
+                    live.update([self._at[0].positions[s] for s in mine])
+                yield batch
+            if live is not None:
+                live.update([self._at[0].positions[s] for s in mine], now=True)
+        finally:
+            prefetcher.close()
+
+    def _balanced_state(self) -> BalancedState:
+        worker, workers = self._split
+        if self._at is not None:
+            start, nxt = self._at
+        else:  # not iterated yet: where the next iteration starts
+            start = self._start or fresh_start(self.pack.num_streams)
+            nxt = self._first + (worker - self._first) % workers
+        return self._balanced_run.state(start, nxt, worker, workers)
+
+    def _load_balanced(self, st: LoaderState) -> None:
+        start, first = self._balanced_run.start_of(st, self.pack.num_streams)
+        check_start(self._windows(None), start)
+        self._pending = st
+        self._start, self._first, self._at = start, first, None
+        if isinstance(st, BalancedState):
+            self._split = (st.worker, st.num_workers)
+
     def _last_digests(self, streams: list[int], positions: list[int]) -> list[str]:
         """Digest of the last record read per stream ("" before the first): ties a state to content."""
         return [self.pack.record_digest(s, p - 1) if p else "" for s, p in zip(streams, positions)]
@@ -201,7 +307,14 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
 
     def state_dict(self) -> dict[str, Any]:
         """Position after the last batch handed out by this (worker's) iterator, as plain values
-        (``loader.state.WorkerState.to_dict``)."""
+        (``loader.state.WorkerState.to_dict``, or ``BalancedState.to_dict`` with balance)."""
+        if self.balance:
+            bal = self._balanced_state()
+            if self.progress is not None and self.publish_checkpoints and torch.utils.data.get_worker_info() is None:
+                self.progress.checkpoint(self.fingerprint, self.world_size, self.rank,
+                                         {s: bal.positions[s] for s in bal.streams},
+                                         {s: bal.last[s] for s in bal.streams})
+            return bal.to_dict()
         worker, workers = self._split
         streams = self._worker_streams()
         state = WorkerState(
@@ -225,6 +338,11 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         st = state_from_dict(state)
         if st.pack not in self.pack.fingerprints():  # this pack's, or a state saved on the pack it continues
             raise ValueError("loader state belongs to a different pack (content fingerprint differs)")
+        if self.balance:
+            return self._load_balanced(st)
+        if isinstance(st, BalancedState):
+            raise ValueError("a balanced loader state (balance=True): load it with balance=True, or load "
+                             "PackedShardDataset.merge_states(<every rank's state at one step boundary>)")
         if isinstance(st, MergedState):
             missing = [s for s in self.streams if s not in st.positions]
             if missing:
@@ -245,3 +363,4 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         self._cursor = st.cursor
         self._positions = list(st.positions)
         self._firsts = list(st.firsts)
+

@@ -15,6 +15,7 @@ YAML::
     dataset:
       packed_dir: /data/packed
       progress: /data/progress    # optional: where training stands, for a pack bounded by it
+      balance: true               # optional: balanced steps (loader.balanced)
     dataloader: {num_workers: 2, pin_memory: true, prefetch_factor: 2}
 
 This module imports ``nemo_automodel``; ``import loader`` does not import this module.
@@ -38,12 +39,15 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from loader.dataloader import build_dataloader
 from loader.dataset import PackedShardDataset
+from schemas.cost import CostModel
 from schemas.errors import ConfigError
 from schemas.pack_info import PackInfo
 
 log = logging.getLogger(__name__)
 
 _LOADER_FIELDS = ("num_workers", "pin_memory", "prefetch_factor")
+_DERIVED_FIELDS = ("global_batch_size",)  # read from the recipe's step_scheduler, not from dataset:
+NEMO_GLOBAL_BATCH_SIZE = 8  # NeMo's multimodal recipe's default step_scheduler.global_batch_size
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,13 @@ class PackedBagelDataloaderConfig:
     publishes its live position and each checkpoint (NeMo's checkpointer saves the dataloader's
     ``state_dict()``), which ``prepack run --ahead N --progress`` and ``prepack trim --progress``
     bound a pack by (``loader.dataloader``).
+
+    ``balance`` deals each optimizer step's batches to the ranks by their estimated cost
+    (``loader.balanced``; NeMo's loss is normalized by the step's global token counts, so the
+    step's gradient stays the same): ``micro_batches`` per rank and step, by default the recipe's
+    gradient accumulation (``step_scheduler.global_batch_size // (local_batch_size * world size)``,
+    NeMo's ``grad_acc_steps``, its default global batch size 8); ``cost_model`` a file
+    ``schemas.cost.CostModel.read`` takes (default: ``CostModel.default()``).
     """
 
     packed_dir: str
@@ -73,6 +84,21 @@ class PackedBagelDataloaderConfig:
     verify: bool = True
     prefetch: int = 2
     progress: str | None = None
+    balance: bool = False
+    micro_batches: int | None = None
+    cost_model: str | None = None
+    global_batch_size: int | None = None  # the recipe's step_scheduler.global_batch_size (not a dataset key)
+
+    def steps_micro_batches(self, batch_size: int, world_size: int) -> int:
+        """Micro-batches per rank and optimizer step: ``micro_batches``, else NeMo's ``grad_acc_steps``."""
+        if self.micro_batches is not None:
+            return int(self.micro_batches)
+        global_batch = NEMO_GLOBAL_BATCH_SIZE if self.global_batch_size is None else int(self.global_batch_size)
+        steps = global_batch // (batch_size * world_size)
+        if steps < 1:
+            raise ConfigError(f"step_scheduler.global_batch_size {global_batch} is less than local_batch_size "
+                              f"{batch_size} x {world_size} ranks: no whole micro-batch per rank")
+        return steps
 
     def build(
         self,
@@ -91,6 +117,8 @@ class PackedBagelDataloaderConfig:
         seed than ``global_seed`` holds other data than the online pipeline would: warned.
         """
         del tokenizer
+        if self.cost_model is not None and not self.balance:
+            raise ConfigError("dataset.cost_model weighs balanced steps: set dataset.balance: true")
         if batch_size != 1:
             raise ConfigError(
                 f"a packed BAGEL dataloader yields one packed batch per step: "
@@ -106,6 +134,9 @@ class PackedBagelDataloaderConfig:
             verify=self.verify,
             prefetch=self.prefetch,
             progress=self.progress,
+            micro_batches=self.steps_micro_batches(batch_size, world_size) if self.balance else 1,
+            balance=self.balance,
+            cost_model=CostModel.read(self.cost_model) if self.balance and self.cost_model else None,
         )
         dataset: PackedShardDataset = loader.dataset
         _check_identity(dataset.pack.info, special_tokens, global_seed)
@@ -132,7 +163,7 @@ def packed_dataloader_config(raw: Any) -> PackedBagelDataloaderConfig | None:
     dataset = _typed_config._as_dict(raw.get("dataset", None))
     if "packed_dir" not in dataset:
         return None
-    own = {f.name for f in fields(PackedBagelDataloaderConfig)} - set(_LOADER_FIELDS)
+    own = {f.name for f in fields(PackedBagelDataloaderConfig)} - set(_LOADER_FIELDS) - set(_DERIVED_FIELDS)
     unknown = sorted(set(dataset) - own)
     if unknown:
         raise ConfigError(
@@ -143,7 +174,10 @@ def packed_dataloader_config(raw: Any) -> PackedBagelDataloaderConfig | None:
     unknown = sorted(set(loader) - set(_LOADER_FIELDS))
     if unknown:
         raise ConfigError(f"dataloader: unexpected field(s) {', '.join(unknown)}; allowed: {', '.join(_LOADER_FIELDS)}")
-    return PackedBagelDataloaderConfig(**{**dataset, "packed_dir": os.fspath(dataset["packed_dir"])}, **loader)
+    steps = _typed_config._as_dict(raw.get("step_scheduler", None))
+    derived = {"global_batch_size": int(steps["global_batch_size"])} if "global_batch_size" in steps else {}
+    return PackedBagelDataloaderConfig(**{**dataset, "packed_dir": os.fspath(dataset["packed_dir"])}, **loader,
+                                       **derived)
 
 
 class PackedRecipeConfig(_typed_config.RecipeConfig):

@@ -8,7 +8,14 @@ torch's weights-only loader (NeMo's checkpointer default) restore it in a new pr
   "streams", "cursor", "firsts", "positions", "last"}``; a state saved before ``firsts`` existed
   loads with zeros there, one without ``last`` is not checked against the pack's digests;
 - a merged state: ``{"version", "kind": "merged", "pack", "positions": {"<stream>": next record},
-  "last": {"<stream>": digest}}``.
+  "last": {"<stream>": digest}}``;
+- one worker's state under balanced steps (``loader.balanced``): ``{"version", "kind": "balanced",
+  "pack", "rank", "world_size", "micro_batches", "cost", "worker", "num_workers", "step", "offset",
+  "streams", "positions", "last"}``: the worker's next batch is item ``step*M + offset`` of the
+  rank's balanced sequence, ``positions``/``last`` are every stream's next record and last digest
+  at the start of optimizer step ``step`` (at a step boundary the batches read are exactly the
+  reference's first ``step`` steps of every rank, so those positions say where every rank stands),
+  ``streams`` the rank's own reference streams (what its progress files cover).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from typing import Any
 
 STATE_VERSION = 2
 MERGED = "merged"
+BALANCED = "balanced"
 
 
 def _check_version(d: Mapping[str, Any]) -> None:
@@ -115,24 +123,120 @@ class MergedState:
         return ((s, p, self.last[s]) for s, p in self.positions.items())
 
 
-LoaderState = WorkerState | MergedState
+@dataclass(frozen=True)
+class BalancedState:
+    """Where one (rank, DataLoader worker) iterator of balanced steps stands (``loader.balanced``)."""
+
+    pack: str
+    rank: int
+    world_size: int
+    micro_batches: int
+    cost: str  # the cost model's fingerprint (``loader.balanced.cost_fingerprint``)
+    worker: int
+    num_workers: int
+    step: int  # the optimizer step ``positions`` stand at the start of
+    offset: int  # the worker's next batch is item step*M + offset of the rank's balanced sequence
+    streams: list[int]  # the rank's own reference streams
+    positions: list[int]  # every stream's next record at the start of ``step``
+    last: list[str]  # every stream's digest of the record before that ("" at 0)
+
+    @property
+    def next_item(self) -> int:
+        return self.step * self.micro_batches + self.offset
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, "kind": BALANCED, "pack": self.pack, "rank": self.rank,
+                "world_size": self.world_size, "micro_batches": self.micro_batches, "cost": self.cost,
+                "worker": self.worker, "num_workers": self.num_workers, "step": self.step, "offset": self.offset,
+                "streams": list(self.streams), "positions": list(self.positions), "last": list(self.last)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "BalancedState":
+        _check_version(d)
+        st = cls(pack=d["pack"], rank=int(d["rank"]), world_size=int(d["world_size"]),
+                 micro_batches=int(d["micro_batches"]), cost=str(d["cost"]), worker=int(d["worker"]),
+                 num_workers=int(d["num_workers"]), step=int(d["step"]), offset=int(d["offset"]),
+                 streams=[int(s) for s in d["streams"]], positions=[int(p) for p in d["positions"]],
+                 last=[str(x) for x in d["last"]])
+        if len(st.positions) != len(st.last) or st.micro_batches < 1 or st.offset < 0:
+            raise ValueError("a damaged balanced loader state (positions and digests differ in number)")
+        return st
+
+
+LoaderState = WorkerState | MergedState | BalancedState
 
 
 def state_from_dict(d: Mapping[str, Any]) -> LoaderState:
-    """Either shape, from its plain values (the version is checked first)."""
+    """Any shape, from its plain values (the version is checked first)."""
     _check_version(d)
-    return MergedState.from_dict(d) if d.get("kind") == MERGED else WorkerState.from_dict(d)
+    kind = d.get("kind")
+    if kind == MERGED:
+        return MergedState.from_dict(d)
+    return BalancedState.from_dict(d) if kind == BALANCED else WorkerState.from_dict(d)
+
+
+def at_step_boundary(states: list[BalancedState]) -> BalancedState:
+    """Of one rank's worker states, the one whose positions say exactly which batches the rank has
+    handed out (every worker's together): the rank must stand at an optimizer step boundary.
+
+    Worker w of J hands out the rank's items w, w+J, ...; its state's next item tells how many it
+    has handed out, their sum is the rank's count n, and the worker that handed out item n-1 (or,
+    before any, every worker) holds the positions at the start of step n/M."""
+    first = states[0]
+    workers = sorted(st.worker for st in states)
+    if workers != list(range(first.num_workers)) or any(st.num_workers != first.num_workers for st in states):
+        raise ValueError(f"balanced loader states of rank {first.rank}: DataLoader workers {workers} of "
+                         f"{first.num_workers}; give every worker's state")
+    count = 0
+    for st in states:
+        done, rest = divmod(st.next_item - st.worker, st.num_workers)
+        if rest or done < 0:
+            raise ValueError(f"balanced loader state of rank {st.rank} worker {st.worker} is not one of its own "
+                             f"(item {st.next_item})")
+        count += done
+    for st in states:
+        if st.step * st.micro_batches == count:
+            return st
+    raise ValueError(f"the balanced loader state of rank {first.rank} is inside an optimizer step ({count} batches "
+                     f"handed out, {first.micro_batches} per step, or inside the pack's last partial step): a "
+                     "world-size change needs every rank's state taken at a step boundary")
+
+
+def _merge_balanced(states: list[BalancedState]) -> MergedState:
+    """Every rank's balanced states at one step boundary: every stream's position then."""
+    first = states[0]
+    if any((st.world_size, st.micro_batches, st.cost) != (first.world_size, first.micro_batches, first.cost)
+           for st in states):
+        raise ValueError("balanced loader states of different runs (world size, micro-batches or cost model differ)")
+    by_rank: dict[int, list[BalancedState]] = {}
+    for st in states:
+        by_rank.setdefault(st.rank, []).append(st)
+    if sorted(by_rank) != list(range(first.world_size)):
+        missing = sorted(set(range(first.world_size)) - set(by_rank))
+        raise ValueError(f"balanced loader states lack ranks {missing[:8]}: merge the states of every rank")
+    at = [at_step_boundary(by_rank[r]) for r in sorted(by_rank)]
+    steps = {st.step for st in at}
+    if len(steps) != 1 or any(st.positions != at[0].positions for st in at):
+        raise ValueError(f"balanced loader states of different optimizer steps ({sorted(steps)}): take every "
+                         "rank's state at the same step")
+    return MergedState(first.pack, dict(enumerate(at[0].positions)), dict(enumerate(at[0].last)))
 
 
 def merge_states(states: Iterable[LoaderState]) -> MergedState:
     """One state from the states of every rank (and DataLoader worker) of a run; a merged state
-    may be merged again with others."""
+    may be merged again with others.  Balanced states: every rank's, taken at the same optimizer
+    step boundary (``at_step_boundary``)."""
     states = list(states)
     if not states:
         raise ValueError("merge_states needs at least one state")
     packs = {st.pack for st in states}
     if len(packs) != 1:
         raise ValueError("loader states belong to different packs")
+    balanced = [st for st in states if isinstance(st, BalancedState)]
+    if balanced:
+        if len(balanced) != len(states):
+            raise ValueError("balanced and unbalanced loader states cannot be merged together")
+        return _merge_balanced(balanced)
     positions: dict[int, int] = {}
     last: dict[int, str] = {}
     for st in states:
@@ -157,22 +261,57 @@ def read_state_file(path: str) -> Any:
         raise ValueError(f"{path}: not a readable loader state as JSON ({e})") from None
 
 
+def _step_start(st: BalancedState) -> MergedState:
+    """Where every rank stood at the start of the balanced state's step: nothing after it is read
+    by every rank yet."""
+    return MergedState(st.pack, dict(enumerate(st.positions)), dict(enumerate(st.last)))
+
+
+def checkpoint_entry(states: "Iterable[Mapping[str, Any]]") -> tuple[dict[int, int], dict[int, str]]:
+    """What a rank's checkpoint publishes to a progress folder (``schemas.progress``), from the
+    dataset states of its DataLoader workers: per stream its next record and last digest.  Without
+    balance the workers' streams (disjoint); with it the rank's own reference streams at the
+    earliest worker's step start, the positions every rank has passed (it reads other ranks'
+    streams too, and each stream is published by one rank, as without balance, so that a
+    training's ``keep`` newest checkpoints are its own)."""
+    positions: dict[int, int] = {}
+    last: dict[int, str] = {}
+    for d in states:
+        st = state_from_dict(d)
+        if isinstance(st, BalancedState):
+            for s in st.streams:
+                if s not in positions or st.positions[s] < positions[s]:
+                    positions[s], last[s] = st.positions[s], st.last[s]
+        elif isinstance(st, WorkerState):
+            positions.update(zip(st.streams, st.positions))
+            if st.last is not None:
+                last.update(zip(st.streams, st.last))
+    return positions, last
+
+
 def positions_in(pack: Any, states: "Iterable[Any]") -> dict[int, int]:
     """Per stream of ``pack`` (a ``loader.reader.Pack``), the earliest next record over ``states``:
     each a loader state as saved (one rank's, a list of every rank's, or merged), of this pack or of
-    a pack it continues, checked against its record digests.  Every stream must be covered.
-    ``ValueError`` (one line) otherwise."""
+    a pack it continues, checked against its record digests.  A balanced state counts at the start
+    of its optimizer step, for every stream (any rank may read any stream's batch of a step).  Every
+    stream must be covered.  ``ValueError`` (one line) otherwise."""
     out: dict[int, int] = {}
     for given in states:
         parsed = [state_from_dict(st) for st in (given if isinstance(given, list) else [given])]
-        merged = parsed[0] if len(parsed) == 1 and isinstance(parsed[0], MergedState) else merge_states(parsed)
-        if merged.pack not in pack.fingerprints():
-            raise ValueError("a loader state of another pack")
-        for s, p in merged.positions.items():
-            if p and (not pack.wait_for(s, p - 1, None) or pack.record_digest(s, p - 1) != merged.last[s]):
-                raise ValueError(f"a loader state that does not match stream {s} (record {p - 1} differs or is "
-                                 "not there)")
-            out[s] = min(out.get(s, p), p)
+        if all(isinstance(st, BalancedState) for st in parsed):  # each one's step start: safe mid-step too
+            merged_states = [_step_start(st) for st in parsed]
+        elif len(parsed) == 1 and isinstance(parsed[0], MergedState):
+            merged_states = parsed
+        else:
+            merged_states = [merge_states(parsed)]
+        for merged in merged_states:
+            if merged.pack not in pack.fingerprints():
+                raise ValueError("a loader state of another pack")
+            for s, p in merged.positions.items():
+                if p and (not pack.wait_for(s, p - 1, None) or pack.record_digest(s, p - 1) != merged.last[s]):
+                    raise ValueError(f"a loader state that does not match stream {s} (record {p - 1} differs or is "
+                                     "not there)")
+                out[s] = min(out.get(s, p), p)
     missing = [s for s in range(pack.num_streams) if s not in out]
     if missing:
         raise ValueError(f"loader states that lack streams {missing[:8]}{'...' if len(missing) > 8 else ''}: give "

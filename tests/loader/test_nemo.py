@@ -180,3 +180,34 @@ def test_dataset_progress_publishes_each_checkpoint(pack, tmp_path):
     positions = state["dataset_state"]["positions"]
     assert [read.checkpoints[s][-1].positions[s] for s in built.dataset.streams] == positions
     assert sum(positions) == 3
+
+
+def test_dataset_balance_takes_the_recipes_gradient_accumulation(pack, tmp_path):
+    """``dataset.balance: true``: micro-batches per rank and step default to NeMo's grad_acc_steps
+    (global_batch_size // (local_batch_size x world size); its default global batch size is 8)."""
+    from schemas.cost import CostModel
+
+    def build(dataset: dict, steps: dict | None = None, world_size: int = 2, rank: int = 0):
+        raw = {"dataset": {"packed_dir": pack, **dataset}, "dataloader": {"num_workers": 0}}
+        cfg = PackedRecipeConfig(_node({**raw, **({"step_scheduler": steps} if steps else {})})).bagel_dataloader
+        return cfg.build(tokenizer=None, special_tokens=SPECIAL, rank=rank, world_size=world_size, batch_size=1,
+                         global_seed=42).dataset
+
+    ds = build({"balance": True}, {"global_batch_size": 4, "local_batch_size": 1})
+    assert ds.balance and ds.micro_batches == 2 and ds.cost_model == CostModel.default()
+    assert build({"balance": True}).micro_batches == 4  # NeMo's default 8 over 2 ranks
+    assert build({"balance": True, "micro_batches": 3}, {"global_batch_size": 4}).micro_batches == 3
+    model = tmp_path / "cost.json"
+    model.write_text('{"tokens": 1.0, "vae_canvas_pixels": 2.0}')
+    assert build({"balance": True, "cost_model": str(model)}).cost_model == CostModel.from_mapping(
+        {"tokens": 1.0, "vae_canvas_pixels": 2.0})
+    assert not build({}, {"global_batch_size": 4}).balance  # off by default: the reference order
+    with pytest.raises(ConfigError, match="global_batch_size 1 is less than"):
+        build({"balance": True}, {"global_batch_size": 1})
+    with pytest.raises(ConfigError, match="dataset.balance: true"):
+        build({"cost_model": str(model)})
+    with pytest.raises(ConfigError, match="global_batch_size not used with packed_dir"):
+        PackedRecipeConfig(_node({"dataset": {"packed_dir": pack, "global_batch_size": 4}})).bagel_dataloader
+    # both ranks read every batch of the pack once, M per step
+    got = [batch_id(b) for r in range(2) for b in build({"balance": True}, {"global_batch_size": 4}, rank=r)]
+    assert sorted(got) == sorted(batch_id(b) for r in range(2) for b in build({}, rank=r))
