@@ -287,6 +287,14 @@ def main(argv: list[str] | None = None) -> int:
         cell = cells[(w, m)] = simulate(costs, w, m, args.steps, args.seed)
         print(f"{w:>4} {m:>2}  {cell.reference:17.4f} {cell.balanced:8.4f} {cell.ideal:6.4f}   "
               f"{cell.step_time:19.4f} {cell.ideal_time:6.4f}   {cell.cpu_us:7.0f} us")
+    if len(dirs) > 1:  # each mix alone too: the headline must hold on both, not only pooled
+        w, m = HEADLINE
+        for d, t in zip(dirs, per_pack):
+            if len(t):
+                one = simulate(model.estimate(t), w, m, args.steps, args.seed)
+                print(f"  {os.path.basename(os.path.normpath(d))} alone, W={w} M={m}: spread {one.reference:.4f} -> "
+                      f"{one.balanced:.4f} (ideal {one.ideal:.4f}); step time {one.step_time:.4f} "
+                      f"(ideal {one.ideal_time:.4f}, balanced within {100 * (one.step_time / one.ideal_time - 1):.2f}%)")
     head = cells[HEADLINE]
     z = "n/a" if samples is None else f"{samples:.3f}"
     print(f"balance: step time {head.step_time:.3f} of the reference at W={HEADLINE[0]} M={HEADLINE[1]} "
