@@ -23,7 +23,7 @@ import pyarrow as pa
 from loader.reader import Pack, read_shard
 from prepack.run.restorable import RestoreCheck, current_tokenizer
 from prepack.tools.report import CheckReport
-from schemas.errors import PrepackError, ShardTrimmed
+from schemas.errors import DamagedFile, PrepackError, ShardTrimmed
 from schemas.layout import (
     MANIFEST_NAME,
     PACK_INFO_NAME,
@@ -33,12 +33,14 @@ from schemas.layout import (
     shard_file,
     shard_lineage_file,
     shard_pixels_file,
+    shard_sources_file,
     stream_lineage_file,
 )
 from schemas.lineage import LINEAGE_SCHEMA, lineage_by_shard, lineage_columns, samples_per_record
 from schemas.location import PackLocation, resolve_location
 from schemas.manifest import PackSummary, ShardEntry, StreamIndex, StreamSummary, TrimmedShards
 from schemas.pixel_catalog import CATALOG_NAME, ROW_DTYPE, Catalog, block_digest, fences_file, parse_fences, part_file
+from schemas.sources import ShardSources
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +104,22 @@ def check_lineage_rows(data: bytes, shards: list[ShardEntry], rel: str, rep: Che
         rep.add("lineage rows", rel, True, f"{sum(counts.values())} rows = samples of every record")
 
 
+def _check_sources(loc: PackLocation, rep: CheckReport, shard: ShardEntry) -> None:
+    """A shard's record of its sources (``schemas.sources``): there, intact (its own checksum) and its own."""
+    where = shard_sources_file(shard.stream, shard.shard)
+    try:
+        doc = ShardSources.read(loc, shard.stream, shard.shard)
+    except DamagedFile as e:
+        rep.add("sources", where, False, str(e))
+        return
+    if doc is None:
+        rep.add("sources", where, False, "missing: a trim could not tell whether this shard can be restored")
+    elif (doc.stream, doc.shard) != (shard.stream, shard.shard):
+        rep.add("sources", where, False, f"names stream {doc.stream} shard {doc.shard}")
+    else:
+        rep.add("sources", where, True, f"{len(doc.sources)} sources recorded")
+
+
 def check_stream(pack: Pack, stream: int, rep: CheckReport, pool: ThreadPoolExecutor, bar,
                  metadata_only: bool = False) -> StreamSummary | None:
     """Every file of one stream; returns its done.json summary (None while it is still packing).
@@ -130,6 +148,8 @@ def check_stream(pack: Pack, stream: int, rep: CheckReport, pool: ThreadPoolExec
         for ext, sha in (("json", sh.ckpt_json_sha256), ("arrow", sh.ckpt_arrow_sha256)):
             _check_file(loc, rep, "checkpoint", checkpoint_file(stream, sh.shard + 1, ext), sha)
         _check_file(loc, rep, "pixel index", shard_pixels_file(stream, sh.shard), sh.pixels_sha256)
+        if sh.ckpt_json_sha256:  # committed by a stream job: it recorded the sources its restore reads
+            _check_sources(loc, rep, sh)
     done = _check_done(pack, index, rep)
     if done is not None and done.lineage_sha256:
         data = _check_file(loc, rep, "lineage", stream_lineage_file(stream), done.lineage_sha256)

@@ -24,6 +24,7 @@ from prepack.run.trim import restore, trim_shards
 from prepack.run.trim_policy import trim_pack
 from prepack.tools.verify import verify_pack
 from schemas.errors import PackRefused
+from schemas.layout import shard_sources_file
 from schemas.manifest import TrimmedShards
 from schemas.sources import LISTING, ShardSources
 from tests.helpers.packs import KNOBS, make_video_dataset, pack_in_process, small_dataset
@@ -259,3 +260,22 @@ def _victim_uri(out: str, kind: str) -> tuple[str, set[tuple[int, int]]]:
     picks = sorted((path, got) for path, got in readers.items() if 0 < len(got) < total)
     assert picks, f"no {kind} object is read by some shards only"
     return picks[0]
+
+
+def test_a_damaged_or_missing_record_of_sources_is_named_and_keeps_its_shard(original, pack):
+    p = Pack.open(pack)
+    (s0, first), (s1, second) = _shards(pack)[0], _shards(pack)[-1]
+    damaged = os.path.join(pack, shard_sources_file(s0, first.shard))
+    with open(damaged, "r+b") as f:
+        f.seek(40)
+        byte = f.read(1)
+        f.seek(40)
+        f.write(bytes([byte[0] ^ 1]))
+    os.remove(os.path.join(pack, shard_sources_file(s1, second.shard)))
+    report = verify_pack(pack)
+    bad = {r.target: r.detail for r in report.rows if not r.ok}
+    assert set(bad) == {shard_sources_file(s0, first.shard), shard_sources_file(s1, second.shard)}, bad
+    assert "missing" in bad[shard_sources_file(s1, second.shard)]
+    result = trim_pack(pack, [_everything(pack)], p.info.tokenizer_fingerprint)
+    assert {(s0, first.shard), (s1, second.shard)} <= set(result.kept)
+    assert "damaged" in result.kept[(s0, first.shard)] and "no record" in result.kept[(s1, second.shard)]
