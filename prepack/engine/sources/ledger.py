@@ -35,12 +35,12 @@ from typing import Callable, Iterator
 import xxhash
 
 from prepack.engine.sources import files
+from prepack.engine.sources.parquet import FOOTER_READ
 from schemas.sources import FILE, LISTING, SourceIdentity
 
 # a file whose stat moved later than this before it was hashed may have changed while it was hashed:
 # it is hashed again at the next check rather than trusted by its stat (coarse file-system clocks)
 SETTLE_NS = 60 * 10**9
-_TAIL = 64 << 10  # a parquet footer is read as the file's last 64 KiB at most (as pyarrow does)
 
 
 def _digest(data) -> str:
@@ -96,7 +96,7 @@ def _footer_range(path: str, size: int) -> tuple[int, int]:
         n = int.from_bytes(end[:4], "little")
         if end[4:] == b"PAR1" and 0 < n <= size - 12:
             return size - 8 - n, n + 8
-    at = max(0, size - _TAIL)
+    at = max(0, size - FOOTER_READ)
     return at, size - at
 
 
