@@ -27,8 +27,8 @@ batch is read exactly once overall.
 
 Balanced steps (``balance=True``, ``micro_batches=M``; ``loader.balanced``): each optimizer step's
 W x M reference batches are dealt to the ranks, M each, evening out the slowest rank's estimated
-cost (``cost_model``, default ``CostModel.default()``); every rank computes the same assignment
-from the index.  Inside a DataLoader with J workers, worker j yields items j, j+J, ... of the
+cost (``cost_model``; default the pack's, ``PackInfo.cost_model``); every rank computes the same
+assignment from the index.  Inside a DataLoader with J workers, worker j yields items j, j+J, ... of the
 rank's balanced sequence (each worker computes the whole sequence and reads only its items).  The
 state is the optimizer step, the item within it and every stream's position at the step's start;
 ``merge_states`` of every rank's balanced states at one step boundary loads on any world size,
@@ -142,7 +142,7 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         self.publish_checkpoints = publish_checkpoints
         self.micro_batches = micro_batches
         self.balance = bool(balance)
-        self.cost_model = (cost_model or CostModel.default()) if balance else None
+        self.cost_model = (cost_model or self.pack.info.cost_model()) if balance else None
         self._balanced_run = BalancedRun(self.fingerprint, self.rank, self.world_size, micro_batches,
                                          cost_fingerprint(self.cost_model), tuple(self.streams)) if balance else None
         self._start: StepStart | None = None  # balanced: where the next iteration starts, and its first item

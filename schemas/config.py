@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Mapping, TypeVar
 
 from schemas.compression import Compression
+from schemas.cost import CostModel
 from schemas.config_checks import check_keys, closest, is_kind, load_mapping, resolve, typed
 from schemas.errors import ConfigError
 from schemas.kinds import KINDS, SourceKind
@@ -285,6 +286,8 @@ class PrepackSection(_FlatSection):
     strict: bool = False
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     max_consecutive_failures: int = 10000
+    balance: str = "none"  # "samples": each step's samples re-split among its ranks (prepack.run.sample_balance)
+    cost_model: "dict[str, float] | None" = None  # term -> ms per unit (schemas.cost.CostModel.from_mapping)
 
     def budget(self) -> dict[str, int]:
         """The stream budget as ``{key: value}`` for the keys that are set (see ``BUDGET_KEYS``)."""
@@ -298,8 +301,11 @@ class PrepackSection(_FlatSection):
             raise ConfigError(f"{where} must be a mapping")
         check_keys(where, raw, [f.name for f in fields(cls)])
         for k, v in raw.items():
-            if k in ("compression",):
+            if k in ("compression", "balance"):
                 typed(where, v, str, k)
+            elif k == "cost_model":
+                if v is not None and v != {}:  # none or {}: the default model
+                    _parse_cost_model(where, v)
             elif k == "strict":
                 typed(where, v, bool, k)
             elif v is not None:
@@ -311,9 +317,28 @@ class PrepackSection(_FlatSection):
             Compression.parse(section.compression)
         except ValueError as e:
             raise ConfigError(f"{where}.compression: {e}") from None
+        if section.balance not in BALANCE_KINDS:
+            raise ConfigError(f"{where}.balance must be one of {', '.join(BALANCE_KINDS)}, got {section.balance!r}")
+        if section.balance == "samples" and section.world_size < 2:
+            raise ConfigError(f"{where}.balance: samples re-splits each step among its ranks: it needs world_size >= 2")
+        if section.cost_model is not None:  # an empty mapping is the default model, stored as none
+            section = replace(section, cost_model={str(k): float(v) for k, v in section.cost_model.items()} or None)
         if section.batches_per_stream is None and section.tokens_per_stream is None and section.passes is None:
             raise ConfigError(f"{where} needs a budget: batches_per_stream, tokens_per_stream or passes")
         return section
+
+
+BALANCE_KINDS = ("none", "samples")
+# Left out of a stored config at their defaults, so every pack made before they existed keeps its bytes and hash.
+_UNSTORED_DEFAULTS = {"balance": "none", "cost_model": None}
+
+
+def _parse_cost_model(where: str, v: Any) -> None:
+    """``prepack.cost_model``: the cost model's coefficients, checked by the model itself."""
+    try:
+        CostModel.from_mapping(v)
+    except ConfigError as e:
+        raise ConfigError(f"{where}.cost_model: {e}") from None
 
 
 # Where a stream stops; a pack can be extended by raising these, so they are not part of its identity.
@@ -380,6 +405,9 @@ class PrepackConfig:
         d = asdict(self)
         d.pop("config_path")
         d.pop("schedule")
+        for k, default in _UNSTORED_DEFAULTS.items():
+            if d["prepack"].get(k) == default:
+                d["prepack"].pop(k)
         if self.schedule:  # absent without one: the stored configs (and hashes) of every other pack stay as they were
             d["schedule"] = [{"after": st.after, "config": st.config.to_dict()} for st in self.schedule]
         return d

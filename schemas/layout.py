@@ -40,6 +40,8 @@ LEASE_DIR = ".prepack/leases"
 INDEX_NAME = "index.arrow"
 DONE_NAME = "done.json"
 TRIMMED_NAME = "trimmed.json"
+# a balanced-samples pack (``prepack: balance: samples``) holds its reference, an ordinary pack, here
+REFERENCE_DIR = "reference"
 # a training's progress folder (``schemas.progress``): a rank's checkpoint file keeps this many entries,
 # the most ``--keep-checkpoints`` can ask for
 MAX_CHECKPOINTS = 32

@@ -15,6 +15,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from schemas.cost import CostModel
 from schemas.documents import Document, dump_checked, load_checked, read_document
 from schemas.errors import DamagedFile, NotAPack, PackFormatError
 from schemas.layout import PACK_INFO_NAME
@@ -141,6 +142,11 @@ class PackInfo(Document):
         """The pack's part of every shard file's schema metadata (``schemas.manifest.shard_metadata``)."""
         d = self.to_dict()
         return {key: str(d[name]) for key, name in SHARD_KEYS}
+
+    def cost_model(self) -> "CostModel":
+        """What a batch of this pack costs: its config's ``prepack.cost_model``, else the default."""
+        cost_model = ((self.config or {}).get("prepack") or {}).get("cost_model")
+        return CostModel.from_mapping(cost_model) if cost_model else CostModel.default()
 
     def stored_config(self) -> "PrepackConfig":
         """The ``PrepackConfig`` the pack was made with, rebuilt from the stored one (not re-read from a

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 
 from pyarrow.fs import FileSelector
 
+from loader.reader import Pack
 from prepack.engine.reuse.earlier_packs import open_old_packs, read_old_pack
 from prepack.engine.tokenizer import load_tokenizer, recorded_fingerprint, special_token_ids
 from prepack.run.ahead import JobStreams, WaitRule
@@ -34,11 +35,12 @@ from prepack.run.identity import settle_identity
 from prepack.run.lease import StreamLease, acquire_streams, live_leases, remove_stale_leases
 from prepack.run.lineage import drop_lineage_leftovers
 from prepack.run.progress_bar import RunProgress, StreamProgress
+from prepack.run.sample_balance import reference_config, write_balanced
 from prepack.run.stream_job import Paused, StreamJob, pack_one_stream
 from prepack.run.summary import RunSummary
 from schemas.config import PrepackConfig
-from schemas.errors import PackRefused, StreamFailed
-from schemas.layout import MANIFEST_NAME
+from schemas.errors import PackRefused, StreamFailed, UsageError
+from schemas.layout import MANIFEST_NAME, REFERENCE_DIR
 from schemas.location import PackLocation, redact_uri, resolve_location
 from schemas.manifest import PackSummary, StreamIndex, StreamSummary
 from schemas.pack_info import FORMAT_VERSION, PackInfo, ParentLink
@@ -140,6 +142,8 @@ def run_pack(cfg: PrepackConfig, out: str, options: RunOptions = RunOptions(), t
     (``RunOptions`` says how); ``tokenizer``: an already loaded ``(tokenizer, special)`` pair to use."""
     start = time.perf_counter()
     tokenizer, special = tokenizer or special_token_ids(load_tokenizer(cfg.tokenizer))
+    if cfg.prepack.balance == "samples":
+        return _run_balanced(cfg, out, options, (tokenizer, special))
     wanted = list(range(cfg.num_streams)) if options.streams is None else sorted(set(options.streams))
     for s in wanted:
         cfg.stream_rank_worker(s)  # range check with a clear message
@@ -192,6 +196,41 @@ def run_pack(cfg: PrepackConfig, out: str, options: RunOptions = RunOptions(), t
                           packed_now=packed_now, retried=run.retry_summary(), reuse_from=reuse)
     finally:
         lease.release()
+
+
+def _run_balanced(cfg: PrepackConfig, out: str, options: RunOptions, tokenizer: tuple) -> RunSummary:
+    """A balanced-samples pack (``prepack.run.sample_balance``): its reference packed into
+    ``OUT/reference`` as any pack, then, once every reference stream is done, the balanced streams."""
+    start = time.perf_counter()
+    for given, what in ((options.continue_from, "--continue-from"), (options.bound, "--ahead / --disk-budget"),
+                        (cfg.schedule, "prepack.schedule")):
+        if given:
+            raise UsageError(f"prepack.balance: samples is not supported with {what} yet; pack without it, "
+                             "or balance whole batches in the loader (balance=True)")
+    loc = resolve_location(out)
+    try:
+        loc.fs.create_dir(loc.base, recursive=True)
+    except OSError as e:
+        raise PackRefused(f"cannot write to {redact_uri(out)}: {str(e).strip().splitlines()[0]}") from None
+    # this config's identity first: another config over OUT is refused before anything is packed
+    pack = settle_identity(loc, cfg, recorded_fingerprint(tokenizer[0]), tokenizer[1],
+                           other_jobs=lambda: live_leases(loc))
+    ref_out = out.rstrip("/") + "/" + REFERENCE_DIR
+    ref = run_pack(reference_config(cfg), ref_out, options, tokenizer)
+    reference = Pack.open(ref_out)
+    if any(reference.done(s) is None for s in range(cfg.num_streams)):
+        log.info("balanced samples: written once every stream of %s is packed", redact_uri(ref_out))
+        return ref
+    lease = acquire_streams(loc, list(range(cfg.num_streams)))
+    try:
+        entries = write_balanced(cfg, loc, pack.metadata, reference)
+        lease.check()
+        written, _ = finalize(loc, cfg)
+    finally:
+        lease.release()
+    return RunSummary(out, entries, written, time.perf_counter() - start, max_num_tokens=cfg.knobs.max_num_tokens,
+                      output_bytes=output_bytes(loc), packed_now=ref.packed_now, retried=ref.retried,
+                      reuse_from=ref.reuse_from)
 
 
 def _paused_at(result: "StreamSummary | Paused") -> int | None:

@@ -27,13 +27,14 @@ from prepack.engine.packers import open_packer
 from prepack.run.chain import switch_at
 from prepack.run.checkpoint_files import read_checkpoint, read_checkpoint_files
 from prepack.run.identity import identity_mismatch, pack_identity
+from prepack.tools.balanced_check import audit_balanced_shard, balances_samples, open_reference
 from prepack.tools.report import CheckReport
 from schemas.checkpoint import decode_pixels
 from schemas.config import PrepackConfig
 from schemas.errors import AuditRefused, DamagedFile, PrepackError
 from schemas.location import PackLocation
 from schemas.documents import load_checked
-from schemas.layout import checkpoint_file
+from schemas.layout import REFERENCE_DIR, checkpoint_file
 from schemas.manifest import ShardEntry, StreamIndex
 from schemas.record import PackedBatch, SampleOrigin, batch_fields, batch_to_record, record_digest, record_to_batch
 
@@ -289,6 +290,8 @@ def audit_pack(out, *, stream: int | None = None, shard: int | None = None, all_
     if stream is not None and not 0 <= stream < ctx.pack.num_streams:
         raise AuditRefused(f"stream {stream} is not in this pack ({ctx.pack.num_streams} streams)")
     ids = [stream] if stream is not None else list(range(ctx.pack.num_streams))
+    if balances_samples(ctx.pack):
+        return _audit_balanced(ctx, ids, shard, progress)
     mode = "from seeds" if all_streams else "from checkpoints"
     rep = CheckReport(f"audit {ctx.loc.base} ({mode})")
     from tqdm import tqdm
@@ -307,6 +310,26 @@ def audit_pack(out, *, stream: int | None = None, shard: int | None = None, all_
                 audit_shard(ctx, index, sh, rep)
                 bar.update(len(sh.records))
         ctx.pack.forget(s)
+    bar.close()
+    if not rep.rows:
+        raise AuditRefused(f"nothing to audit: no stream has shard {shard}")
+    return rep
+
+
+def _audit_balanced(ctx: AuditContext, ids: list[int], shard: int | None, progress: bool) -> CheckReport:
+    """A balanced-samples pack: each shard re-split from its reference (``balanced_check``); the
+    reference, an ordinary pack, is audited from its own checkpoints with ``prepack audit OUT/reference``."""
+    reference = open_reference(ctx.pack)
+    cfg = ctx.pack.info.stored_config()
+    rep = CheckReport(f"audit {ctx.loc.base} (re-split from {REFERENCE_DIR}/; audit that as a pack of its own)")
+    from tqdm import tqdm
+
+    bar = tqdm(unit="batch", desc="re-splitting", disable=not progress)
+    for s in ids:
+        for sh in ctx.pack.index(s).shards:
+            if shard is None or sh.shard == shard:
+                audit_balanced_shard(ctx.pack, reference, cfg, sh, rep)
+                bar.update(len(sh.records))
     bar.close()
     if not rep.rows:
         raise AuditRefused(f"nothing to audit: no stream has shard {shard}")

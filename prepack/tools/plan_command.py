@@ -44,7 +44,7 @@ def cmd_plan(args) -> int:
     plan = plan_schedule.plan_schedule(cfg, options) if cfg.schedule else planner.plan_pack(cfg, options)
     spread = None
     if getattr(plan, "batch_terms", None):  # a schedule's plan is per step: weigh a step's own config
-        model = step_spread.cost_model(args.cost_model)
+        model = step_spread.cost_model(args.cost_model, cfg)
         spread = step_spread.drawn_spread(model.estimate(plan.batch_terms), args.world_size or cfg.world_size,
                                           args.micro_batches)
     if args.json:

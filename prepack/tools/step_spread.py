@@ -19,6 +19,7 @@ from loader.balance import assign_step, ideal_spread, rank_loads
 from loader.dataset import streams_for_rank
 from loader.reader import Pack
 from loader.stream import round_robin
+from schemas.config import PrepackConfig
 from schemas.cost import CostModel
 from schemas.errors import UsageError
 
@@ -50,9 +51,14 @@ class StepSpread:
                 + ("; M=1: batches cannot be rebalanced" if self.micro_batches == 1 else "")]
 
 
-def cost_model(path: "str | None") -> CostModel:
-    """The model in ``path`` (``--cost-model``), else the default BAGEL-7B one."""
-    return CostModel.read(path) if path else CostModel.default()
+def cost_model(path: "str | None", config: "PrepackConfig | None" = None) -> "CostModel | None":
+    """The model in ``path`` (``--cost-model``), else ``config``'s ``prepack.cost_model``, else the
+    default BAGEL-7B one; None without a path or config (a pack's own then: ``PackInfo.cost_model``)."""
+    if path:
+        return CostModel.read(path)
+    if config is None:
+        return None
+    return CostModel.from_mapping(config.prepack.cost_model) if config.prepack.cost_model else CostModel.default()
 
 
 def spread_of_steps(steps: "list[np.ndarray]", world_size: int, micro_batches: int, drawn: bool = False) -> StepSpread:
@@ -93,7 +99,7 @@ def pack_spread(out, world_size: "int | None", micro_batches: int, model: "CostM
         rank_streams = [streams_for_rank(pack.num_streams, pack.world_size, pack.num_workers, r, w) for r in range(w)]
     except ValueError as e:
         raise UsageError(f"--world-size {w}: {e}") from None
-    model = model or CostModel.default()
+    model = model or pack.info.cost_model()
     ranks = []
     for streams in rank_streams:
         seq = _rank_sequence(pack, streams)

@@ -6,8 +6,10 @@ XXH3-128 file digest, schema identity and each record's digest, through the load
 ``read_shard``), the lineage (sha256 and one row per packed sample of each record; a stream being
 extended has its earlier shards' rows in its compacted lineage file) and ``done.json`` (totals
 and root agree with the index).  Then the pack: ``pack.json`` (format, stored config hashes to its
-config_hash) and ``manifest.json`` (each stream's summary equals its ``done.json``).  A file that
-is damaged or missing fails with its path named; nothing is repaired.
+config_hash) and ``manifest.json`` (each stream's summary equals its ``done.json``).  A
+balanced-samples pack's streams have no checkpoints of their own: each step's samples are checked
+against its reference instead (``balanced_check``).  A file that is damaged or missing fails with
+its path named; nothing is repaired.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from schemas.layout import (
     shard_sources_file,
     stream_lineage_file,
 )
+from prepack.tools.balanced_check import balances_samples, check_balanced_steps
 from schemas.lineage import LINEAGE_SCHEMA, lineage_by_shard, lineage_columns, samples_per_record
 from schemas.location import PackLocation, resolve_location
 from schemas.manifest import PackSummary, ShardEntry, StreamIndex, StreamSummary, TrimmedShards
@@ -144,8 +147,9 @@ def check_stream(pack: Pack, stream: int, rep: CheckReport, pool: ThreadPoolExec
     for sh, rows in zip(index.shards, pool.map(lambda sh: check_shard(pack, sh), index.shards)):
         rep.rows.extend(rows)
         bar.update(sh.nbytes)
+    own_states = not balances_samples(pack)  # a balanced stream's states are its reference's (balanced_check)
     for sh in index.shards:
-        for ext, sha in (("json", sh.ckpt_json_sha256), ("arrow", sh.ckpt_arrow_sha256)):
+        for ext, sha in (("json", sh.ckpt_json_sha256), ("arrow", sh.ckpt_arrow_sha256)) if own_states else ():
             _check_file(loc, rep, "checkpoint", checkpoint_file(stream, sh.shard + 1, ext), sha)
         _check_file(loc, rep, "pixel index", shard_pixels_file(stream, sh.shard), sh.pixels_sha256)
         if sh.ckpt_json_sha256:  # committed by a stream job: it recorded the sources its restore reads
@@ -347,6 +351,8 @@ def verify_pack(out: "str | os.PathLike | PackLocation", *, threads: int | None 
     check_summary(pack, dones, rep)
     if not metadata_only:
         check_catalog(pack, rep)
+        if balances_samples(pack):
+            check_balanced_steps(pack, rep)
     if restorable:
         check_restorable(pack, rep)
     return rep

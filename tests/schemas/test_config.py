@@ -94,6 +94,10 @@ def test_seed_zero_falls_back_to_data_seed_like_the_reference(base):
     (lambda c: c["dataset"]["grouped_datasets"]["vlm_sft"]["image_transform_args"].update(stride=14),
      "unknown key 'stride'"),
     (lambda c: c["dataloader"].update(num_workers=-1), "num_workers must be an integer >= 0"),
+    (lambda c: c["prepack"].update(balance="sample"), "prepack.balance must be one of none, samples"),
+    (lambda c: c["prepack"].update(balance="samples", world_size=1), "it needs world_size >= 2"),
+    (lambda c: c["prepack"].update(cost_model={"token": 1.0}), "prepack.cost_model: cost model: unknown term token"),
+    (lambda c: c["prepack"].update(cost_model={"tokens": -1.0}), "prepack.cost_model"),
 ])
 def test_each_mistake_is_one_clear_line(base, mutate, message):
     tmp, cfg = base
@@ -239,3 +243,18 @@ def test_from_dict_rebuilds_every_optional_section(base, budget):
     assert back == c  # dataclass equality: lists are back to tuples, every section to its class
     assert back.content_hash() == c.content_hash() and back.prepack.budget() == budget
     assert back == _rebuilt_with_constructors(_json_round_trip(c), c.config_path)
+
+
+def test_balance_and_cost_model_stored_only_when_set(base):
+    """A config without them stores and hashes as before they existed; set, they are stored and rebuilt."""
+    tmp, cfg = base
+    plain = load_config(write(tmp, cfg))
+    assert "balance" not in plain.to_dict()["prepack"] and "cost_model" not in plain.to_dict()["prepack"]
+    cfg["prepack"].update(balance="samples", cost_model={"tokens": 2e-4, "intercept": 3})
+    c = load_config(write(tmp, cfg))
+    assert c.content_hash() != plain.content_hash()
+    back = PrepackConfig.from_dict(json.loads(json.dumps(c.to_dict())))
+    assert back.prepack.balance == "samples" and back.prepack.cost_model == {"tokens": 2e-4, "intercept": 3.0}
+    assert back.content_hash() == c.content_hash()
+    cfg["prepack"].update(balance="none", cost_model={})
+    assert load_config(write(tmp, cfg)).content_hash() == plain.content_hash()

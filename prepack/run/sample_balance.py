@@ -1,0 +1,194 @@
+"""A balanced-samples pack (``prepack: balance: samples``): its streams written from its reference.
+
+Such a pack is two packs in one place.  ``OUT/reference/`` is the ordinary pack of the same config
+without ``balance`` (every stream the reference's, stream for stream: its checkpoints, audits,
+restores).  ``OUT``'s own streams hold the balanced batches: for each optimizer step at M = 1 (step
+t of worker class w is record j = t // K of streams r*K + w, r < W), the W reference batches' samples
+re-split among them (``prepack.engine.step_split``).  A trainer reads ``OUT`` like any pack.
+
+Why a second layer and not a second pass in place: a balanced record depends on W streams'
+records, so it cannot be re-made from one stream's checkpoint; the reference's records and
+checkpoints stay what re-makes it (``prepack audit`` re-splits, ``prepack verify`` compares each
+step's samples).  The balanced stream s ends its shards where reference stream s does, so each
+stream resumes on its own after a crash (from its committed shards) and a step's split is the
+same whichever streams are being written.  A step some stream has no record for (budgets in tokens
+or passes end streams unevenly) is left as the reference's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from loader.reader import Pack, iter_records
+from prepack.engine.step_split import split_step
+from prepack.run.atomic_files import sha256_hex, write_bytes_atomic
+from prepack.run.lineage import compact_lineage, lineage_table, parquet_bytes
+from prepack.run.recovery import recover_stream
+from prepack.run.writer import ShardFormat, StreamWriter, write_index
+from schemas.config import PrepackConfig
+from schemas.cost import CostModel
+from schemas.layout import done_file, shard_lineage_file, stream_lineage_file
+from schemas.lineage import read_lineage
+from schemas.location import PackLocation
+from schemas.manifest import StreamIndex, StreamSummary
+from schemas.record import PackedBatch, record_to_batch
+
+log = logging.getLogger(__name__)
+_NEVER = 1 << 62  # shard bytes: a balanced shard ends where its reference shard ends, never by size
+
+
+def step_streams(cfg: PrepackConfig) -> list[list[int]]:
+    """The streams whose records j form one step at M = 1, per DataLoader worker w: ``r*K + w`` for r < W."""
+    k = max(1, cfg.num_workers)
+    return [[r * k + w for r in range(cfg.world_size)] for w in range(k)]
+
+
+def balance_model(cfg: PrepackConfig) -> CostModel:
+    """The cost model a balanced-samples pack splits by: the config's ``prepack.cost_model``, else the default."""
+    return CostModel.from_mapping(cfg.prepack.cost_model) if cfg.prepack.cost_model else CostModel.default()
+
+
+def balanced_records(reference: Pack, streams: list[int], model: CostModel,
+                     start: int = 0) -> "Callable[[], tuple[int, dict[int, PackedBatch]] | None]":
+    """A call giving, step after step from record ``start``, ``(j, {stream: balanced batch j})``
+    (only the streams that have a record j), then None."""
+    lengths = {s: reference.num_records(s) for s in streams}
+    its = {s: iter_records(reference, s, start) for s in streams if lengths[s] > start}
+    steps = min(lengths.values()) if lengths else 0
+    j = start
+
+    def step() -> "tuple[int, dict[int, PackedBatch]] | None":
+        nonlocal j
+        live = [s for s in streams if j < lengths[s]]
+        if not live:
+            return None
+        batches = {}
+        for s in live:
+            at, record = next(its[s])
+            assert at == j, (s, at, j)
+            batches[s] = record_to_batch(record)
+        if j < steps and len(streams) > 1:
+            batches = dict(zip(live, split_step([batches[s] for s in live], model)))
+        j += 1
+        return j - 1, batches
+
+    return step
+
+
+@dataclass
+class _Out:
+    """One balanced stream being written: its index, where its reference shards end, its writer."""
+
+    stream: int
+    index: StreamIndex
+    ends: list[tuple[int, int]]  # per reference shard: (first record, records)
+    writer: StreamWriter | None = None
+    lineage: list = None
+
+    @property
+    def start(self) -> int:
+        """The first record this run writes (after the committed shards)."""
+        k = len(self.index.shards)
+        return self.ends[k][0] if k < len(self.ends) else sum(n for _, n in self.ends)
+
+    def shard_end(self, j: int) -> bool:
+        k = len(self.index.shards)
+        return k < len(self.ends) and j + 1 == self.ends[k][0] + self.ends[k][1]
+
+
+def balance_class(reference: Pack, loc: PackLocation, streams: list[int], fmt: ShardFormat,
+                  model: CostModel) -> None:
+    """Write ``streams`` (one worker class of the pack) from the reference, resuming after their
+    committed shards; their ``done.json`` is the caller's."""
+    outs = []
+    for s in streams:
+        index = recover_stream(loc, s)
+        ends = [(sh.first_record, len(sh.records)) for sh in reference.index(s).shards]
+        outs.append(_Out(s, index, ends, lineage=[]))
+    start = min(o.start for o in outs)
+    step = balanced_records(reference, streams, model, start)
+    last = time.monotonic()
+    while (got := step()) is not None:
+        j, batches = got
+        for o in outs:
+            if j < o.start or o.stream not in batches:
+                continue
+            if o.writer is None:
+                o.writer = StreamWriter(loc, o.stream, ShardFormat(_NEVER, fmt.compression, fmt.metadata),
+                                        start=(len(o.index.shards), j))
+            batch = batches[o.stream]
+            o.writer.append(batch)
+            o.lineage.append((batch.origins, batch.sample_lens.tolist()))
+            if o.shard_end(j):
+                _commit(loc, o)
+        if time.monotonic() - last > 30:
+            log.info("balanced samples: streams %d..%d at record %d", streams[0], streams[-1], j + 1)
+            last = time.monotonic()
+    for o in outs:
+        if o.writer is not None:
+            o.writer.abort()
+
+
+def _commit(loc: PackLocation, o: _Out) -> None:
+    """The shard commit (``prepack.run.writer``) of a balanced shard: records, pixel index, lineage, index."""
+    entry = o.writer.finish()
+    lineage = parquet_bytes(lineage_table(o.stream, entry.first_record, o.lineage))
+    write_bytes_atomic(loc, shard_lineage_file(o.stream, entry.shard), lineage)
+    entry.lineage_sha256, entry.lineage_rows = sha256_hex(lineage), sum(len(x) for x, _ in o.lineage)
+    o.index.append(entry)
+    write_index(loc, o.index)
+    o.lineage = []
+
+
+def finish_balanced(cfg: PrepackConfig, loc: PackLocation, reference: Pack, stream: int) -> StreamSummary:
+    """``done.json`` of a balanced stream: its own totals and lineage, the reference stream's accounting."""
+    index = StreamIndex.read(loc, stream)
+    ref = reference.done(stream)
+    lineage_sha, rows = compact_lineage(loc, index) if index.shards else ("", 0)
+    groups = Counter()
+    if rows:
+        groups.update(read_lineage(loc.read_bytes(stream_lineage_file(stream))).column("group").to_pylist())
+    records = [r for sh in index.shards for r in sh.records]
+    rank, worker = cfg.stream_rank_worker(stream)
+    summary = StreamSummary(
+        stream=stream, rank=rank, worker=worker, seed=cfg.stream_seed(stream), num_shards=len(index.shards),
+        num_records=len(records), num_tokens=sum(r.num_tokens for r in records),
+        num_samples=sum(r.num_samples for r in records), root=index.root, budget=cfg.prepack.budget(),
+        lineage_sha256=lineage_sha, lineage_rows=rows, drops=ref.drops, warnings=ref.warnings,
+        examples=ref.examples, group_samples=dict(sorted(groups.items())))
+    write_bytes_atomic(loc, done_file(stream), summary.to_json().encode())
+    for entry in index.shards:
+        try:
+            loc.fs.delete_file(loc.path(shard_lineage_file(stream, entry.shard)))
+        except FileNotFoundError:
+            pass
+    return summary
+
+
+def reference_config(cfg: PrepackConfig) -> PrepackConfig:
+    """The config of a balanced-samples pack's reference: the same without ``balance`` and ``cost_model``."""
+    return replace(cfg, prepack=replace(cfg.prepack, balance="none", cost_model=None))
+
+
+def write_balanced(cfg: PrepackConfig, loc: PackLocation, metadata: dict[str, str],
+                   reference: Pack) -> list[StreamSummary]:
+    """Write (or finish) every balanced stream of ``loc`` from the finished ``reference``; their
+    ``done.json`` once written.  A stream already done at this budget is kept as it is."""
+    model = balance_model(cfg)
+    fmt = ShardFormat(_NEVER, cfg.prepack.compression, metadata)
+    budget = cfg.prepack.budget()
+    out = {}
+    for streams in step_streams(cfg):
+        todo = [s for s in streams if (d := StreamSummary.read(loc, s)) is None or d.budget != budget]
+        if not todo:
+            out.update({s: StreamSummary.read(loc, s) for s in streams})
+            continue
+        log.info("balanced samples: writing streams %s from the reference", streams)
+        balance_class(reference, loc, streams, fmt, model)
+        for s in streams:
+            out[s] = finish_balanced(cfg, loc, reference, s) if s in todo else StreamSummary.read(loc, s)
+    return [out[s] for s in sorted(out)]

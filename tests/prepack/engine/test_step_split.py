@@ -1,0 +1,99 @@
+"""Balanced samples (``prepack.engine.step_split``): a batch cut into its samples and joined again is
+the same batch byte for byte; a step's re-split holds the same samples (a multiset), each with the
+reference's tensors as the loader builds them, VAE samples in their reference batch, every batch
+within its capacity and the costliest never costlier than the reference's."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from loader.balance import samples_of
+from loader.batch import SimpleCustomBatch
+from prepack.engine.step_split import join_samples, split_batch, split_step
+from schemas.cost import CostModel, terms_of
+from schemas.record import encode_record
+from tests.helpers.fakepack import BatchSpec, make_batch
+from tests.helpers.samples import same, sample_tensors
+
+MODEL = CostModel.default()
+
+
+def digest(batch) -> str:
+    return encode_record(batch).digest
+
+
+def step_of(seed: int, w: int = 6):
+    """W batches: some with VAE samples, some ViT and text only (which may move), of unequal cost."""
+    out = []
+    for b in range(w):
+        spec = BatchSpec(use_flex=True, n_samples=2 + (seed + b) % 5, vae=b % 3 == 0, max_side=3 + b % 3)
+        batch = make_batch(seed * 1000 + b, spec)
+        batch.max_num_tokens = int(batch.sequence_length) * 3 // 2  # room to move samples in
+        out.append(batch)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_batch_cut_and_joined_is_itself(seed):
+    batch = make_batch(seed, BatchSpec(use_flex=bool(seed % 2), n_samples=1 + seed % 4))
+    samples = split_batch(batch)
+    assert len(samples) == batch.num_samples
+    assert sum(s.length for s in samples) == batch.sequence_length
+    assert digest(join_samples(samples, batch)) == digest(batch)
+
+
+def test_joined_in_another_order_changes_only_where_samples_lie():
+    batch = make_batch(3, BatchSpec(n_samples=3))
+    samples = split_batch(batch)
+    other = join_samples(samples[::-1], batch)
+    assert digest(other) != digest(batch)
+    assert sorted(s.digest() for s in split_batch(other)) == sorted(s.digest() for s in samples)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_step_re_split_keeps_its_samples_and_their_tensors(seed):
+    step = step_of(seed)
+    out = split_step(step, MODEL)
+    assert len(out) == len(step)
+    before = [split_batch(b) for b in step]
+    after = [split_batch(b) for b in out]
+    assert Counter(s.digest() for ss in before for s in ss) == Counter(s.digest() for ss in after for s in ss)
+    home = {s.digest(): b for b, ss in enumerate(before) for s in ss}
+    for b, ss in enumerate(after):
+        assert sum(s.length for s in ss) <= max(step[b].max_num_tokens, step[b].sequence_length)
+        for s in ss:
+            if s.has_vae:
+                assert home[s.digest()] == b, "a sample with a VAE image left its batch"
+    cost = lambda bs: max(float(MODEL.estimate(terms_of(b))) for b in bs)  # noqa: E731
+    assert cost(out) <= cost(step) + 1e-9
+    assert [digest(b) for b in split_step(step, MODEL)] == [digest(b) for b in out]  # deterministic
+    # each sample's tensors, as the loader builds them, are the reference's
+    ref = {}
+    for b in step:
+        d = SimpleCustomBatch(b).to_dict()
+        for i, s in enumerate(split_batch(b)):
+            ref[s.digest()] = sample_tensors(d, i)
+    for b in out:
+        d = SimpleCustomBatch(b).to_dict()
+        for i, s in enumerate(split_batch(b)):
+            assert same(sample_tensors(d, i), ref[s.digest()])
+
+
+def test_samples_move_when_that_evens_the_step():
+    moved = 0
+    for seed in range(8):
+        step = step_of(seed)
+        out = split_step(step, MODEL)
+        moved += sum(digest(a) != digest(b) for a, b in zip(step, out))
+        costs = lambda bs: [float(MODEL.estimate(terms_of(b))) for b in bs]  # noqa: E731
+        assert max(costs(out)) <= max(costs(step)) + 1e-9
+    assert moved > 0, "no step was re-split: the test data gives the balancer nothing to do"
+
+
+def test_batch_costs_add_up_over_samples():
+    step = step_of(5)
+    for b in split_step(step, MODEL):
+        samples, fixed = samples_of(b, MODEL)
+        assert fixed + sum(s.cost for s in samples) == pytest.approx(float(MODEL.estimate(terms_of(b))), rel=1e-9)

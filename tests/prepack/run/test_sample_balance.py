@@ -1,0 +1,197 @@
+"""A balanced-samples pack (``prepack: balance: samples``) end to end, W=2 ranks x K=2 workers: its
+reference is the ordinary pack byte for byte; each step holds the real reference's step's samples
+(NeMo's ``PackedDataset``, tensor for tensor); no step's costliest batch is costlier than the
+reference's; ``verify`` and ``audit`` pass and catch a reference that is not its own; a crashed
+balancing resumes to the same bytes; the loader reads it like any pack."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from loader import PackedShardDataset, open_stream
+from loader.batch import SimpleCustomBatch
+from loader.reader import Pack, iter_records
+from prepack.run.bound import BoundSpec
+from prepack.run.driver import RunOptions, run_pack
+from prepack.run.writer import write_index
+from prepack.tools.audit import audit_pack
+from prepack.tools.verify import verify_pack
+from schemas.config_file import load_config
+from schemas.cost import CostModel
+from schemas.errors import ConfigError, UsageError
+from schemas.layout import DONE_NAME, MANIFEST_NAME, REFERENCE_DIR, index_file, stream_dir
+from schemas.location import resolve_location
+from schemas.manifest import StreamIndex
+from schemas.record import record_to_batch
+from tests.helpers import datagen as dg
+from tests.helpers import oracle
+from tests.helpers.packs import KNOBS
+from tests.helpers.samples import keys_of
+
+BATCHES = 5
+W, K = 2, 2
+
+
+def _dataset(root: str, seed: int = 0) -> dg.Dataset:
+    """t2i and edit (VAE samples: they stay) and SFT (ViT and text: they may move), enough rows for 4 streams."""
+    rs = np.random.RandomState(seed)
+    ds = dg.Dataset(os.path.join(root, "data"))
+    os.makedirs(ds.root)
+    dg.add_t2i(ds, [dg.good_t2i_rows(rs, 4, i * 4) for i in range(4)], row_group_size=2)
+    lines, files = dg.good_sft(rs, 16)
+    dg.add_sft(ds, lines, files)
+    dg.add_edit(ds, [dg.good_edit_rows(rs, 2, i * 2) for i in range(4)])
+    return ds
+
+
+def _config(ds: dg.Dataset, name: str = "config.yaml", **prepack) -> str:
+    """The config written as ``name`` beside the data (each config its own file: packs read theirs later)."""
+    path = ds.config(knobs=KNOBS, num_workers=K, prepack={"batches_per_stream": BATCHES, "shard_bytes": 150_000,
+                                                          "world_size": W, **prepack})
+    mine = os.path.join(os.path.dirname(path), name)
+    os.replace(path, mine)
+    return mine
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory, tokenizer_and_special):
+    root = str(tmp_path_factory.mktemp("balanced"))
+    ds = _dataset(root)
+    balanced, plain = _config(ds, "balanced.yaml", balance="samples"), _config(ds, "plain.yaml")
+    out, ref = os.path.join(root, "out"), os.path.join(root, "plain")
+    opts = RunOptions(inline=True, bar=False)
+    assert run_pack(load_config(balanced), out, opts, tokenizer=tokenizer_and_special).manifest_written
+    assert run_pack(load_config(plain), ref, opts, tokenizer=tokenizer_and_special).manifest_written
+    return dict(root=root, out=out, plain=ref, config=balanced, ds=ds)
+
+
+def _shards(out: str, s: int) -> list[tuple[str, int]]:
+    return [(sh.xxh3, sh.nbytes) for sh in StreamIndex.read(resolve_location(out), s).shards]
+
+
+def test_its_reference_is_the_ordinary_pack_byte_for_byte(packs):
+    for s in range(W * K):
+        assert _shards(os.path.join(packs["out"], REFERENCE_DIR), s) == _shards(packs["plain"], s)
+    assert Pack.open(packs["out"]).info.stored_config().prepack.balance == "samples"
+
+
+def _steps(out: str, streams: list[int]) -> list[list[dict]]:
+    per = [[SimpleCustomBatch(record_to_batch(r)).to_dict() for _, r in iter_records(Pack.open(out), s)] for s in streams]
+    return [list(step) for step in zip(*per)]
+
+
+def test_each_step_holds_the_reference_steps_samples_tensor_for_tensor(packs, tokenizer_and_special):
+    """Against NeMo's PackedDataset itself: step j of worker w is batch j of ranks 0..W-1's worker w."""
+    cfg = load_config(packs["config"])
+    tok, _ = tokenizer_and_special
+    moved = 0
+    for w in range(K):
+        streams = [r * K + w for r in range(W)]
+        theirs = [oracle.reference_batches(cfg, s, tok, BATCHES) for s in streams]
+        ours = _steps(packs["out"], streams)
+        assert len(ours) == BATCHES
+        for j, step in enumerate(ours):
+            ref_step = [theirs[i][j] for i in range(W)]
+            assert Counter(k for d in step for k in keys_of(d)) == Counter(k for d in ref_step for k in keys_of(d)), \
+                f"worker {w} step {j}: the samples differ from the reference step's"
+            moved += any(keys_of(a) != keys_of(b) for a, b in zip(step, ref_step))
+    assert moved, "no step moved a sample: the data gives the balancer nothing to do"
+
+
+def test_no_step_is_slower_than_the_reference_by_the_model(packs):
+    model = CostModel.default()
+    out, ref = Pack.open(packs["out"]), Pack.open(packs["plain"])
+    for w in range(K):
+        streams = [r * K + w for r in range(W)]
+        for j in range(BATCHES):
+            mine = max(float(model.estimate(out.record_terms(s, j))) for s in streams)
+            theirs = max(float(model.estimate(ref.record_terms(s, j))) for s in streams)
+            assert mine <= theirs + 1e-9
+
+
+def test_verify_and_audit_pass_and_catch_a_reference_that_is_not_its_own(packs, tokenizer_and_special, tmp_path):
+    rep = verify_pack(packs["out"])
+    assert rep.ok, [r for r in rep.rows if not r.ok]
+    assert sum(r.check == "balanced steps" and r.ok for r in rep.rows) == K
+    audit = audit_pack(packs["out"], tokenizer=tokenizer_and_special)
+    assert audit.ok and len(audit.rows) == sum(len(StreamIndex.read(resolve_location(packs["out"]), s).shards)
+                                               for s in range(W * K))
+    # the same pack over another seed's reference: same shapes, other samples
+    other = str(tmp_path / "other")
+    shutil.copytree(packs["out"], other)
+    ds = _dataset(str(tmp_path / "seed1"), seed=1)
+    shutil.rmtree(os.path.join(other, REFERENCE_DIR))
+    run_pack(load_config(_config(ds)), os.path.join(other, REFERENCE_DIR), RunOptions(inline=True, bar=False),
+             tokenizer=tokenizer_and_special)
+    rep = verify_pack(other)
+    bad = [r for r in rep.rows if r.check == "balanced steps" and not r.ok]
+    assert bad and "step 0" in bad[0].detail
+    assert not audit_pack(other, tokenizer=tokenizer_and_special).ok
+
+
+def test_a_crashed_balancing_resumes_to_the_same_bytes(packs, tokenizer_and_special, tmp_path):
+    out = str(tmp_path / "out")
+    shutil.copytree(packs["out"], out)
+    loc = resolve_location(out)
+    for s in (0, 3):  # one stream of each worker class lost its last two shards, another none
+        index = StreamIndex.read(loc, s)
+        cut = StreamIndex(s, index.shards[:-2], index.ckpt0_json_sha256, index.ckpt0_arrow_sha256)
+        write_index(loc, cut)
+        os.remove(os.path.join(out, stream_dir(s), DONE_NAME))
+        with open(os.path.join(out, stream_dir(s), f"shard-{len(cut.shards):05d}.arrow.tmp"), "wb") as f:
+            f.write(b"half a shard")  # a crash leftover
+    os.remove(os.path.join(out, MANIFEST_NAME))
+    summary = run_pack(load_config(packs["config"]), out, RunOptions(inline=True, bar=False),
+                       tokenizer=tokenizer_and_special)
+    assert summary.manifest_written
+    for s in range(W * K):
+        with open(os.path.join(out, index_file(s)), "rb") as a, open(os.path.join(packs["out"], index_file(s)), "rb") as b:
+            assert a.read() == b.read(), f"stream {s}'s index differs after the resume"
+        assert _shards(out, s) == _shards(packs["out"], s)
+    assert verify_pack(out).ok
+
+
+def test_the_loader_reads_it_as_any_pack(packs):
+    for r in range(W):
+        got = list(PackedShardDataset(packs["out"], rank=r, world_size=W))
+        assert len(got) == K * BATCHES
+        assert all(b.sequence_length <= KNOBS["max_num_tokens"] for b in got)
+    assert [b.to_dict()["sample_lens"] for b in open_stream(packs["out"], 1)]
+
+
+def test_refused_where_it_does_not_apply(packs, tmp_path, tokenizer_and_special):
+    ds = packs["ds"]
+    with pytest.raises(ConfigError, match="world_size >= 2"):
+        load_config(ds.config(knobs=KNOBS, num_workers=K, prepack={"batches_per_stream": 2, "balance": "samples"}))
+    with pytest.raises(ConfigError, match="balance must be one of"):
+        load_config(_config(ds, balance="steps"))
+    with pytest.raises(UsageError, match="--ahead"):
+        run_pack(load_config(packs["config"]), str(tmp_path / "bounded"),
+                 RunOptions(inline=True, bar=False, bound=BoundSpec(ahead=2, progress=(str(tmp_path / "p"),))),
+                 tokenizer=tokenizer_and_special)
+
+
+def test_the_configs_cost_model_splits_and_is_the_packs(packs, tmp_path, tokenizer_and_special):
+    """``prepack.cost_model`` (here: a batch costs its tokens) is what the split evens out, and what
+    the loader's balance and ``prepack stats`` weigh the pack's batches by."""
+    config = _config(packs["ds"], "tokens.yaml", balance="samples", cost_model={"tokens": 1.0})
+    out = str(tmp_path / "tokens")
+    run_pack(load_config(config), out, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
+    tokens_only = CostModel.from_mapping({"tokens": 1.0})
+    pack, ref = Pack.open(out), Pack.open(os.path.join(out, REFERENCE_DIR))
+    assert pack.info.cost_model() == tokens_only and ref.info.cost_model() == CostModel.default()
+    assert PackedShardDataset(out, rank=0, world_size=W, balance=True, micro_batches=1).cost_model == tokens_only
+    evened = 0
+    for w in range(K):
+        for j in range(BATCHES):
+            mine = [int(pack.record_terms(r * K + w, j)[0]) for r in range(W)]  # term 0: tokens
+            theirs = [int(ref.record_terms(r * K + w, j)[0]) for r in range(W)]
+            assert sum(mine) == sum(theirs) and max(mine) <= max(theirs)
+            evened += max(mine) < max(theirs)
+    assert evened
+    assert verify_pack(out).ok
