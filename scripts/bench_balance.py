@@ -30,7 +30,10 @@ depend on the others).  Per cell:
 
 W=64, M=4 is always simulated (the headline).  "Balanced samples" (M = 1: each step's samples
 re-split among its batches, ``loader.balance.balance_samples``; ``samples_figure``) is simulated
-the same way at W=64 on the records' own samples: the re-split batches are not packed.  With ``--check-csv`` (default: the H200 timings
+the same way at W=64 on the records' own samples: the re-split batches are not packed there.  A real
+``prepack: balance: samples`` pack is packed too (``--packed-batches``; W=4, K=1, the default mix:
+``packed_samples``): its steps' step time by the model, read from its index and its reference's,
+and the balancing's wall time beside the packing's.  With ``--check-csv`` (default: the H200 timings
 in docs/data/, when present) the model is also checked against the full-depth estimates there:
 how it ranks them, its error, and the step time at W=64, M=4 when steps drawn from those records
 are balanced by the model (by tokens alone, by the estimates themselves) and timed by the estimates.
@@ -194,6 +197,58 @@ def samples_figure(pack_dirs_: list[str], model: CostModel, args) -> float | Non
     return bal_time / ref_time
 
 
+PACKED_W = 4  # the W of the packed balanced-samples pack (its data has 4 files per parquet group)
+
+
+def packed_samples(out: str, batches: int, seed: int) -> str:
+    """A real ``prepack: balance: samples`` pack (``make_cost_pack``'s data and knobs, the default mix,
+    W=4, K=1): its reference packed first by the product's command as a plain pack of the same config
+    (what the balanced run packs into ``OUT/reference``), then the balanced run in this process, which
+    finds the reference done and only balances (timed apart from loading the tokenizer).  Returns the figure's line: the model's step time of the packed
+    steps over the reference's, and the balancing's wall time beside the packing's."""
+    import make_cost_pack as mcp  # a script beside this one (PIL, yaml): only when packs are built
+    import yaml
+
+    ds = mcp.make_data(os.path.join(out, "data-samples"), seed)
+    raw = yaml.safe_load(open(mcp.config(ds, batches, seed, "samples", None)))
+    raw["dataloader"]["num_workers"] = 1
+    raw["prepack"]["world_size"] = PACKED_W
+    dest = os.path.join(out, "samples")
+    configs = {}
+    for name in ("none", "samples"):
+        raw["prepack"]["balance"] = name
+        configs[name] = os.path.join(ds.root, f"samples-{name}.yaml")
+        with open(configs[name], "w") as f:
+            yaml.safe_dump(raw, f, sort_keys=False)
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "prepack.cli", "run", configs["none"], "--out", os.path.join(dest, "reference"),
+                    "--no-ray", "--no-progress"], cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": ROOT},
+                   stdout=sys.stderr)
+    packing_s = time.perf_counter() - t0
+    from prepack.engine.tokenizer import load_tokenizer, special_token_ids
+    from prepack.run.driver import RunOptions, run_pack
+    from schemas.config_file import load_config
+
+    cfg = load_config(configs["samples"])
+    tokenizer = special_token_ids(load_tokenizer(cfg.tokenizer))
+    t0, c0 = time.perf_counter(), time.process_time()
+    run_pack(cfg, dest, RunOptions(inline=True, bar=False), tokenizer=tokenizer)  # the reference is done: balancing only
+    balancing_s, balancing_cpu = time.perf_counter() - t0, time.process_time() - c0
+    model = CostModel.default()
+    pack, ref = Pack.open(dest), Pack.open(os.path.join(dest, "reference"))
+    steps = min(pack.num_records(s) for s in range(PACKED_W))
+    slowest = np.zeros(2)
+    for j in range(steps):
+        for i, p in enumerate((ref, pack)):
+            slowest[i] += max(float(model.estimate(np.asarray(p.record_terms(s, j))))
+                              for s in range(PACKED_W))
+    records = steps * PACKED_W
+    return (f"balanced samples, packed (W={PACKED_W}, K=1, {steps} steps, the default mix): step time "
+            f"{slowest[1] / slowest[0]:.3f} of the reference by the model; balancing {balancing_s:.1f} s wall, "
+            f"{balancing_cpu:.1f} s CPU for {records} records ({1e3 * balancing_cpu / records:.0f} ms CPU each; "
+            f"packing them: {packing_s:.1f} s, a process)")
+
+
 def model_check(path: str, model: CostModel, steps: int, seed: int) -> list[str]:
     """The model against ``time_record_cost.py``'s full-depth estimates: how it ranks them, its
     error, and what balancing by it gives when the step is timed by the estimates themselves."""
@@ -247,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro", type=ints, default=[1, 4, 8], help="M values (default 1,4,8)")
     ap.add_argument("--steps", type=int, default=100, help="steps simulated per cell (default 100)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the draw (and of built packs; default 0)")
+    ap.add_argument("--packed-batches", type=int, default=30,
+                    help="records per stream of the packed balanced-samples pack (W=4, K=1; 0: not built; default 30)")
     ap.add_argument("--cost-fit", default=None, help="a time_record_cost.py fit JSON instead of the default model")
     ap.add_argument("--check-csv", default=CHECK_CSV, help="time_record_cost.py CSV to check the model on ('' : none)")
     args = ap.parse_args(argv)
@@ -268,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         per_pack = [read_terms(d) for d in dirs]
         read_s = time.perf_counter() - t0
         samples = samples_figure(dirs, model, args)
+        packed = packed_samples(os.path.join(tmp, "packed"), args.packed_batches, args.seed) if args.packed_batches else None
     terms = np.concatenate(per_pack)
     if not len(terms):
         raise SystemExit("no records in the packs")
@@ -295,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {os.path.basename(os.path.normpath(d))} alone, W={w} M={m}: spread {one.reference:.4f} -> "
                       f"{one.balanced:.4f} (ideal {one.ideal:.4f}); step time {one.step_time:.4f} "
                       f"(ideal {one.ideal_time:.4f}, balanced within {100 * (one.step_time / one.ideal_time - 1):.2f}%)")
+    if packed:
+        print(packed)
     head = cells[HEADLINE]
     z = "n/a" if samples is None else f"{samples:.3f}"
     print(f"balance: step time {head.step_time:.3f} of the reference at W={HEADLINE[0]} M={HEADLINE[1]} "

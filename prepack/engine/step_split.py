@@ -161,7 +161,7 @@ def split_batch(batch: PackedBatch, tag: int = 0) -> list[BatchSample]:
 
 
 def _cat(parts: list[np.ndarray], dtype) -> np.ndarray:
-    return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
 
 
 def join_samples(samples: Sequence[BatchSample], like: PackedBatch) -> PackedBatch:
