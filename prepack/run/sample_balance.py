@@ -21,7 +21,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from loader.reader import Pack, iter_records
 from prepack.engine.step_split import split_step
@@ -87,7 +87,7 @@ class _Out:
     index: StreamIndex
     ends: list[tuple[int, int]]  # per reference shard: (first record, records)
     writer: StreamWriter | None = None
-    lineage: list = None
+    lineage: list = field(default_factory=list)  # (origins, sample lens) of the open shard's records
 
     @property
     def start(self) -> int:
@@ -108,7 +108,7 @@ def balance_class(reference: Pack, loc: PackLocation, streams: list[int], fmt: S
     for s in streams:
         index = recover_stream(loc, s)
         ends = [(sh.first_record, len(sh.records)) for sh in reference.index(s).shards]
-        outs.append(_Out(s, index, ends, lineage=[]))
+        outs.append(_Out(s, index, ends))
     start = min(o.start for o in outs)
     step = balanced_records(reference, streams, model, start)
     last = time.monotonic()

@@ -70,6 +70,15 @@ def train_rank(rank: int, world_size: int, packed_dir: str, balance: bool, micro
         dist.destroy_process_group()
 
 
+def differences(ref: dict, other: dict) -> tuple[float, float]:
+    """Two trainings' (one rank's saved dict each): the largest relative difference of a step's loss
+    and the largest absolute difference of a final weight."""
+    losses, want = torch.tensor(other["losses"]), torch.tensor(ref["losses"])
+    loss_diff = float(((losses - want).abs() / want.abs()).max())
+    weight_diff = max(float((other["weights"][k] - ref["weights"][k]).abs().max()) for k in ref["weights"])
+    return loss_diff, weight_diff
+
+
 def spawn_target(rank: int, *args) -> None:
     """``torch.multiprocessing.spawn``'s entry: ``train_rank(rank, *args)``."""
     train_rank(rank, *args)
