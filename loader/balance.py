@@ -1,60 +1,64 @@
-"""Which rank computes which of an optimizer step's batches, so that no rank waits for another.
+"""Which rank computes which of an optimizer step's batches, and in which micro-step (issues 44, 50).
 
-Why: a step lasts as long as its slowest rank, and batches of equal tokens are not equal compute
-(``schemas.cost``).  NeMo's BAGEL recipe (and upstream BAGEL) divide the CE and MSE losses by the
-token counts of the whole optimizer step, so which rank computes which of a step's W x M batches
-does not change the step's gradient (beyond float summation order): the batches may be dealt
-to the ranks, M each, to even out their sums (the design's "A step that waits for no one rank").
+Why: batches of equal tokens are not equal compute (``schemas.cost``), and ranks wait for each
+other.  NeMo's BAGEL recipe (and upstream BAGEL) divide the CE and MSE losses by the token counts
+of the whole optimizer step, so which rank computes which of a step's W x M batches, and in which
+of its M micro-steps, does not change the step's gradient (beyond float summation order).  What
+to even out depends on where the ranks wait (``Balance.sync``):
 
-``assign_step`` is a pure function of the step's costs: every rank computes the same assignment
-from the index alone, without communication, one step at a time.  Costs are first quantized to
-integers (``_quantize``), so every sum is exact and no comparison can come out differently on
-another machine or in another summation order.
+- **lockstep** (FSDP / ZeRO-3, or DDP without ``no_sync``; both BAGEL stacks, NeMo's recipe
+  included, which does not even defer FSDP's gradient sync): every layer of every micro-batch
+  all-gathers parameters and reduce-scatters gradients, collectives every rank joins.  A
+  micro-step lasts as long as its slowest rank in each segment (``schemas.cost.SEGMENTS``: the
+  VAE encode, the ViT layers, the LLM layers), and the step is the sum of its micro-steps
+  (``lockstep_time``).  So what matters is which batches share a micro-step: ``assign_lockstep``.
+- **step** (DDP under ``no_sync``): ranks meet once, at the step's end; the step lasts as long as
+  the largest rank sum.  ``assign_step`` deals the batches, M a rank, to even those sums.
 
-**Method** (issue 44: within 3% of the ideal at W=64, M=4, cheap at W=512, M=8): balanced
-largest differencing (Karmarkar-Karp for W subsets of exactly M items: the sorted costs in M rows
-of W, each row a partial partition; repeatedly the two partitions of largest spread are merged,
-the heaviest subset of one with the lightest of the other), then pairwise swaps between the
-heaviest rank and any other while a swap lowers the heavier of the two below the heaviest's
-load (each swap strictly lowers the sorted loads, so it ends).  The result is never worse than
-the reference assignment (rank r computing batches r*M .. r*M+M-1): that is returned when it is
-not strictly better.  At M = 1 every assignment is the same step time: the reference is kept.
+Both are pure functions of the step's costs: every rank computes the same assignment from the
+index alone, without communication, one step at a time.  Costs are first quantized to integers
+(``schemas.cost.quantize``), so every sum is exact and no comparison can come out differently on
+another machine or in another summation order.  Both return the reference assignment (rank r
+computes batches r*M .. r*M+M-1, its j-th in micro-step j) unless they are strictly better by
+their own model; at M = 1 or W = 1 every assignment is the same step, and the reference is kept.
 
-``balance_samples`` is "balanced samples" for M = 1 (a pack-time option): the samples of a
-step's W batches re-split among them within each batch's token capacity.  A sample attends only
-to itself, so one without VAE images computes the same in any batch; one with a VAE image stays
-in its reference batch (the VAE encodes the batch's images on one canvas padded to its largest
-image, whose mid-block attention spans them all).  A batch's cost adds up over its samples for
-every term but the VAE canvas, and the canvas is fixed by the VAE samples, which stay: so a
-batch's cost is its fixed part plus the sum of its samples' costs (``samples_of``).
+**assign_lockstep** (issue 50: at most 0.93 of the reference at W=64, M=4 by the H200's per-part
+timings; cheap at W=512, M=8): the step's batches are grouped W at a time in sorted order by each
+segment's cost, and by the total; the grouping with the least summed maxima (the reference's
+grouping among the candidates) is improved by best-improvement swaps between micro-steps (only a
+batch that is its micro-step's maximum in some segment can lower anything, so a round weighs
+those against every other batch: O(M x S x W x M)).  Sorting by the VAE cost usually wins: the
+VAE varies most between batches.  ``lockstep_bound`` (each segment grouped on its own) is a
+lower bound no grouping beats; it is not reachable when the segments disagree.  Within a
+micro-step the ranks are interchangeable under lockstep; the batches are dealt so that the
+ranks' sums stay even too (``_deal_ranks``).
+
+**assign_step** (issue 44: within 3% of the ideal at W=64, M=4): balanced largest differencing
+(Karmarkar-Karp for W subsets of exactly M items: the sorted costs in M rows of W, each row a
+partial partition; repeatedly the two partitions of largest spread are merged, the heaviest subset
+of one with the lightest of the other), then pairwise swaps between the heaviest rank and any other
+while a swap lowers the heavier of the two below the heaviest's load (each swap strictly lowers the
+sorted loads, so it ends).  Each rank's batches in ascending reference order.
+
+``Balance`` is the one setting a loader takes (M, the sync kind, the cost model).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
-from dataclasses import dataclass
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 import numpy as np
+import xxhash
 
-from schemas.cost import CANVAS_TERMS, COST_TERMS, CostModel, sample_terms_of, terms_of
+from schemas.cost import CostModel, quantize
 from schemas.errors import UsageError
 
-_QUANTUM_BITS = 40  # the largest cost becomes 2^40: sums of up to 2^23 costs stay exact in int64
 # swaps stop within this of the lower bound: 10x below the cost model's own error (schemas.cost)
 GOOD_ENOUGH = 1e-3
 _MAX = np.iinfo(np.int64).max
-
-
-def _quantize(values: np.ndarray, what: str) -> np.ndarray:
-    """Non-negative finite costs as int64 on one scale (the largest -> 2^40), exact to ~1e-12."""
-    v = np.asarray(values, np.float64)
-    if v.size and (not np.isfinite(v).all() or (v < 0).any()):
-        raise UsageError(f"{what}: costs must be finite and >= 0")
-    top = float(v.max()) if v.size else 0.0
-    if top == 0.0:
-        return np.zeros(v.shape, np.int64)
-    return np.rint(v * (float(1 << _QUANTUM_BITS) / top)).astype(np.int64)
 
 
 def _check_step(costs: np.ndarray, world_size: int, micro_batches: int) -> np.ndarray:
@@ -137,7 +141,7 @@ def assign_step(costs: np.ndarray, world_size: int, micro_batches: int) -> np.nd
     ref = reference_assignment(world_size, micro_batches)
     if micro_batches == 1 or world_size == 1:
         return ref
-    q = _quantize(c, "assign_step")
+    q = quantize(c, "assign_step")
     members = _differencing(q, world_size, micro_batches)
     bound = int(_lower_bound(q, world_size, micro_batches) * (1 + GOOD_ENOUGH))
     members = _swap_down(q, members, bound, max_rounds=world_size)
@@ -182,153 +186,211 @@ def ideal_spread(costs: np.ndarray, world_size: int, micro_batches: int) -> floa
     return float(_lower_bound(c, world_size, micro_batches) / mean) if mean > 0 else 1.0
 
 
-# --- balanced samples (M = 1) ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StepSample:
-    """One sample of a step's batch as the re-split sees it."""
-
-    tokens: int  # its sequence length (what the batch's capacity counts)
-    cost: float  # what it adds to its batch's estimated cost (ms; ``samples_of``)
-    has_vae: bool  # it holds a VAE image: it stays in its reference batch
-
-
-def samples_of(batch, model: CostModel) -> tuple[list[StepSample], float]:
-    """A batch's samples for ``balance_samples`` and its fixed cost (the model's intercept and the
-    VAE canvas): the fixed cost plus the samples' costs is ``model.estimate(terms_of(batch))``."""
-    per_sample, has_vae = sample_terms_of(batch)
-    costs = model.variable(per_sample)
-    canvas = np.zeros(len(COST_TERMS), np.int64)
-    whole = terms_of(batch)
-    for name in CANVAS_TERMS:
-        i = COST_TERMS.index(name)
-        canvas[i] = whole[i]
-    fixed = float(model.estimate(canvas))
-    return [StepSample(int(t), float(c), bool(v))
-            for t, c, v in zip(per_sample[:, 0].tolist(), costs.tolist(), has_vae.tolist())], fixed
+# --- lockstep: which batches share a micro-step ------------------------------------------------------
+def _check_segments(segment_costs: np.ndarray, world_size: int, micro_batches: int) -> np.ndarray:
+    if int(world_size) < 1 or int(micro_batches) < 1:
+        raise UsageError(f"world size {world_size} and micro-batches {micro_batches} must be >= 1")
+    c = np.asarray(segment_costs)
+    if c.ndim != 2 or c.shape[0] != world_size * micro_batches:
+        raise UsageError(f"a step of W={world_size} ranks x M={micro_batches} micro-batches has "
+                         f"{world_size * micro_batches} batches; got segment costs of shape {c.shape}")
+    return c
 
 
-def balance_samples(batches: Sequence[Sequence[StepSample]], capacities: Sequence[int],
-                    fixed_costs: Sequence[float] | None = None) -> list[list[tuple[int, int]]]:
-    """Re-split one step's samples among its batches: for every output batch, the ``(batch,
-    sample)`` it takes, in ascending order.
+def _group_maxima(q: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """(M, S): each micro-step's slowest batch per segment; ``groups`` (M, W) indices into q."""
+    return q[groups].max(axis=1)
 
-    Every sample is taken once; a sample with a VAE image stays in its batch; no batch holds more
-    tokens than its capacity (or than its reference batch held, where that was more); the most
-    costly batch (``fixed_costs[b]`` plus its samples' costs) is as cheap as a local search
-    finds, never above the reference's.  Deterministic: the same input, the same split.
-    """
-    w = len(batches)
-    if len(capacities) != w or (fixed_costs is not None and len(fixed_costs) != w):
-        raise UsageError(f"{w} batches need {w} capacities and fixed costs; got {len(capacities)} and "
-                         f"{w if fixed_costs is None else len(fixed_costs)}")
-    ref = np.array([b for b, samples in enumerate(batches) for _ in samples], np.int64)
-    place = [(b, s) for b, samples in enumerate(batches) for s in range(len(samples))]
-    if not place:
-        return [[] for _ in range(w)]
-    flat = [x for samples in batches for x in samples]
-    tok = np.array([x.tokens for x in flat], np.int64)
-    movable = ~np.array([x.has_vae for x in flat], bool)
-    fixed = np.zeros(w) if fixed_costs is None else np.asarray(fixed_costs, np.float64)
-    q = _quantize(np.concatenate([[x.cost for x in flat], fixed]), "balance_samples")
-    cost, fq = q[:len(flat)], q[len(flat):]
-    cap = np.maximum(np.asarray(capacities, np.int64), np.bincount(ref, tok, w).astype(np.int64))
-    problem = _Split(cost, tok, movable, fq, cap)
-    best = problem.improve(ref)
-    start = problem.greedy(ref)
-    if start is not None:
-        other = problem.improve(start)
-        if problem.worst(other) < problem.worst(best):
-            best = other
-    out: list[list[tuple[int, int]]] = [[] for _ in range(w)]
-    for i, b in enumerate(best.tolist()):
-        out[b].append(place[i])
+
+def lockstep_time(segment_costs: np.ndarray, world_size: int, micro_batches: int,
+                  assignment: np.ndarray | None = None) -> float:
+    """The step's time when ranks wait for each other in every segment of every micro-step: the sum
+    over micro-steps j and segments of the slowest rank's cost there.  ``assignment`` (W, M): rank
+    r computes batch ``assignment[r, j]`` in micro-step j (the reference when None)."""
+    c = np.asarray(_check_segments(segment_costs, world_size, micro_batches), np.float64)
+    a = reference_assignment(world_size, micro_batches) if assignment is None else np.asarray(assignment)
+    if a.shape != (world_size, micro_batches):
+        raise UsageError(f"an assignment of W={world_size} x M={micro_batches} has that shape; got {a.shape}")
+    return float(_group_maxima(c, a.T).sum())
+
+
+def _sorted_groups(q: np.ndarray, key: np.ndarray, world_size: int) -> np.ndarray:
+    """Micro-steps of W consecutive batches in ``key`` order (heaviest first, ties by index)."""
+    order = np.lexsort((np.arange(len(key)), -key))
+    return order.reshape(-1, world_size)
+
+
+def lockstep_bound(segment_costs: np.ndarray, world_size: int, micro_batches: int) -> float:
+    """No grouping into micro-steps is faster than this: each segment grouped on its own.
+
+    For one segment the sum of the micro-steps' maxima is least when the batches are grouped in
+    sorted order, W at a time: with the costs sorted, the k-th largest micro-step maximum is at
+    least the ((k-1)W+1)-th largest cost (the k-1 micro-steps above it hold only (k-1)W batches),
+    and sorted groups reach exactly that.  A grouping serves every segment at once, so its time is
+    at least the sum of these per-segment optima (also never below the mean rank's work)."""
+    c = np.asarray(_check_segments(segment_costs, world_size, micro_batches), np.float64)
+    return float(sum(np.sort(c[:, s])[::-1][::world_size].sum() for s in range(c.shape[1])))
+
+
+def _swap_groups(q: np.ndarray, groups: np.ndarray, max_rounds: int) -> np.ndarray:
+    """Best-improvement swaps of two batches between micro-steps, while one lowers the summed
+    maxima.  Only a batch that is its micro-step's maximum in some segment can lower anything, so
+    each round weighs those (at most M x S) against every batch of another micro-step."""
+    groups = groups.copy()
+    m, w = groups.shape
+    n, s = q.shape
+    where = np.empty(n, np.int64)  # the micro-step of each batch
+    slot = np.empty(n, np.int64)
+    where[groups.reshape(-1)] = np.repeat(np.arange(m), w)
+    slot[groups.reshape(-1)] = np.tile(np.arange(w), m)
+    for _ in range(max_rounds):
+        vals = q[groups]  # (M, W, S)
+        top_at = vals.argmax(axis=1)  # (M, S): slot of each micro-step's maximum
+        top1 = np.take_along_axis(vals, top_at[:, None, :], axis=1)[:, 0, :]
+        masked = vals.copy()
+        np.put_along_axis(masked, top_at[:, None, :], -1, axis=1)
+        top2 = masked.max(axis=1) if w > 1 else np.zeros_like(top1)
+        top2 = np.maximum(top2, 0)
+        # each batch's micro-step maximum without it, per segment
+        is_top = np.zeros((m, w, s), bool)
+        np.put_along_axis(is_top, top_at[:, None, :], True, axis=1)
+        without = np.where(is_top, top2[:, None, :], top1[:, None, :]).reshape(m * w, s)
+        without_of = np.empty((n, s), np.int64)
+        without_of[groups.reshape(-1)] = without
+        crit = np.unique(groups[np.arange(m)[:, None], top_at])  # batches that are a maximum somewhere
+        gi, gj = where[crit][:, None], where[None, :]
+        new_i = np.maximum(without_of[crit][:, None, :], q[None, :, :])  # crit's micro-step, taking j
+        new_j = np.maximum(without_of[None, :, :], q[crit][:, None, :])  # j's micro-step, taking crit
+        delta = (new_i + new_j).sum(axis=2) - (top1[gi] + top1[gj]).sum(axis=2)
+        delta = np.where(gi != gj, delta, 0)
+        k = int(np.argmin(delta))  # ties: the lowest (critical batch, batch)
+        if delta.flat[k] >= 0:
+            break
+        a, b = int(crit[k // n]), k % n
+        ga, gb, sa, sb = where[a], where[b], slot[a], slot[b]
+        groups[ga, sa], groups[gb, sb] = b, a
+        where[a], where[b], slot[a], slot[b] = gb, ga, sb, sa
+    return groups
+
+
+def _deal_ranks(q_total: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """Which rank takes which batch of each micro-step (any, under lockstep): the heaviest batch
+    to the rank with the least work so far, micro-step after micro-step, so that the ranks' sums
+    also stay even (what a step waits for at its end).  (W, M) indices."""
+    m, w = groups.shape
+    loads = np.zeros(w, np.int64)
+    out = np.empty((w, m), np.int64)
+    for j in range(m):
+        batches = groups[j][np.lexsort((groups[j], -q_total[groups[j]]))]  # heaviest first, ties by index
+        ranks = np.lexsort((np.arange(w), loads))  # least loaded first, ties by rank
+        out[ranks, j] = batches
+        loads[ranks] += q_total[batches]
     return out
 
 
-@dataclass
-class _Split:
-    """One step's samples (quantized costs, tokens, which may move) and its batches (fixed cost, capacity)."""
+def assign_lockstep(segment_costs: np.ndarray, world_size: int, micro_batches: int) -> np.ndarray:
+    """Which batch each rank computes in each micro-step: (W, M) indices into ``segment_costs``
+    ((W*M, S): each batch's cost per segment, in the reference order, index r*M + j).
 
-    cost: np.ndarray
-    tok: np.ndarray
-    movable: np.ndarray
-    fixed: np.ndarray
-    cap: np.ndarray
+    Candidates: the reference grouping, and the batches grouped W at a time in sorted order by each
+    segment's cost and by the total; the best of them (the least summed maxima) is improved by
+    swaps (``_swap_groups``).  Micro-steps are then ordered by their first batch, and their batches
+    dealt to the ranks (``_deal_ranks``).  The reference assignment is returned unless this is
+    strictly faster; the same costs give the same assignment on every machine."""
+    c = _check_segments(segment_costs, world_size, micro_batches)
+    ref = reference_assignment(world_size, micro_batches)
+    if micro_batches == 1 or world_size == 1:
+        return ref
+    q = quantize(c, "assign_lockstep")
+    total = q.sum(axis=1)
+    keys = [total] + [q[:, k] for k in range(q.shape[1])]
+    candidates = [ref.T] + [_sorted_groups(q, key, world_size) for key in keys]
+    score = [int(_group_maxima(q, g).sum()) for g in candidates]
+    best = candidates[int(np.argmin(score))]
+    groups = _swap_groups(q, best, max_rounds=4 * world_size * micro_batches)
+    if int(_group_maxima(q, groups).sum()) >= score[0]:
+        return ref
+    groups = np.sort(groups, axis=1)
+    groups = groups[np.argsort(groups[:, 0], kind="stable")]
+    return _deal_ranks(total, groups)
 
-    def loads(self, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        w = len(self.cap)
-        cost = self.fixed + np.bincount(at, self.cost, w).astype(np.int64)
-        return cost, np.bincount(at, self.tok, w).astype(np.int64)
 
-    def worst(self, at: np.ndarray) -> int:
-        return int(self.loads(at)[0].max())
+# --- the one setting ---------------------------------------------------------------------------------
+SYNC_KINDS = ("lockstep", "step")
 
-    def greedy(self, ref: np.ndarray) -> np.ndarray | None:
-        """Fixed samples where they are, then the movable ones heaviest first, each into the least
-        loaded batch with room for it (ties: the lowest batch); None when one fits nowhere."""
-        at = np.where(self.movable, -1, ref)
-        w = len(self.cap)
-        keep = ~self.movable
-        load = self.fixed + np.bincount(ref[keep], self.cost[keep], w).astype(np.int64)
-        room = self.cap - np.bincount(ref[keep], self.tok[keep], w).astype(np.int64)
-        idx = np.flatnonzero(self.movable)
-        for i in idx[np.lexsort((idx, -self.cost[idx]))].tolist():
-            fits = room >= self.tok[i]
-            if not fits.any():
-                return None
-            b = int(np.argmin(np.where(fits, load, _MAX)))
-            at[i] = b
-            load[b] += self.cost[i]
-            room[b] -= self.tok[i]
-        return at
 
-    def improve(self, at: np.ndarray, max_rounds: int | None = None) -> np.ndarray:
-        """Moves and swaps of movable samples out of the costliest batch: each round the one that
-        leaves the costlier of the two batches cheapest, if that is below the costliest's cost."""
-        at = at.copy()
-        load, toks = self.loads(at)
-        w, n = len(self.cap), len(at)
-        batch_ids = np.arange(w)
-        for _ in range(max_rounds or 8 * n + 8):
-            h = int(np.argmax(load))
-            top = int(load[h])
-            a = np.flatnonzero((at == h) & self.movable)
-            if not len(a):
-                break
-            ca, ta = self.cost[a][:, None], self.tok[a][:, None]
-            # moves: a -> batch o
-            dest = load[None, :] + ca
-            ok_move = (dest < top) & (toks[None, :] + ta <= self.cap[None, :]) & (batch_ids != h)[None, :]
-            move = np.where(ok_move, np.maximum(top - ca, dest), _MAX)
-            # swaps: a <-> b (b movable, elsewhere)
-            b = np.flatnonzero((at != h) & self.movable)
-            d = ca - self.cost[b][None, :]
-            ob = at[b]
-            other = load[ob][None, :] + d
-            dt = ta - self.tok[b][None, :]
-            fits = (toks[h] - dt <= self.cap[h]) & (toks[ob][None, :] + dt <= self.cap[ob][None, :])
-            ok_swap = (d > 0) & (other < top) & fits
-            swap = np.where(ok_swap, np.maximum(top - d, other), _MAX)
-            best_move = int(np.argmin(move)) if move.size else 0
-            best_swap = int(np.argmin(swap)) if swap.size else 0
-            mv = int(move.flat[best_move]) if move.size else _MAX
-            sw = int(swap.flat[best_swap]) if swap.size else _MAX
-            if min(mv, sw) == _MAX:
-                break
-            if mv <= sw:  # ties: a move (fewer samples change batch)
-                i, o = divmod(best_move, w)
-                item = int(a[i])
-                at[item] = o
-                load[h] -= self.cost[item]
-                load[o] += self.cost[item]
-                toks[h] -= self.tok[item]
-                toks[o] += self.tok[item]
-            else:
-                i, j = divmod(best_swap, len(b))
-                x, y, o = int(a[i]), int(b[j]), int(ob[j])
-                at[x], at[y] = o, h
-                load[h] -= d[i, j]
-                load[o] += d[i, j]
-                toks[h] -= dt[i, j]
-                toks[o] += dt[i, j]
-        return at
+@dataclass(frozen=True)
+class Balance:
+    """How a training's optimizer steps are balanced: what a loader's ``balance=`` takes.
+
+    - ``micro_batches``: M, the batches each rank computes per optimizer step (gradient
+      accumulation);
+    - ``sync``: where the ranks wait for each other.  ``"lockstep"`` (the default): in every segment
+      of every micro-batch (FSDP / ZeRO-3, or DDP without ``no_sync``: both BAGEL stacks, NeMo's
+      recipe included), so the step's batches are grouped into micro-steps (``assign_lockstep``).
+      ``"step"``: only at the step's end (DDP under ``no_sync``), so each rank's sum over the step
+      is evened out (``assign_step``);
+    - ``cost_model``: what a batch costs (``schemas.cost.CostModel``); None: the pack's own
+      (``PackInfo.cost_model``, its config's ``prepack.cost_model`` or the default).
+
+    Every rank computes the same assignment from the index alone, without communication.
+    """
+
+    micro_batches: int = 1
+    sync: str = "lockstep"
+    cost_model: CostModel | None = None
+
+    def __post_init__(self) -> None:
+        m = self.micro_batches
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise UsageError(f"balance: micro_batches must be an integer >= 1, got {m!r}")
+        if self.sync not in SYNC_KINDS:
+            raise UsageError(f"balance: sync must be one of {', '.join(SYNC_KINDS)}, got {self.sync!r}")
+        if self.cost_model is not None and not isinstance(self.cost_model, CostModel):
+            raise UsageError(f"balance: cost_model must be a schemas.cost.CostModel, got "
+                             f"{type(self.cost_model).__name__}")
+
+    @classmethod
+    def of(cls, value: "Balance | bool | Mapping | None") -> "Balance | None":
+        """A loader's ``balance=``: None or False (no balancing), True (the defaults), a mapping of
+        these fields (``cost_model`` a ``CostModel`` or a file ``CostModel.read`` takes), or one."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, Balance):
+            return value
+        if isinstance(value, Mapping):
+            unknown = sorted(str(k) for k in value if k not in ("micro_batches", "sync", "cost_model"))
+            if unknown:
+                raise UsageError(f"balance: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(unknown)} "
+                                 "(known: micro_batches, sync, cost_model)")
+            fields = dict(value)
+            if isinstance(fields.get("cost_model"), str):
+                fields["cost_model"] = CostModel.read(fields["cost_model"])
+            return cls(**fields)
+        raise UsageError(f"balance must be True, a mapping or a loader.Balance, got {type(value).__name__}")
+
+    def with_model(self, model: CostModel) -> "Balance":
+        """This setting with ``model`` where it names none."""
+        return self if self.cost_model is not None else replace(self, cost_model=model)
+
+    def fingerprint(self) -> str:
+        """A short name of how steps are dealt: a state says which dealt its steps (another deals them
+        otherwise, so its positions mean something else mid-step).  ``step`` keeps the name states
+        had before there was a choice, so they still load."""
+        if self.cost_model is None:
+            raise UsageError("balance: a fingerprint needs its cost model (with_model)")
+        mapping = self.cost_model.to_mapping()
+        if self.sync != "step":
+            mapping = {**mapping, "sync": self.sync}
+        return xxhash.xxh3_64(json.dumps(mapping, sort_keys=True).encode()).hexdigest()
+
+    def assign(self, terms: np.ndarray, world_size: int) -> np.ndarray:
+        """Which of a step's batches each rank computes in each micro-step: (W, M) indices into
+        ``terms`` ((W*M, len(COST_TERMS)), the step's batches in the reference order)."""
+        if self.cost_model is None:
+            raise UsageError("balance: assign needs its cost model (with_model)")
+        if self.sync == "step":
+            return assign_step(self.cost_model.estimate(terms), world_size, self.micro_batches)
+        return assign_lockstep(self.cost_model.segments(terms), world_size, self.micro_batches)

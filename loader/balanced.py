@@ -1,18 +1,18 @@
-"""Balanced steps: the order in which a rank reads its share of each optimizer step (issue 44).
+"""Balanced steps: the order in which a rank reads its share of each optimizer step (issues 44, 50).
 
-Why: a step lasts as long as its slowest rank, and batches of equal tokens are not equal compute.
+Why: a step waits for its slowest rank, and batches of equal tokens are not equal compute.
 NeMo's BAGEL recipe divides its losses by the whole optimizer step's token counts (summed over
-every rank and micro-batch), so which rank computes which of a step's batches does not change
-the step's gradient (beyond float summation order).  With M micro-batches per optimizer step the
-step's W x M batches are the reference's (rank r's j-th micro-batch of step t is its reference
-batch t*M+j); here they are dealt to the ranks, M each, to even out the slowest rank's cost.
+every rank and micro-batch), so which rank computes which of a step's batches, and in which of
+its micro-steps, does not change the step's gradient (beyond float summation order).  With M
+micro-batches per optimizer step the step's W x M batches are the reference's (rank r's j-th
+micro-batch of step t is its reference batch t*M+j); here they are dealt to the ranks and
+micro-steps as the ``loader.balance.Balance`` setting says (under FSDP: grouped into micro-steps).
 
 What every rank computes, alike and without communication (``balanced_order``): for step t, each
 rank r' of the W's reference batches t*M .. t*M+M-1 -- its streams interleaved round-robin from
 where the step starts, exactly the unbalanced dataset's order, streams that ran out skipped --
-their costs (each record's compute terms, stored in its stream's index: what ``Pack.record_terms``
-returns, through the cost model; never the records), ``loader.balance.assign_step``, and its own
-M in ascending reference order.
+their compute terms (stored in each stream's index: what ``Pack.record_terms`` returns; never the
+records), ``Balance.assign``, and its own row of it: the batch of each micro-step, in order.
 
 End of data: the first step for which some rank's reference holds fewer than M batches is the
 pack's tail; from there every rank reads its own reference batches to their end, as without
@@ -26,25 +26,16 @@ stream's costs and digests, not every stream's whole index).
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 
-from loader.balance import assign_step
+from loader.balance import Balance
 from loader.batch import SimpleCustomBatch
 from loader.index_window import StreamWindows
 from loader.state import BalancedState, LoaderState, MergedState
 from loader.stream import round_robin
-from schemas.cost import CostModel
-
-
-def cost_fingerprint(model: CostModel) -> str:
-    """A short name of a cost model: a state says which model dealt its steps (another one deals
-    them otherwise, so its positions mean something else mid-step)."""
-    return xxhash.xxh3_64(json.dumps(model.to_mapping(), sort_keys=True).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -85,13 +76,13 @@ def after(item: Placed, workers: int, micro_batches: int) -> tuple[StepStart, in
 
 @dataclass(frozen=True)
 class BalancedRun:
-    """What a balanced state belongs to: the pack, this rank of the world, M, the cost model."""
+    """What a balanced state belongs to: the pack, this rank of the world, M, how steps are dealt."""
 
     pack: str  # the pack's fingerprint
     rank: int
     world_size: int
     micro_batches: int
-    cost: str  # ``cost_fingerprint`` of the model
+    cost: str  # ``Balance.fingerprint``: the cost model and the sync kind
     streams: tuple[int, ...]  # this rank's own reference streams
 
     def state(self, start: StepStart, next_item: int, worker: int, workers: int) -> BalancedState:
@@ -105,7 +96,7 @@ class BalancedRun:
     def start_of(self, st: LoaderState, num_streams: int) -> tuple[StepStart, int]:
         """Where a loaded state starts this run: the step start and the rank's next item.  A merged
         state (any world size, balanced or not) starts a new run at its positions; a balanced
-        state must be this run's (same rank, world size, M, cost model): ``ValueError`` else."""
+        state must be this run's (same rank, world size, M, balancing): ``ValueError`` else."""
         merge_hint = "PackedShardDataset.merge_states(<every rank's state at one step boundary>)"
         if isinstance(st, MergedState):
             missing = [s for s in range(num_streams) if s not in st.positions]
@@ -120,9 +111,9 @@ class BalancedRun:
             raise ValueError(f"balanced loader state is for rank {st.rank} of {st.world_size}, this is rank "
                              f"{self.rank} of {self.world_size}; to change the world size, load {merge_hint}")
         if (st.micro_batches, st.cost) != (self.micro_batches, self.cost):
-            raise ValueError(f"balanced loader state is for {st.micro_batches} micro-batches and cost model "
-                             f"{st.cost}, this dataset has {self.micro_batches} and {self.cost}; to change them, "
-                             f"load {merge_hint}")
+            raise ValueError(f"balanced loader state is for {st.micro_batches} micro-batches and balancing "
+                             f"{st.cost} (sync kind and cost model), this dataset has {self.micro_batches} and "
+                             f"{self.cost}; to change them, load {merge_hint}")
         if len(st.positions) != num_streams:
             raise ValueError(f"balanced loader state holds {len(st.positions)} streams, the pack {num_streams}")
         return StepStart(st.step, tuple(st.positions), tuple(st.last)), st.next_item
@@ -142,24 +133,26 @@ def _exists(windows: StreamWindows, streams: list[int]) -> Callable[[int, int], 
     return lambda slot, record: windows.has(streams[slot], record)
 
 
-def _mine(windows: StreamWindows, refs: list[list[tuple[int, int]]], rank: int) -> list[tuple[int, int]]:
-    """This rank's share of one step: ``assign_step`` over the step's costs, in reference order."""
+def _mine(windows: StreamWindows, refs: list[list[tuple[int, int]]], rank: int,
+          balance: Balance) -> list[tuple[int, int]]:
+    """This rank's share of one step: ``balance.assign`` over the step's terms, micro-step by micro-step."""
     w, m = len(refs), len(refs[0])
     if w == 1 or m == 1:  # every assignment is the same step: the reference
         return refs[rank]
     flat = [item for items in refs for item in items]
-    costs = np.array([windows.cost(s, r) for s, r in flat], np.float64)
-    return [flat[i] for i in assign_step(costs, w, m)[rank].tolist()]
+    terms = np.stack([windows.terms(s, r) for s, r in flat])
+    return [flat[i] for i in balance.assign(terms, w)[rank].tolist()]
 
 
-def balanced_order(windows: StreamWindows, ranks: list[list[int]], rank: int, micro_batches: int,
+def balanced_order(windows: StreamWindows, ranks: list[list[int]], rank: int, balance: Balance,
                    start: StepStart, first: int) -> Iterator[Placed]:
     """Rank ``rank``'s balanced sequence from item ``first`` on (``first >= start.step * M``).
 
     ``ranks[r]``: rank r's streams in its interleaving order; ``start``: where every stream stands
     at the start of step ``start.step`` (resuming the round-robin from those positions is resuming
-    it where it stood).  Steps before the one holding ``first`` are walked without their costs."""
-    m = micro_batches
+    it where it stood).  Steps before the one holding ``first`` are walked without their costs.
+    ``balance`` holds its cost model (``Balance.with_model``)."""
+    m = balance.micro_batches
     pos, last = list(start.positions), list(start.last)
     orders = [round_robin(_exists(windows, streams), len(streams), 0, [pos[s] for s in streams])
               for streams in ranks]
@@ -175,7 +168,7 @@ def balanced_order(windows: StreamWindows, ranks: list[list[int]], rank: int, mi
         following = StepStart(mark.step + 1, tuple(pos), tuple(last))
         base = mark.step * m
         if base + m > first:
-            for j, (s, rec) in enumerate(_mine(windows, refs, rank)):
+            for j, (s, rec) in enumerate(_mine(windows, refs, rank, balance)):
                 if base + j >= first:
                     yield Placed(base + j, s, rec, mark, following)
         mark = following

@@ -25,9 +25,9 @@ from typing import Any
 import pyarrow.fs as pafs
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from loader.balance import Balance
 from loader.dataset import PackedShardDataset
 from loader.state import checkpoint_entry
-from schemas.cost import CostModel
 from schemas.progress import ProgressFolder
 
 log = logging.getLogger(__name__)
@@ -98,9 +98,7 @@ def build_dataloader(
     prefetch: int = 2,
     filesystem: pafs.FileSystem | None = None,
     progress: "str | os.PathLike | ProgressFolder | None" = None,
-    micro_batches: int = 1,
-    balance: bool = False,
-    cost_model: CostModel | None = None,
+    balance: "Balance | bool | dict | None" = None,
 ) -> StatefulDataLoader:
     """A ``StatefulDataLoader`` over this rank's share of the pack at ``packed_dir``.
 
@@ -111,14 +109,14 @@ def build_dataloader(
     Resume: ``loader.load_state_dict(state)`` before iterating, with the state of the same rank.
     ``progress``: the folder where the training's live position and checkpoints are published
     (module doc); then the loader is a ``ProgressDataLoader``.
-    ``balance=True`` deals each optimizer step's ``micro_batches`` x world-size batches to the
-    ranks by their estimated cost (``cost_model``; ``loader.balanced``): iterate ``micro_batches``
-    batches per optimizer step and normalize the loss by the step's global token counts.
+    ``balance=Balance(micro_batches=M, sync="lockstep"|"step", cost_model=...)`` deals each
+    optimizer step's M x world-size batches to the ranks and micro-steps by their estimated cost
+    (``loader.balance.Balance``): iterate M batches per optimizer step and normalize the loss by
+    the step's global token counts.
     """
     dataset = PackedShardDataset(
         packed_dir, rank=rank, world_size=world_size, verify=verify, prefetch=prefetch, filesystem=filesystem,
-        progress=progress, publish_checkpoints=False, micro_batches=micro_batches, balance=balance,
-        cost_model=cost_model,
+        progress=progress, publish_checkpoints=False, balance=balance,
     )
     return (StatefulDataLoader if progress is None else ProgressDataLoader)(
         dataset,

@@ -25,14 +25,16 @@ worker) with ``PackedShardDataset.merge_states(states)`` and load the merged sta
 rank; each stream then continues at its next unread record under the new assignment, so every
 batch is read exactly once overall.
 
-Balanced steps (``balance=True``, ``micro_batches=M``; ``loader.balanced``): each optimizer step's
-W x M reference batches are dealt to the ranks, M each, evening out the slowest rank's estimated
-cost (``cost_model``; default the pack's, ``PackInfo.cost_model``); every rank computes the same
-assignment from the index.  Inside a DataLoader with J workers, worker j yields items j, j+J, ... of the
-rank's balanced sequence (each worker computes the whole sequence and reads only its items).  The
-state is the optimizer step, the item within it and every stream's position at the step's start;
-``merge_states`` of every rank's balanced states at one step boundary loads on any world size,
-balanced or not.  Without ``balance`` nothing changes.
+Balanced steps (``balance=Balance(micro_batches=M, sync=..., cost_model=...)``, or ``True`` for
+the defaults; ``loader.balance.Balance``, ``loader.balanced``): each optimizer step's W x M
+reference batches are dealt to the ranks and micro-steps by their estimated cost (default model:
+the pack's, ``PackInfo.cost_model``): under ``sync="lockstep"`` (FSDP, the default) grouped into
+micro-steps, under ``sync="step"`` (DDP under ``no_sync``) evening each rank's sum.  Every rank
+computes the same assignment from the index.  Inside a DataLoader with J workers, worker j yields
+items j, j+J, ... of the rank's balanced sequence (each worker computes the whole sequence and
+reads only its items).  The state is the optimizer step, the item within it and every stream's
+position at the step's start; ``merge_states`` of every rank's balanced states at one step
+boundary loads on any world size, balanced or not.  Without ``balance`` nothing changes.
 
 ``progress`` (a folder, ``file://`` or ``s3://`` URI; ``schemas.progress``) publishes where the
 training stands, for a pack that is bounded by it: ``prepack run --ahead N --progress P`` packs
@@ -56,8 +58,8 @@ from typing import Any
 import pyarrow.fs as pafs
 import torch
 
-from loader.balanced import (BalancedRun, StepStart, after, balanced_order, check_start, cost_fingerprint,
-                             fresh_start, read_balanced)
+from loader.balance import Balance
+from loader.balanced import BalancedRun, StepStart, after, balanced_order, check_start, fresh_start, read_balanced
 from loader.batch import SimpleCustomBatch
 from loader.index_window import StreamWindows
 from loader.prefetch import Prefetcher
@@ -65,7 +67,7 @@ from loader.progress import ProgressPublisher
 from loader.reader import Follow, Pack
 from loader.state import BalancedState, LoaderState, MergedState, WorkerState, merge_states, state_from_dict
 from loader.stream import interleaved_batches
-from schemas.cost import CostModel
+from schemas.errors import UsageError
 from schemas.progress import ProgressFolder
 
 
@@ -112,17 +114,13 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         progress: "str | os.PathLike | ProgressFolder | None" = None,
         live_every_s: float = 5.0,
         publish_checkpoints: bool = True,
-        micro_batches: int = 1,
-        balance: bool = False,
-        cost_model: CostModel | None = None,
+        balance: "Balance | bool | dict | None" = None,
     ):
         super().__init__()
-        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-            raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
-        if cost_model is not None and not balance:
-            raise ValueError("cost_model weighs balanced steps: give it with balance=True")
-        if cost_model is not None and not isinstance(cost_model, CostModel):
-            raise ValueError(f"cost_model must be a schemas.cost.CostModel, got {type(cost_model).__name__}")
+        try:
+            setting = Balance.of(balance)
+        except UsageError as e:
+            raise ValueError(str(e)) from None
         self.pack = Pack.open(path, filesystem)
         self.rank = _env_int("RANK", 0) if rank is None else int(rank)
         self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else int(world_size)
@@ -140,11 +138,11 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         self._pid = os.getpid()
         self.progress = None if progress is None else ProgressPublisher(progress, live_every_s=live_every_s)
         self.publish_checkpoints = publish_checkpoints
-        self.micro_batches = micro_batches
-        self.balance = bool(balance)
-        self.cost_model = (cost_model or self.pack.info.cost_model()) if balance else None
-        self._balanced_run = BalancedRun(self.fingerprint, self.rank, self.world_size, micro_batches,
-                                         cost_fingerprint(self.cost_model), tuple(self.streams)) if balance else None
+        # the balancing, with its cost model (the pack's when it names none); None: the reference order
+        self.balance = setting.with_model(self.pack.info.cost_model()) if setting is not None else None
+        self.micro_batches = self.balance.micro_batches if self.balance is not None else 1
+        self._balanced_run = BalancedRun(self.fingerprint, self.rank, self.world_size, self.micro_batches,
+                                         self.balance.fingerprint(), tuple(self.streams)) if self.balance else None
         self._start: StepStart | None = None  # balanced: where the next iteration starts, and its first item
         self._first = 0
         self._at: tuple[StepStart, int] | None = None  # balanced: (step start, this worker's next item)
@@ -223,8 +221,8 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         return [streams_for_rank(p.num_streams, p.world_size, p.num_workers, r, self.world_size)
                 for r in range(self.world_size)]
 
-    def _windows(self, model: CostModel | None) -> StreamWindows:
-        return StreamWindows(self.pack, model, self.follow)
+    def _windows(self) -> StreamWindows:
+        return StreamWindows(self.pack, self.follow)
 
     def _iter_balanced(self) -> Iterator[SimpleCustomBatch]:
         worker, workers = self._split
@@ -238,8 +236,8 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         if first % workers != worker:  # a fresh start: this worker's first item
             first += (worker - first) % workers
         self._at = (start, first)
-        windows = self._windows(self.cost_model)
-        order = balanced_order(windows, self._rank_streams(), self.rank, self.micro_batches, start, first)
+        windows = self._windows()
+        order = balanced_order(windows, self._rank_streams(), self.rank, self.balance, start, first)
         mine = (item for item in order if item.index % workers == worker)
         source = read_balanced(windows, mine, self.verify)
         prefetcher = Prefetcher(source, self.prefetch, f"prefetch-rank{self.rank}-worker{worker}")
@@ -284,7 +282,7 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
 
     def _load_balanced(self, st: LoaderState) -> None:
         start, first = self._balanced_run.start_of(st, self.pack.num_streams)
-        check_start(self._windows(None), start)
+        check_start(self._windows(), start)
         self._pending = st
         self._start, self._first, self._at = start, first, None
         if isinstance(st, BalancedState):

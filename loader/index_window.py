@@ -4,7 +4,7 @@ A rank under balanced steps (``loader.balanced``) weighs every stream of the pac
 but reads only its own batches.  Holding every stream's whole index (the loader's ``Pack`` keeps
 each index it reads) would cost every rank, and every DataLoader worker, the index of the whole
 pack (~100 bytes a record: gigabytes at 10^8 records).  ``StreamWindows`` keeps per stream how many
-records exist, and the costs and digests of a window of ``CHUNK`` records, read from the index,
+records exist, and the compute terms and digests of a window of ``CHUNK`` records, read from the index,
 which is then dropped again; only the ``KEEP_INDEXES`` streams read last keep theirs (reading a
 record needs its shard's row).  So a rank holds O(streams x CHUNK) numbers, and reads each stream's
 index about once per ``CHUNK`` of its records.
@@ -20,11 +20,11 @@ import numpy as np
 
 from loader.batch import SimpleCustomBatch
 from loader.reader import Follow, Pack, iter_records
-from schemas.cost import COST_TERMS, CostModel
+from schemas.cost import COST_TERMS
 from schemas.manifest import RecordList
 from schemas.record import record_to_batch
 
-CHUNK = 512  # records per stream whose costs and digests are held at a time
+CHUNK = 512  # records per stream whose terms and digests are held at a time
 KEEP_INDEXES = 32  # stream indexes held for reading records (the least recently read ones are dropped)
 
 
@@ -70,19 +70,18 @@ def _index_slice(pack: Pack, stream: int, lo: int, hi: int) -> tuple[np.ndarray,
 
 class StreamWindows:
     """What the balanced order needs of each stream's index, read once per window of ``chunk``
-    records: whether a record exists, its cost, its digest; and reading a record (verified as
+    records: whether a record exists, its compute terms, its digest; and reading a record (verified as
     the unbalanced loader does).
 
     ``follow``: wait for records not committed yet until the stream is done.  Without it a stream
     ends only where its ``done.json`` says: every rank must see the same records, so a stream
     still being packed without ``follow`` is a ``ValueError``."""
 
-    def __init__(self, pack: Pack, model: CostModel | None, follow: Follow | None, *, chunk: int = CHUNK,
-                 keep: int = KEEP_INDEXES):
-        self.pack, self.model, self.follow = pack, model, follow
+    def __init__(self, pack: Pack, follow: Follow | None, *, chunk: int = CHUNK, keep: int = KEEP_INDEXES):
+        self.pack, self.follow = pack, follow
         self.chunk, self.keep = chunk, keep
         self._known: dict[int, int] = {}  # stream -> records known to exist
-        self._windows: dict[int, tuple[int, np.ndarray | None, bytes]] = {}  # stream -> (first, costs, digests)
+        self._windows: dict[int, tuple[int, np.ndarray, bytes]] = {}  # stream -> (first, terms, digests)
         self._held: OrderedDict[int, None] = OrderedDict()  # streams whose index is kept for reading
 
     def _release(self, stream: int) -> None:
@@ -106,7 +105,7 @@ class StreamWindows:
         self._release(stream)
         return ok
 
-    def _window(self, stream: int, record: int) -> tuple[int, np.ndarray | None, bytes]:
+    def _window(self, stream: int, record: int) -> tuple[int, np.ndarray, bytes]:
         w = self._windows.get(stream)
         if w is not None and w[0] <= record < w[0] + len(w[2]) // 16:
             return w
@@ -115,14 +114,13 @@ class StreamWindows:
         lo = max(0, record - 1)  # the record before too: a step start's digest and its first cost
         terms, digests = _index_slice(self.pack, stream, lo, min(lo + self.chunk, self._known[stream]))
         self._release(stream)
-        costs = self.model.estimate(terms) if self.model is not None else None
-        w = self._windows[stream] = (lo, costs, digests)
+        w = self._windows[stream] = (lo, terms, digests)
         return w
 
-    def cost(self, stream: int, record: int) -> float:
-        """The cost model's estimate of the record, from its terms in the index."""
-        lo, costs, _ = self._window(stream, record)
-        return float(costs[record - lo])
+    def terms(self, stream: int, record: int) -> np.ndarray:
+        """The record's compute terms (``schemas.cost.COST_TERMS``), from the index."""
+        lo, terms, _ = self._window(stream, record)
+        return terms[record - lo]
 
     def digest(self, stream: int, record: int) -> str:
         lo, _, digests = self._window(stream, record)

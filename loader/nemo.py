@@ -15,7 +15,7 @@ YAML::
     dataset:
       packed_dir: /data/packed
       progress: /data/progress    # optional: where training stands, for a pack bounded by it
-      balance: true               # optional: balanced steps (loader.balanced)
+      balance: {sync: lockstep}   # optional: balanced steps (loader.balance.Balance; M: the recipe's)
     dataloader: {num_workers: 2, pin_memory: true, prefetch_factor: 2}
 
 This module imports ``nemo_automodel``; ``import loader`` does not import this module.
@@ -37,10 +37,10 @@ from nemo_automodel.recipes.multimodal.finetune import FinetuneRecipeForMultimod
 from nemo_automodel.recipes.multimodal.pretrain import PretrainRecipeForMultimodal
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from loader.balance import Balance
 from loader.dataloader import build_dataloader
 from loader.dataset import PackedShardDataset
-from schemas.cost import CostModel
-from schemas.errors import ConfigError
+from schemas.errors import ConfigError, UsageError
 from schemas.pack_info import PackInfo
 
 log = logging.getLogger(__name__)
@@ -69,12 +69,15 @@ class PackedBagelDataloaderConfig:
     ``state_dict()``), which ``prepack run --ahead N --progress`` and ``prepack trim --progress``
     bound a pack by (``loader.dataloader``).
 
-    ``balance`` deals each optimizer step's batches to the ranks by their estimated cost
-    (``loader.balanced``; NeMo's loss is normalized by the step's global token counts, so the
-    step's gradient stays the same): ``micro_batches`` per rank and step, by default the recipe's
-    gradient accumulation (``step_scheduler.global_batch_size // (local_batch_size * world size)``,
-    NeMo's ``grad_acc_steps``, its default global batch size 8); ``cost_model`` a file
-    ``schemas.cost.CostModel.read`` takes (default: ``CostModel.default()``).
+    ``balance`` deals each optimizer step's batches to the ranks and micro-steps by their
+    estimated cost (``loader.balance.Balance``; NeMo's loss is normalized by the step's global
+    token counts, so the step's gradient stays the same): ``true``, or a mapping of
+    ``sync`` (``lockstep``, the default: NeMo's recipe trains under FSDP2 without deferring the
+    gradient sync, so ranks wait at every layer of every micro-batch; ``step``: DDP under
+    ``no_sync``), ``micro_batches`` (default: the recipe's gradient accumulation,
+    ``step_scheduler.global_batch_size // (local_batch_size * world size)``, NeMo's
+    ``grad_acc_steps``, its default global batch size 8) and ``cost_model`` (a file
+    ``schemas.cost.CostModel.read`` takes; default: the pack's).
     """
 
     packed_dir: str
@@ -84,15 +87,25 @@ class PackedBagelDataloaderConfig:
     verify: bool = True
     prefetch: int = 2
     progress: str | None = None
-    balance: bool = False
-    micro_batches: int | None = None
-    cost_model: str | None = None
+    balance: "bool | dict" = False
     global_batch_size: int | None = None  # the recipe's step_scheduler.global_batch_size (not a dataset key)
 
+    def balance_setting(self, batch_size: int, world_size: int) -> Balance | None:
+        """``balance`` as the loader takes it, its micro-batches the recipe's unless given."""
+        if self.balance is None or self.balance is False:
+            return None
+        raw = {} if self.balance is True else self.balance
+        raw = raw.to_dict() if hasattr(raw, "to_dict") else raw  # a recipe's ConfigNode
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"dataset.balance: expected true or a mapping (sync, micro_batches, cost_model), "
+                              f"got {self.balance!r}")
+        try:
+            return Balance.of({"micro_batches": self.steps_micro_batches(batch_size, world_size), **raw})
+        except UsageError as e:
+            raise ConfigError(f"dataset.{e}") from None
+
     def steps_micro_batches(self, batch_size: int, world_size: int) -> int:
-        """Micro-batches per rank and optimizer step: ``micro_batches``, else NeMo's ``grad_acc_steps``."""
-        if self.micro_batches is not None:
-            return int(self.micro_batches)
+        """Micro-batches per rank and optimizer step: NeMo's ``grad_acc_steps``."""
         global_batch = NEMO_GLOBAL_BATCH_SIZE if self.global_batch_size is None else int(self.global_batch_size)
         steps = global_batch // (batch_size * world_size)
         if steps < 1:
@@ -117,8 +130,6 @@ class PackedBagelDataloaderConfig:
         seed than ``global_seed`` holds other data than the online pipeline would: warned.
         """
         del tokenizer
-        if self.cost_model is not None and not self.balance:
-            raise ConfigError("dataset.cost_model weighs balanced steps: set dataset.balance: true")
         if batch_size != 1:
             raise ConfigError(
                 f"a packed BAGEL dataloader yields one packed batch per step: "
@@ -134,9 +145,7 @@ class PackedBagelDataloaderConfig:
             verify=self.verify,
             prefetch=self.prefetch,
             progress=self.progress,
-            micro_batches=self.steps_micro_batches(batch_size, world_size) if self.balance else 1,
-            balance=self.balance,
-            cost_model=CostModel.read(self.cost_model) if self.balance and self.cost_model else None,
+            balance=self.balance_setting(batch_size, world_size),
         )
         dataset: PackedShardDataset = loader.dataset
         _check_identity(dataset.pack.info, special_tokens, global_seed)

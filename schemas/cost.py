@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schemas.errors import ConfigError
+from schemas.errors import ConfigError, UsageError
 
 COST_TERMS = ("tokens", "sum_sq_sample_lens", "vit_tokens", "sum_sq_vit_lens", "vae_images", "vae_canvas_pixels",
               "vae_canvas_sq", "ce_tokens", "mse_tokens")
@@ -72,6 +72,19 @@ RECORD_TERMS = ("tokens", "samples", "sum_sq_sample_lens", "flex_pad", "flex_pad
 TERM_COLUMNS = ("use_flex", "max_num_tokens", "sequence_length", "sample_lens", "packed_text_ids", "ce_loss_indexes",
                 "image_heights", "image_widths", "vit_token_seqlens", "packed_vit_token_indexes", "vae_image_ids",
                 "vae_latent_shapes", "packed_vae_token_indexes", "mse_loss_indexes")
+
+# Where a rank waits (issue 50): under FSDP every layer of every micro-batch is a collective that
+# every rank joins, so a micro-step lasts as long as the slowest rank in each of these segments,
+# one after the other: the frozen VAE encode (before the first collective), the ViT's layers, the
+# LLM's layers (with the heads that run beside its last layer).  Each term belongs to one segment.
+SEGMENTS = ("vae", "vit", "llm")
+SEGMENT_TERMS = {
+    "vae": ("vae_images", "vae_canvas_pixels", "vae_canvas_sq"),
+    "vit": ("vit_tokens", "sum_sq_vit_lens"),
+    "llm": ("tokens", "sum_sq_sample_lens", "ce_tokens", "mse_tokens"),
+}
+INTERCEPT_SEGMENT = "llm"  # a constant per batch: the same on every rank, whichever segment holds it
+assert sorted(t for ts in SEGMENT_TERMS.values() for t in ts) == sorted(COST_TERMS)
 
 VAE_LATENT_DOWNSAMPLE = 8  # the VAE encoder's spatial reduction: its mid-block attends over (H/8) x (W/8)
 
@@ -191,7 +204,7 @@ def sample_terms_of(batch) -> tuple[np.ndarray, np.ndarray]:
     A sample owns the positions of its span (``sample_lens``), an image belongs to the sample of
     its first token.  Every term but ``CANVAS_TERMS`` adds up over the samples to ``terms_of``;
     the canvas terms are the batch's (its largest VAE image's), so they are 0 here: they stay with
-    the batch, as its VAE-holding samples do when samples move (``loader.balance``).
+    the batch, as its VAE-holding samples do when samples move (``prepack.engine.resplit``).
     """
     sl = np.asarray(batch.sample_lens, np.int64)
     n = len(sl)
@@ -215,6 +228,22 @@ def sample_terms_of(batch) -> tuple[np.ndarray, np.ndarray]:
         if len(column):
             out[:, _INDEX[name]] = np.bincount(owner(column), minlength=n)
     return out, has_vae
+
+
+QUANTUM_BITS = 40  # the largest cost becomes 2^40: sums of up to 2^23 costs stay exact in int64
+
+
+def quantize(values: np.ndarray, what: str) -> np.ndarray:
+    """Non-negative finite costs as int64 on one scale (the largest of them all -> 2^40), exact to
+    ~1e-12: every sum and comparison of them is exact, so ranks that each compute an assignment
+    agree without communication."""
+    v = np.asarray(values, np.float64)
+    if v.size and (not np.isfinite(v).all() or (v < 0).any()):
+        raise UsageError(f"{what}: costs must be finite and >= 0")
+    top = float(v.max()) if v.size else 0.0
+    if top == 0.0:
+        return np.zeros(v.shape, np.int64)
+    return np.rint(v * (float(1 << QUANTUM_BITS) / top)).astype(np.int64)
 
 
 # --- the model -------------------------------------------------------------------------------------
@@ -245,6 +274,44 @@ class CostModel:
     def estimate(self, terms: np.ndarray) -> np.ndarray:
         """Estimated ms of each batch: terms ``[n, len(COST_TERMS)]`` -> ``[n]`` (one row -> a 0-d array)."""
         return self.variable(terms) + self.intercept
+
+    def segments(self, terms: np.ndarray) -> np.ndarray:
+        """Estimated ms of each batch per segment: terms ``[..., len(COST_TERMS)]`` -> ``[..., len(SEGMENTS)]``
+        (``SEGMENT_TERMS``; the intercept in ``INTERCEPT_SEGMENT``).  Their sum is ``estimate``'s up
+        to float summation order."""
+        t = np.asarray(terms)
+        if t.shape[-1:] != (len(COST_TERMS),):
+            raise ValueError(f"terms of shape {t.shape}: the last axis must be the {len(COST_TERMS)} COST_TERMS")
+        t = t.astype(np.float64)
+        out = np.zeros(t.shape[:-1] + (len(SEGMENTS),), np.float64)
+        for k, segment in enumerate(SEGMENTS):
+            part = np.full(t.shape[:-1], self.intercept if segment == INTERCEPT_SEGMENT else 0.0)
+            for name in SEGMENT_TERMS[segment]:  # one column at a time: the same bits on every machine
+                c = self.coefficients[_INDEX[name]]
+                if c:
+                    part = part + c * t[..., _INDEX[name]]
+            out[..., k] = part
+        return out
+
+    def without(self, segment: str) -> "CostModel":
+        """This model with one segment's terms priced 0 (work no longer done in the step)."""
+        if segment not in SEGMENT_TERMS:
+            raise ConfigError(f"cost model: no segment {segment!r} (segments: {', '.join(SEGMENTS)})")
+        gone = set(SEGMENT_TERMS[segment])
+        return CostModel(tuple(0.0 if n in gone else c for n, c in zip(COST_TERMS, self.coefficients)),
+                         self.intercept)
+
+    @classmethod
+    def of(cls, config: "Mapping | object | None") -> "CostModel":
+        """A config's model: its ``prepack.cost_model`` (a stored config's mapping, or a
+        ``schemas.config.PrepackConfig``), else the default.  The one reading of that setting."""
+        if config is None:
+            return cls.default()
+        if isinstance(config, Mapping):
+            mapping = (config.get("prepack") or {}).get("cost_model")
+        else:
+            mapping = config.prepack.cost_model
+        return cls.from_mapping(mapping) if mapping else cls.default()
 
     @classmethod
     def default(cls) -> "CostModel":

@@ -145,8 +145,7 @@ class PackInfo(Document):
 
     def cost_model(self) -> "CostModel":
         """What a batch of this pack costs: its config's ``prepack.cost_model``, else the default."""
-        cost_model = ((self.config or {}).get("prepack") or {}).get("cost_model")
-        return CostModel.from_mapping(cost_model) if cost_model else CostModel.default()
+        return CostModel.of(self.config or {})
 
     def stored_config(self) -> "PrepackConfig":
         """The ``PrepackConfig`` the pack was made with, rebuilt from the stored one (not re-read from a

@@ -4,7 +4,7 @@ Why it is exact: inside a packed batch every sample attends only to itself (per-
 varlen ViT), so a sample without VAE images computes the same in any batch; a sample with a VAE
 image stays in its reference batch (the VAE encodes a batch's images on one canvas padded to its
 largest); and NeMo's BAGEL recipe divides its losses by the whole step's token counts.  Which
-samples move is ``loader.balance.balance_samples``'s choice, from each sample's cost.
+samples move is ``prepack.engine.resplit.balance_samples``'s choice, from each sample's cost.
 
 A sample is cut out of its batch with its own arrays (``BatchSample``: positions relative to its
 span, its images as its own small table) and joined into another batch at a new offset, so each
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from loader.balance import balance_samples, samples_of
+from prepack.engine.resplit import balance_samples, samples_of
 from schemas.cost import CostModel
 from schemas.errors import PackingError
 from schemas.record import PackedBatch, SampleOrigin

@@ -47,11 +47,6 @@ def step_streams(cfg: PrepackConfig) -> list[list[int]]:
     return [[r * k + w for r in range(cfg.world_size)] for w in range(k)]
 
 
-def balance_model(cfg: PrepackConfig) -> CostModel:
-    """The cost model a balanced-samples pack splits by: the config's ``prepack.cost_model``, else the default."""
-    return CostModel.from_mapping(cfg.prepack.cost_model) if cfg.prepack.cost_model else CostModel.default()
-
-
 def balanced_records(reference: Pack, streams: list[int], model: CostModel,
                      start: int = 0) -> "Callable[[], tuple[int, dict[int, PackedBatch]] | None]":
     """A call giving, step after step from record ``start``, ``(j, {stream: balanced batch j})``
@@ -178,7 +173,7 @@ def write_balanced(cfg: PrepackConfig, loc: PackLocation, metadata: dict[str, st
                    reference: Pack) -> list[StreamSummary]:
     """Write (or finish) every balanced stream of ``loc`` from the finished ``reference``; their
     ``done.json`` once written.  A stream already done at this budget is kept as it is."""
-    model = balance_model(cfg)
+    model = CostModel.of(cfg)
     fmt = ShardFormat(_NEVER, cfg.prepack.compression, metadata)
     budget = cfg.prepack.budget()
     out = {}

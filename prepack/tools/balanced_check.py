@@ -14,8 +14,9 @@ from collections import Counter
 
 from loader.reader import Pack, iter_records
 from prepack.engine.step_split import split_batch
-from prepack.run.sample_balance import balance_model, balanced_records, step_streams
+from prepack.run.sample_balance import balanced_records, step_streams
 from prepack.tools.report import CheckReport
+from schemas.cost import CostModel
 from schemas.config import PrepackConfig
 from schemas.errors import PrepackError
 from schemas.layout import REFERENCE_DIR
@@ -76,7 +77,7 @@ def audit_balanced_shard(pack: Pack, reference: Pack, cfg: PrepackConfig, shard:
                          rep: CheckReport) -> None:
     """Re-split shard ``shard``'s steps from the reference and compare each record's digest."""
     streams = next(c for c in step_streams(cfg) if shard.stream in c)
-    step = balanced_records(reference, streams, balance_model(cfg), shard.first_record)
+    step = balanced_records(reference, streams, CostModel.of(cfg), shard.first_record)
     bad = []
     for i, entry in enumerate(shard.records):
         got = step()

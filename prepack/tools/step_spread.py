@@ -58,7 +58,7 @@ def cost_model(path: "str | None", config: "PrepackConfig | None" = None) -> "Co
         return CostModel.read(path)
     if config is None:
         return None
-    return CostModel.from_mapping(config.prepack.cost_model) if config.prepack.cost_model else CostModel.default()
+    return CostModel.of(config)
 
 
 def spread_of_steps(steps: "list[np.ndarray]", world_size: int, micro_batches: int, drawn: bool = False) -> StepSpread:

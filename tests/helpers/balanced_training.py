@@ -25,14 +25,14 @@ LR, MOMENTUM = 0.05, 0.9  # SGD (see the module doc)
 def train_rank(rank: int, world_size: int, packed_dir: str, balance: bool, micro_batches: int, steps: int,
                init: str, out: str) -> None:
     """Train ``steps`` optimizer steps; save ``{"losses", "weights", "read"}`` to ``out`` + rank."""
-    from loader import PackedShardDataset
+    from loader import Balance, PackedShardDataset
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world_size)
     try:
         model, vae, _ = fresh_model()
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-        data = iter(PackedShardDataset(packed_dir, rank=rank, world_size=world_size, balance=balance,
-                                       micro_batches=micro_batches))
+        setting = Balance(micro_batches=micro_batches, sync="step") if balance else None  # DDP-like: one sync a step
+        data = iter(PackedShardDataset(packed_dir, rank=rank, world_size=world_size, balance=setting))
         losses, read = [], []
         for _ in range(steps):
             batches = [next(data).cuda("cpu").to_dict() for _ in range(micro_batches)]

@@ -1,5 +1,6 @@
-"""Balanced steps in the loader (``balance=True``, ``loader.balanced``): each optimizer step's
-batches are the reference's, dealt by cost and never slower by the model; resume at a step
+"""Balanced steps in the loader (``balance=Balance(...)``, ``loader.balanced``): each optimizer step's
+batches are the reference's, dealt by cost and never slower by the model (under lockstep, each
+micro-step's batches read as that micro-step by every rank; under step, each rank's sum); resume at a step
 boundary and mid-step (in process and under 2 DataLoader workers); a world-size change reads
 every batch exactly once; a pack being written is followed; the progress published never counts a
 record some rank may still read.  Training with and without balance: tests/loader/test_balance_training.py."""
@@ -18,8 +19,7 @@ import pytest
 import torch
 
 from loader import PackedShardDataset, build_dataloader, open_stream
-from loader.balance import rank_loads
-from loader.balanced import cost_fingerprint
+from loader.balance import Balance, lockstep_time, rank_loads
 from loader.dataloader import dataset_states
 from loader.index_window import StreamWindows
 from loader.reader import Pack
@@ -59,9 +59,11 @@ def reference(pack, where, world_size: int) -> list[list[tuple[int, int]]]:
     return [places(PackedShardDataset(pack, rank=r, world_size=world_size), where) for r in range(world_size)]
 
 
-def balanced(pack, where, world_size: int, m: int, **kw) -> list[list[tuple[int, int]]]:
-    return [places(PackedShardDataset(pack, rank=r, world_size=world_size, balance=True, micro_batches=m, **kw),
-                   where) for r in range(world_size)]
+def balanced(pack, where, world_size: int, m: int, sync: str = "lockstep", cost_model=None,
+             **kw) -> list[list[tuple[int, int]]]:
+    setting = Balance(micro_batches=m, sync=sync, cost_model=cost_model)
+    return [places(PackedShardDataset(pack, rank=r, world_size=world_size, balance=setting, **kw), where)
+            for r in range(world_size)]
 
 
 def step_start(ref: list[list[tuple[int, int]]], items: int) -> dict[int, int]:
@@ -77,20 +79,30 @@ def cost(pack: Pack, item: tuple[int, int]) -> float:
     return float(MODEL.estimate(np.array(pack.record_terms(*item))))
 
 
+def segments(pack: Pack, item: tuple[int, int]) -> np.ndarray:
+    return MODEL.segments(np.array(pack.record_terms(*item)))
+
+
+@pytest.mark.parametrize("sync", ["lockstep", "step"])
 @pytest.mark.parametrize("world_size, m", [(3, 2), (3, 3), (2, 4), (6, 2), (4, 3), (1, 3), (3, 1)])
-def test_each_step_holds_the_references_batches_and_is_never_slower(pack, where, world_size, m):
-    ref, bal = reference(pack, where, world_size), balanced(pack, where, world_size, m)
+def test_each_step_holds_the_references_batches_and_is_never_slower(pack, where, world_size, m, sync):
+    ref, bal = reference(pack, where, world_size), balanced(pack, where, world_size, m, sync)
     p = Pack.open(pack)
     full = min(len(x) for x in ref) // m  # steps whose every rank has M batches
     moved = 0
     for t in range(full):
         want = [x[t * m:(t + 1) * m] for x in ref]
         got = [x[t * m:(t + 1) * m] for x in bal]
-        assert sorted(sum(got, [])) == sorted(sum(want, []))  # the step's batches, each once
-        assert all(g == sorted(g, key=sum(want, []).index) for g in got)  # each rank's in reference order
-        costs = np.array([cost(p, item) for item in sum(want, [])])
-        assignment = np.array([[sum(want, []).index(item) for item in g] for g in got])
-        assert rank_loads(costs, world_size, m, assignment).max() <= rank_loads(costs, world_size, m).max()
+        flat = sum(want, [])
+        assert sorted(sum(got, [])) == sorted(flat)  # the step's batches, each once
+        assignment = np.array([[flat.index(item) for item in g] for g in got])
+        if sync == "step":  # each rank's in reference order, its sum never above the slowest reference rank's
+            assert all(g == sorted(g, key=flat.index) for g in got)
+            costs = np.array([cost(p, item) for item in flat])
+            assert rank_loads(costs, world_size, m, assignment).max() <= rank_loads(costs, world_size, m).max()
+        else:  # micro-step j is every rank's j-th batch: its slowest per segment never above the reference's
+            seg = np.stack([segments(p, item) for item in flat])
+            assert lockstep_time(seg, world_size, m, assignment) <= lockstep_time(seg, world_size, m)
         moved += got != want
     if world_size > 1 and m > 1:
         assert moved, "no step was dealt otherwise than the reference: the test proves nothing"
@@ -104,23 +116,34 @@ def test_each_step_holds_the_references_batches_and_is_never_slower(pack, where,
 
 def test_the_order_is_deterministic_and_any_cost_model_deals_the_same_batches(pack, where):
     assert balanced(pack, where, 3, 2) == balanced(pack, where, 3, 2)
+    assert balanced(pack, where, 3, 2) != balanced(pack, where, 3, 2, "step")  # the two models deal otherwise
     vae_heavy = CostModel.from_mapping({"vae_canvas_pixels": 1.0, "tokens": 1e-9})
-    assert cost_fingerprint(vae_heavy) != cost_fingerprint(MODEL)
-    other = balanced(pack, where, 3, 2, cost_model=vae_heavy)
-    assert sorted(sum(other, [])) == sorted(sum(balanced(pack, where, 3, 2), []))
+    names = {Balance(2, sync, model).fingerprint() for sync in ("lockstep", "step") for model in (vae_heavy, MODEL)}
+    assert len(names) == 4  # a state says which model and sync kind dealt its steps
+    for sync in ("lockstep", "step"):
+        other = balanced(pack, where, 3, 2, sync, cost_model=vae_heavy)
+        assert sorted(sum(other, [])) == sorted(sum(balanced(pack, where, 3, 2), []))
 
 
-def test_mistakes_are_one_clear_error(pack):
+def test_mistakes_are_one_clear_error(pack, tmp_path):
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="micro_batches must be an integer"):
-            PackedShardDataset(pack, rank=0, world_size=3, balance=True, micro_batches=bad)
-    with pytest.raises(ValueError, match="with balance=True"):
-        PackedShardDataset(pack, rank=0, world_size=3, cost_model=MODEL)
-    # without balance, micro_batches changes nothing: the same batches and states
-    plain, with_m = (PackedShardDataset(pack, rank=0, world_size=3, micro_batches=m) for m in (1, 4))
-    a, b = iter(plain), iter(with_m)
-    assert [batch_id(x) for x in _take(a, 5)] == [batch_id(x) for x in _take(b, 5)]
-    assert plain.state_dict() == with_m.state_dict()
+            PackedShardDataset(pack, rank=0, world_size=3, balance={"micro_batches": bad})
+    with pytest.raises(ValueError, match="sync must be one of lockstep, step"):
+        PackedShardDataset(pack, rank=0, world_size=3, balance={"micro_batches": 2, "sync": "fsdp"})
+    with pytest.raises(ValueError, match="unknown key micro_batch "):
+        PackedShardDataset(pack, rank=0, world_size=3, balance={"micro_batch": 2})
+    with pytest.raises(ValueError, match="balance must be True, a mapping"):
+        PackedShardDataset(pack, rank=0, world_size=3, balance=2)
+    with pytest.raises(TypeError):  # the keywords before one setting: gone, not ignored
+        PackedShardDataset(pack, rank=0, world_size=3, balance=True, micro_batches=2)
+    # a mapping is the same setting (a cost model file read as CostModel.read reads it)
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps({"vae_canvas_pixels": 1.0, "tokens": 1e-9}))
+    ds = PackedShardDataset(pack, rank=0, world_size=3, balance={"micro_batches": 2, "cost_model": str(path)})
+    assert ds.balance == Balance(2, "lockstep", CostModel.read(str(path)))
+    assert PackedShardDataset(pack, rank=0, world_size=3, balance=True).balance == Balance(1, "lockstep", MODEL)
+    assert PackedShardDataset(pack, rank=0, world_size=3, balance=False).balance is None
 
 
 def _take(it, n: int) -> list:
@@ -129,7 +152,7 @@ def _take(it, n: int) -> list:
 
 @pytest.mark.parametrize("stop", [0, 4, 5, 7, 12, 40])  # M=2: boundaries at even counts; 40: in the tail
 def test_resume_in_process_at_a_step_boundary_and_mid_step(pack, where, stop):
-    make = lambda: PackedShardDataset(pack, rank=1, world_size=3, balance=True, micro_batches=2)  # noqa: E731
+    make = lambda: PackedShardDataset(pack, rank=1, world_size=3, balance=Balance(micro_batches=2))  # noqa: E731
     full = places(make(), where)
     stop = min(stop, len(full) - 1)
     ds = make()
@@ -143,10 +166,12 @@ def test_resume_in_process_at_a_step_boundary_and_mid_step(pack, where, stop):
     # the state is refused by an unbalanced dataset, another rank, M or cost model, and vice versa
     with pytest.raises(ValueError, match="balance=True"):
         PackedShardDataset(pack, rank=1, world_size=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="sync kind"):  # dealt under lockstep, read as step
+        PackedShardDataset(pack, rank=1, world_size=3, balance=Balance(2, "step")).load_state_dict(state)
     with pytest.raises(ValueError, match="rank 1 of 3"):
-        PackedShardDataset(pack, rank=0, world_size=3, balance=True, micro_batches=2).load_state_dict(state)
+        PackedShardDataset(pack, rank=0, world_size=3, balance=Balance(micro_batches=2)).load_state_dict(state)
     with pytest.raises(ValueError, match="micro-batches"):
-        PackedShardDataset(pack, rank=1, world_size=3, balance=True, micro_batches=3).load_state_dict(state)
+        PackedShardDataset(pack, rank=1, world_size=3, balance=Balance(micro_batches=3)).load_state_dict(state)
     with pytest.raises(ValueError, match="unbalanced loader state"):
         make().load_state_dict(PackedShardDataset(pack, rank=1, world_size=3).state_dict())
 
@@ -154,20 +179,20 @@ def test_resume_in_process_at_a_step_boundary_and_mid_step(pack, where, stop):
 def test_a_state_of_another_pack_is_refused(pack, tmp_path):
     other = str(tmp_path / "other")
     shutil.copytree(pack, other)
-    ds = PackedShardDataset(pack, rank=0, world_size=3, balance=True, micro_batches=2)
+    ds = PackedShardDataset(pack, rank=0, world_size=3, balance=Balance(micro_batches=2))
     it = iter(ds)
     _take(it, 4)
     state = ds.state_dict()
     state["last"][state["positions"].index(max(state["positions"]))] = "0" * 32
     with pytest.raises(ValueError, match="different pack"):
-        PackedShardDataset(pack, rank=0, world_size=3, balance=True, micro_batches=2).load_state_dict(state)
+        PackedShardDataset(pack, rank=0, world_size=3, balance=Balance(micro_batches=2)).load_state_dict(state)
 
 
 @pytest.mark.parametrize("workers, m", [(2, 2), (2, 3), pytest.param(3, 2, marks=pytest.mark.slow)])
 def test_dataloader_workers_yield_the_ranks_balanced_order_and_resume(pack, where, workers, m, tmp_path):
     make = lambda: build_dataloader(pack, rank=2, world_size=3, num_workers=workers, pin_memory=False,  # noqa: E731
-                                    balance=True, micro_batches=m)
-    single = places(PackedShardDataset(pack, rank=2, world_size=3, balance=True, micro_batches=m), where)
+                                    balance=Balance(micro_batches=m))
+    single = places(PackedShardDataset(pack, rank=2, world_size=3, balance=Balance(micro_batches=m)), where)
     assert places(make(), where) == single  # worker j yields items j::J: torchdata's round-robin is the order
     for stop in (2 * m, 2 * m + 1, len(single) - 1):  # a step boundary, mid-step, in the tail
         loader = make()
@@ -185,7 +210,7 @@ def _run_ranks(pack, world_size: int, m: int, steps: int, where, **kw):
     """Every rank of a balanced run reads ``steps`` optimizer steps; their states and what they read."""
     sets, read = [], []
     for r in range(world_size):
-        ds = PackedShardDataset(pack, rank=r, world_size=world_size, balance=True, micro_batches=m, **kw)
+        ds = PackedShardDataset(pack, rank=r, world_size=world_size, balance=Balance(micro_batches=m), **kw)
         it = iter(ds)
         read += places(_take(it, steps * m), where)
         sets.append(ds.state_dict())
@@ -198,7 +223,8 @@ def test_a_world_size_change_reads_every_batch_exactly_once(pack, where, old_ws,
     states, read = _run_ranks(pack, old_ws, 2, 3, where)
     merged = PackedShardDataset.merge_states(json.loads(json.dumps(states)))
     for r in range(new_ws):
-        ds = PackedShardDataset(pack, rank=r, world_size=new_ws, balance=new_balance, micro_batches=2)
+        setting = Balance(micro_batches=2) if new_balance else None
+        ds = PackedShardDataset(pack, rank=r, world_size=new_ws, balance=setting)
         ds.load_state_dict(merged)
         read += places(ds, where)
     assert sorted(read) == sorted(where.values())  # every batch once overall
@@ -207,8 +233,8 @@ def test_a_world_size_change_reads_every_batch_exactly_once(pack, where, old_ws,
 def test_a_world_size_change_from_dataloader_workers(pack, where):
     states, read = [], []
     for r in range(3):
-        loader = build_dataloader(pack, rank=r, world_size=3, num_workers=2, pin_memory=False, balance=True,
-                                  micro_batches=2)
+        loader = build_dataloader(pack, rank=r, world_size=3, num_workers=2, pin_memory=False,
+                                  balance=Balance(micro_batches=2))
         it = iter(loader)
         read += places(_take(it, 6), where)
         states += dataset_states(loader.state_dict())
@@ -224,7 +250,7 @@ def test_a_world_size_change_needs_every_rank_at_one_step_boundary(pack, where):
     states, _ = _run_ranks(pack, 3, 2, 2, where)
     with pytest.raises(ValueError, match="lack ranks"):
         PackedShardDataset.merge_states(states[:2])
-    mid = PackedShardDataset(pack, rank=2, world_size=3, balance=True, micro_batches=2)
+    mid = PackedShardDataset(pack, rank=2, world_size=3, balance=Balance(micro_batches=2))
     it = iter(mid)
     _take(it, 5)
     with pytest.raises(ValueError, match="inside an optimizer step"):
@@ -240,11 +266,11 @@ def test_a_world_size_change_needs_every_rank_at_one_step_boundary(pack, where):
 def test_windows_hold_few_indexes(pack):
     """A rank weighs every stream but keeps only the indexes of the streams it reads lately."""
     p = Pack.open(pack)
-    windows = StreamWindows(p, MODEL, None, chunk=3, keep=2)
+    windows = StreamWindows(p, None, chunk=3, keep=2)
     for s in range(len(LENGTHS)):
         for r in range(LENGTHS[s]):
             assert windows.has(s, r)
-            assert windows.cost(s, r) == cost(p, (s, r))
+            assert windows.terms(s, r).tolist() == list(p.record_terms(s, r))
             assert windows.digest(s, r) == p.record_digest(s, r)
             p.forget(s)
         assert not windows.has(s, LENGTHS[s])
@@ -282,7 +308,7 @@ def test_follow_waits_for_every_batch_of_the_step(pack, where, tmp_path):
 
     def read(r):
         try:
-            ds = PackedShardDataset(out, rank=r, world_size=3, balance=True, micro_batches=2, follow=True,
+            ds = PackedShardDataset(out, rank=r, world_size=3, balance=Balance(micro_batches=2), follow=True,
                                     poll_s=0.02, timeout_s=60)
             got[r] = places(ds, where)
         except Exception as e:  # noqa: BLE001 -- reported below
@@ -295,7 +321,7 @@ def test_follow_waits_for_every_batch_of_the_step(pack, where, tmp_path):
     assert all(t.is_alive() for t in threads) and not errors  # waiting for the rest of the pack
     # without follow, a stream still being packed is refused where it ends
     with pytest.raises(ValueError, match="follow=True"):
-        list(PackedShardDataset(out, rank=0, world_size=3, balance=True, micro_batches=2))
+        list(PackedShardDataset(out, rank=0, world_size=3, balance=Balance(micro_batches=2)))
     loc = resolve_location(out)
     identity = Pack.open(out).identity
     for index in full:  # the packer commits the rest, then finishes each stream
@@ -318,8 +344,8 @@ def test_progress_counts_a_record_only_once_every_rank_has_passed_it(pack, where
     m, world_size = 2, 3
     states, reads_before = [], []
     for r in range(world_size):
-        ds = PackedShardDataset(pack, rank=r, world_size=world_size, balance=True, micro_batches=m, progress=folder,
-                                live_every_s=0)
+        ds = PackedShardDataset(pack, rank=r, world_size=world_size, balance=Balance(micro_batches=m),
+                                progress=folder, live_every_s=0)
         it = iter(ds)
         reads_before += places(_take(it, 2 * m + 1), where)
         states.append(ds.state_dict())
@@ -333,7 +359,7 @@ def test_progress_counts_a_record_only_once_every_rank_has_passed_it(pack, where
     assert {s: got.reached(s) for s in range(len(LENGTHS))} == start
     later = []
     for r in range(world_size):
-        ds = PackedShardDataset(pack, rank=r, world_size=world_size, balance=True, micro_batches=m)
+        ds = PackedShardDataset(pack, rank=r, world_size=world_size, balance=Balance(micro_batches=m))
         ds.load_state_dict(states[r])
         later += places(ds, where)
     assert all(rec >= start[s] for s, rec in later)
@@ -349,8 +375,8 @@ def test_progress_counts_a_record_only_once_every_rank_has_passed_it(pack, where
 
 def test_dataloader_checkpoint_publishes_the_earliest_workers_step_start(pack, where, tmp_path):
     folder = str(tmp_path / "progress")
-    loader = build_dataloader(pack, rank=0, world_size=3, num_workers=2, pin_memory=False, balance=True,
-                              micro_batches=2, progress=folder)
+    loader = build_dataloader(pack, rank=0, world_size=3, num_workers=2, pin_memory=False,
+                              balance=Balance(micro_batches=2), progress=folder)
     it = iter(loader)
     _take(it, 3)  # worker 0 is at step 2 (its next item is 4), worker 1 at step 1 (item 3)
     state = loader.state_dict()
@@ -386,10 +412,11 @@ def test_a_real_continuation_is_weighed_and_balanced_across_its_switch(tmp_path,
              tokenizer=tokenizer_and_special)
     pack = Pack.open(new)
     assert pack.parent is not None and pack.num_records(0) == 3 + 4
-    windows = StreamWindows(pack, MODEL, None, chunk=2)
+    windows = StreamWindows(pack, None, chunk=2)
     for s in (0, 1):
         for r in range(pack.num_records(s)):  # windows of 2 records straddle the switch at 3
-            assert windows.cost(s, r) == cost(pack, (s, r)) and windows.digest(s, r) == pack.record_digest(s, r)
+            assert windows.terms(s, r).tolist() == list(pack.record_terms(s, r))
+            assert windows.digest(s, r) == pack.record_digest(s, r)
     where = {batch_id(b): (s, r) for s in (0, 1) for r, b in enumerate(open_stream(new, s))}
     ref, bal = reference(new, where, 2), balanced(new, where, 2, 2)
     for t in range(min(len(x) for x in ref) // 2):

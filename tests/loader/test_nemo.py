@@ -185,6 +185,7 @@ def test_dataset_progress_publishes_each_checkpoint(pack, tmp_path):
 def test_dataset_balance_takes_the_recipes_gradient_accumulation(pack, tmp_path):
     """``dataset.balance: true``: micro-batches per rank and step default to NeMo's grad_acc_steps
     (global_batch_size // (local_batch_size x world size); its default global batch size is 8)."""
+    from loader.balance import Balance
     from schemas.cost import CostModel
 
     def build(dataset: dict, steps: dict | None = None, world_size: int = 2, rank: int = 0):
@@ -194,17 +195,22 @@ def test_dataset_balance_takes_the_recipes_gradient_accumulation(pack, tmp_path)
                          global_seed=42).dataset
 
     ds = build({"balance": True}, {"global_batch_size": 4, "local_batch_size": 1})
-    assert ds.balance and ds.micro_batches == 2 and ds.cost_model == CostModel.default()
-    assert build({"balance": True}).micro_batches == 4  # NeMo's default 8 over 2 ranks
-    assert build({"balance": True, "micro_batches": 3}, {"global_batch_size": 4}).micro_batches == 3
+    assert ds.balance == Balance(2, "lockstep", CostModel.default())  # FSDP's lockstep unless told otherwise
+    assert build({"balance": {"sync": "lockstep"}}).balance == Balance(4, "lockstep", CostModel.default())  # 8 / 2
+    assert build({"balance": {"sync": "step", "micro_batches": 3}}, {"global_batch_size": 4}).balance.micro_batches == 3
     model = tmp_path / "cost.json"
     model.write_text('{"tokens": 1.0, "vae_canvas_pixels": 2.0}')
-    assert build({"balance": True, "cost_model": str(model)}).cost_model == CostModel.from_mapping(
+    assert build({"balance": {"cost_model": str(model)}}).balance.cost_model == CostModel.from_mapping(
         {"tokens": 1.0, "vae_canvas_pixels": 2.0})
-    assert not build({}, {"global_batch_size": 4}).balance  # off by default: the reference order
+    assert build({"balance": {"sync": "step"}}).balance.sync == "step"
+    assert build({}, {"global_batch_size": 4}).balance is None  # off by default: the reference order
     with pytest.raises(ConfigError, match="global_batch_size 1 is less than"):
         build({"balance": True}, {"global_batch_size": 1})
-    with pytest.raises(ConfigError, match="dataset.balance: true"):
+    with pytest.raises(ConfigError, match="dataset.balance: sync must be one of lockstep, step"):
+        build({"balance": {"sync": "ddp"}})
+    with pytest.raises(ConfigError, match="dataset.balance: expected true or a mapping"):
+        build({"balance": "yes"})
+    with pytest.raises(ConfigError, match="cost_model not used with packed_dir"):
         build({"cost_model": str(model)})
     with pytest.raises(ConfigError, match="global_batch_size not used with packed_dir"):
         PackedRecipeConfig(_node({"dataset": {"packed_dir": pack, "global_batch_size": 4}})).bagel_dataloader

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from loader.reader import Pack, iter_records
-from schemas.cost import (CANVAS_TERMS, COST_TERMS, DEFAULT_FLOPS, RECORD_TERMS, TERM_COLUMNS, CostModel,
-                          record_terms, sample_terms_of, terms_of)
+from schemas.cost import (CANVAS_TERMS, COST_TERMS, CostModel, DEFAULT_FLOPS, RECORD_TERMS, SEGMENTS, SEGMENT_TERMS,
+                          TERM_COLUMNS, record_terms, sample_terms_of, terms_of)
 from schemas.errors import ConfigError
 from schemas.record import RECORD_SCHEMA, record_to_batch
 from tests.helpers.fakepack import BatchSpec, make_batch
@@ -206,3 +206,32 @@ def test_a_model_read_from_a_file_or_a_fit(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ConfigError, match="cannot read"):
         CostModel.read(str(path))
+
+
+def test_segments_add_up_to_the_estimate_and_each_term_has_one():
+    assert sorted(t for terms in SEGMENT_TERMS.values() for t in terms) == sorted(COST_TERMS)
+    assert tuple(SEGMENT_TERMS) == SEGMENTS
+    rng = np.random.default_rng(2)
+    terms = rng.integers(0, 50_000, (40, len(COST_TERMS)))
+    for model in (CostModel.default(), CostModel.from_mapping({"tokens": 0.5, "vae_images": 3.0, "intercept": 7.0})):
+        seg = model.segments(terms)
+        assert seg.shape == (40, len(SEGMENTS))
+        assert np.allclose(seg.sum(axis=1), model.estimate(terms), rtol=1e-12)
+        assert model.segments(terms[3]).tolist() == seg[3].tolist()  # one row alike
+        for k, name in enumerate(SEGMENTS):  # a segment prices its own terms only
+            only = np.zeros_like(terms)
+            cols = [COST_TERMS.index(t) for t in SEGMENT_TERMS[name]]
+            only[:, cols] = terms[:, cols]
+            assert np.allclose(model.segments(only)[:, k], model.segments(terms)[:, k])
+    no_vae = CostModel.default().without("vae")
+    assert (no_vae.segments(terms)[:, SEGMENTS.index("vae")] == 0).all()
+    assert no_vae.segments(terms)[:, 1:].tolist() == CostModel.default().segments(terms)[:, 1:].tolist()
+    with pytest.raises(ConfigError, match="no segment"):
+        CostModel.default().without("gpu")
+
+
+def test_of_a_config_is_its_cost_model_else_the_default():
+    assert CostModel.of(None) == CostModel.default() == CostModel.of({"prepack": {}})
+    assert CostModel.of({"prepack": {"cost_model": {"tokens": 2.0}}}) == CostModel.from_mapping({"tokens": 2.0})
+    section = type("Section", (), {"cost_model": {"tokens": 3.0}})
+    assert CostModel.of(type("Config", (), {"prepack": section})) == CostModel.from_mapping({"tokens": 3.0})

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from loader.balance import samples_of
+from prepack.engine.resplit import samples_of
 from loader.batch import SimpleCustomBatch
 from prepack.engine.step_split import join_samples, split_batch, split_step
 from schemas.cost import CostModel, terms_of

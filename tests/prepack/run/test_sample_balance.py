@@ -187,7 +187,7 @@ def test_the_configs_cost_model_splits_and_is_the_packs(packs, tmp_path, tokeniz
     tokens_only = CostModel.from_mapping({"tokens": 1.0})
     pack, ref = Pack.open(out), Pack.open(os.path.join(out, REFERENCE_DIR))
     assert pack.info.cost_model() == tokens_only and ref.info.cost_model() == CostModel.default()
-    assert PackedShardDataset(out, rank=0, world_size=W, balance=True, micro_batches=1).cost_model == tokens_only
+    assert PackedShardDataset(out, rank=0, world_size=W, balance=True).balance.cost_model == tokens_only
     evened = 0
     for w in range(K):
         for j in range(BATCHES):
