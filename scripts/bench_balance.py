@@ -1,51 +1,55 @@
 #!/usr/bin/env python
-"""How much of a step's time balancing gives back: the slowest rank against the mean, before and after.
+"""How much of a step's time balancing gives back, by both step models: lockstep (FSDP) and step (DDP).
 
     python scripts/bench_balance.py                          # builds the two cost packs (a few minutes)
     python scripts/bench_balance.py --pack .costpack/costpack.tar.xz
     python scripts/bench_balance.py --pack PACK [--pack PACK2] --steps 200 \
-        --cost-fit docs/data/record_cost_fit_h200.json
+        --cost-fit docs/data/record_cost_fit_h200_segments.json
 
-Why: a step lasts as long as its slowest rank (issue 44; ``loader.balance``).  The packs are
-``scripts/make_cost_pack.py``'s (its functions: camera-sized pictures, NeMo's pretrain knobs
-32768/36864/16384 with flex, a ``default`` mix and a VLM-heavy ``vlm`` mix), built under
-``--out`` when no ``--pack`` is given; ``--pack`` takes a pack folder, a folder of packs, or a
-``.tar``/``.tar.xz`` archive of packs (``make_cost_pack.py``'s ``costpack.tar.xz``).
+Why (issues 44, 50; ``loader.balance``): ranks wait for each other.  Under **lockstep** (FSDP /
+ZeRO-3, or DDP without ``no_sync``: both BAGEL stacks) they wait in every segment (the VAE encode,
+the ViT, the LLM: ``schemas.cost.SEGMENTS``) of every micro-step, so a step lasts the sum over
+micro-steps and segments of the slowest rank; under **step** (DDP under ``no_sync``) only at the
+step's end, so it lasts as long as the largest rank sum.  The packs are
+``scripts/make_cost_pack.py``'s (camera-sized pictures, NeMo's pretrain knobs 32768/36864/16384
+with flex, a ``default`` mix and a VLM-heavy ``vlm`` mix), built under ``--out`` when no
+``--pack`` is given; ``--pack`` takes a pack folder, a folder of packs, or a ``.tar``/``.tar.xz``
+archive of packs.
 
-Every record's cost terms (``schemas.cost.terms_of``) are read through the loader's reader
-(``loader.reader.read_shard``, a projected read of ``schemas.cost.TERM_COLUMNS``: never the
-pixel table; each shard's size, identity and record count checked) and priced by the cost
-model: ``schemas.cost.CostModel.default()`` (BAGEL-7B from FLOPs), or ``--cost-fit`` (the
-``coefficients_ms`` of a ``time_record_cost.py`` fit).  Then for every cell of ``--worlds`` x
-``--micro`` (W ranks, M micro-batches per rank and optimizer step) ``--steps`` steps are
-simulated: each step's W x M batches drawn from the packs' records with replacement by
-``numpy.random.default_rng([seed, W, M])`` (fixed: the same draw every run; a cell does not
-depend on the others).  Per cell:
+Two sources of per-record costs, each giving the grid (W in ``--worlds`` x M in ``--micro``) for
+each pack alone:
 
-- **spread**: the slowest rank's summed cost over the mean rank's, averaged over the steps, for
-  the reference assignment (rank r computes batches r*M..r*M+M-1), for ``assign_step`` (balanced
-  batches) and for the ideal (a lower bound: ``loader.balance.ideal_spread``);
-- **step time**: the summed slowest ranks over the steps, balanced (and ideal) over reference;
-- **CPU per step**: ``assign_step``'s own CPU time (``time.thread_time``), mean over the steps.
+- **the model**: every record's cost terms read from the stream indexes (never the records),
+  priced per segment by the cost model (``CostModel.default()``, BAGEL-7B from FLOPs, or
+  ``--cost-fit``): steps assigned and timed by the model;
+- **the H200 per-part timings** (``--check-csv``, default ``docs/data/record_cost_h200.csv``:
+  111 records of the same two packs timed on an H200, ``scripts/cost_fit.segment_times``): steps
+  assigned by the cost model from the records' terms, as a training would from the index, and
+  timed by what the H200 measured for each segment.
 
-W=64, M=4 is always simulated (the headline).  "Balanced samples" (M = 1: each step's samples
-re-split among its batches, ``loader.balance.balance_samples``; ``samples_figure``) is simulated
-the same way at W=64 on the records' own samples: the re-split batches are not packed there.  A real
-``prepack: balance: samples`` pack is packed too (``--packed-batches``; W=4, K=1, the default mix:
-``packed_samples``): its steps' step time by the model, read from its index and its reference's,
-and the balancing's wall time beside the packing's.  With ``--check-csv`` (default: the H200 timings
-in docs/data/, when present) the model is also checked against the full-depth estimates there:
-how it ranks them, its error, and the step time at W=64, M=4 when steps drawn from those records
-are balanced by the model (by tokens alone, by the estimates themselves) and timed by the estimates.
+Each cell draws ``--steps`` steps of W x M records with replacement
+(``numpy.random.default_rng([seed, W, M])``: the same draw every run).  Per cell, **lockstep**:
+the reference step time over the mean rank's work, then balanced (``assign_lockstep``) and the
+bound (``lockstep_bound``: each segment grouped on its own; no grouping beats it, none need reach
+it) as step time relative to the reference; **step**: the slowest rank's sum over the mean for the
+reference, balanced (``assign_step``) and the ideal, and the balanced step time relative to the
+reference; and each assignment's CPU per step.  The rank-sum assignment timed under lockstep says
+what the previous balancing gives an FSDP training.
+
+"Balanced samples" (M = 1: each step's samples re-split among its batches,
+``prepack.engine.resplit.balance_samples``) is simulated at W=64 on the packs' records by the
+model; a real ``prepack: balance: samples`` pack is packed too (``--packed-batches``; W=4, K=1, the
+default mix) and its step time read from its index and its reference's.
 
 Last line, exactly:
-``balance: step time X of the reference at W=64 M=4 (ideal Y); samples at M=1: Z``
+``balance: lockstep step time X of the reference at W=64 M=4 (bound Y); step model Z; samples at M=1: S``
+(X, Y: by the H200 per-part timings, pooled over both packs, assigned by the cost model; Z: the
+step model's balanced step time by the same timings; S: balanced samples by the model).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import logging
 import os
@@ -63,9 +67,12 @@ for _p in (os.path.dirname(os.path.abspath(__file__)), ROOT):
 import numpy as np  # noqa: E402
 
 from pack_dirs import pack_dirs  # noqa: E402
-from loader.balance import assign_step, balance_samples, ideal_spread, rank_loads, samples_of, step_spread  # noqa: E402
+from cost_fit import read_csv, segment_times  # noqa: E402
+from loader.balance import (assign_lockstep, assign_step, ideal_spread, lockstep_bound, lockstep_time,  # noqa: E402
+                            rank_loads, step_spread)
 from loader.reader import Pack, read_shard  # noqa: E402
-from schemas.cost import COST_TERMS, TERM_COLUMNS, CostModel, terms_of  # noqa: E402
+from prepack.engine.resplit import balance_samples, samples_of  # noqa: E402
+from schemas.cost import COST_TERMS, SEGMENTS, TERM_COLUMNS, CostModel  # noqa: E402
 from schemas.record import RECORD_SCHEMA, PackedBatch  # noqa: E402
 
 log = logging.getLogger("bench_balance")
@@ -123,39 +130,81 @@ def model_of(fit_path: str | None) -> tuple[CostModel, str]:
 # -- the simulation -------------------------------------------------------------------------------
 @dataclass
 class Cell:
-    """One (W, M) cell's figures over its steps."""
+    """One (W, M) cell's figures over its steps, by both step models."""
 
     world_size: int
     micro_batches: int
     steps: int
-    reference: float  # mean spread (slowest / mean rank), reference assignment
+    lock_reference: float  # lockstep: reference step time / the mean rank's work, mean over the steps
+    lock_balanced: float  # summed step time, assign_lockstep / reference
+    lock_bound: float  # summed lockstep_bound / reference
+    lock_ranksum: float  # summed step time of assign_step's assignment under lockstep / reference
+    reference: float  # step: mean spread (slowest rank sum / mean), reference assignment
     balanced: float  # the same, assign_step
     ideal: float  # the same, the lower bound
-    step_time: float  # sum of slowest ranks, balanced / reference
+    step_time: float  # step: sum of slowest ranks, balanced / reference
     ideal_time: float  # sum of lower bounds / reference
+    lock_cpu_us: float  # assign_lockstep's CPU per step
     cpu_us: float  # assign_step's CPU per step
 
 
-def simulate(costs: np.ndarray, world_size: int, micro_batches: int, steps: int, seed: int) -> Cell:
-    """``steps`` steps of W x M batches drawn from ``costs`` (with replacement, fixed seed)."""
+def simulate(timed: np.ndarray, world_size: int, micro_batches: int, steps: int, seed: int,
+             priced: np.ndarray | None = None) -> Cell:
+    """``steps`` steps of W x M records drawn from the rows of ``timed`` ((n, S): each record's time
+    per segment; with replacement, fixed seed), assigned by ``priced`` (the same rows as a cost model
+    prices them; None: ``timed`` itself) and timed by ``timed``."""
+    priced = timed if priced is None else priced
     rng = np.random.default_rng([seed, world_size, micro_batches])
-    n = world_size * micro_batches
+    n, w, m = len(timed), world_size, micro_batches
     spreads = np.zeros((steps, 3))
     slowest = np.zeros((steps, 3))
-    cpu = 0
+    lock = np.zeros((steps, 4))  # reference, balanced, bound, rank-sum assignment
+    lock_ratio = np.zeros(steps)
+    cpu = lock_cpu = 0
     for t in range(steps):
-        c = costs[rng.integers(len(costs), size=n)]
+        idx = rng.integers(n, size=w * m)
+        seg, by = timed[idx], priced[idx]
+        c, c_by = seg.sum(axis=1), by.sum(axis=1)
         t0 = time.thread_time_ns()
-        a = assign_step(c, world_size, micro_batches)
-        cpu += time.thread_time_ns() - t0
-        ref, bal = rank_loads(c, world_size, micro_batches), rank_loads(c, world_size, micro_batches, a)
-        mean = c.sum() / world_size
-        ideal = ideal_spread(c, world_size, micro_batches)
-        spreads[t] = (step_spread(c, world_size, micro_batches), step_spread(c, world_size, micro_batches, a), ideal)
-        slowest[t] = (ref.max(), bal.max(), ideal * mean)
+        a = assign_step(c_by, w, m)
+        t1 = time.thread_time_ns()
+        la = assign_lockstep(by, w, m)
+        t2 = time.thread_time_ns()
+        cpu += t1 - t0
+        lock_cpu += t2 - t1
+        lock[t] = (lockstep_time(seg, w, m), lockstep_time(seg, w, m, la), lockstep_bound(seg, w, m),
+                   lockstep_time(seg, w, m, a))
+        mean = c.sum() / w
+        lock_ratio[t] = lock[t, 0] / mean
+        ideal = ideal_spread(c, w, m)
+        spreads[t] = (step_spread(c, w, m), step_spread(c, w, m, a), ideal)
+        slowest[t] = (rank_loads(c, w, m).max(), rank_loads(c, w, m, a).max(), ideal * mean)
+    lt = lock.sum(axis=0)
     ref_time = slowest[:, 0].sum()
-    return Cell(world_size, micro_batches, steps, *spreads.mean(axis=0).tolist(),
-                float(slowest[:, 1].sum() / ref_time), float(slowest[:, 2].sum() / ref_time), cpu / steps / 1e3)
+    return Cell(w, m, steps, float(lock_ratio.mean()), float(lt[1] / lt[0]), float(lt[2] / lt[0]),
+                float(lt[3] / lt[0]), *spreads.mean(axis=0).tolist(), float(slowest[:, 1].sum() / ref_time),
+                float(slowest[:, 2].sum() / ref_time), lock_cpu / steps / 1e3, cpu / steps / 1e3)
+
+
+HEADER = (f"{'W':>4} {'M':>2}  lockstep: ref/mean balanced  bound  rank-sum   step: spread ref balanced ideal  "
+          f"time    CPU/step lockstep, step")
+
+
+def cell_line(cell: Cell) -> str:
+    return (f"{cell.world_size:>4} {cell.micro_batches:>2}  {cell.lock_reference:17.3f} {cell.lock_balanced:8.4f} "
+            f"{cell.lock_bound:6.4f} {cell.lock_ranksum:9.4f}   {cell.reference:17.4f} {cell.balanced:8.4f} "
+            f"{cell.ideal:5.4f} {cell.step_time:6.4f}   {cell.lock_cpu_us:8.0f} us, {cell.cpu_us:.0f} us")
+
+
+def grid(title: str, timed: np.ndarray, priced: np.ndarray | None, cells: list, args) -> dict:
+    """Print one source's grid; returns its cells by (W, M)."""
+    print(title)
+    print(HEADER)
+    out = {}
+    for w, m in cells:
+        out[(w, m)] = cell = simulate(timed, w, m, args.steps, args.seed, priced)
+        print(cell_line(cell))
+    return out
 
 
 SAMPLES_W = 64  # the W of "samples at M=1" in the last line
@@ -179,7 +228,7 @@ def read_steps_samples(pack_dir: str, model: CostModel) -> list[tuple[list, floa
 def samples_figure(pack_dirs_: list[str], model: CostModel, args) -> float | None:
     """Balanced samples' step time over the reference at M = 1, W = ``SAMPLES_W``: steps drawn from
     the packs' records (as ``simulate`` draws), each step's samples re-split by
-    ``loader.balance.balance_samples`` (VAE samples in place, within each batch's max_num_tokens)
+    ``prepack.engine.resplit.balance_samples`` (VAE samples in place, within each batch's max_num_tokens)
     and its slowest batch compared with the reference's.  A simulation of what the pack-time option
     would give: the re-split batches are not packed here."""
     records = [r for d in pack_dirs_ for r in read_steps_samples(d, model)]
@@ -249,21 +298,32 @@ def packed_samples(out: str, batches: int, seed: int) -> str:
             f"packing them: {packing_s:.1f} s, a process)")
 
 
+def read_h200(path: str) -> tuple[list[dict], np.ndarray, np.ndarray] | None:
+    """``time_record_cost.py``'s CSV: its rows, their cost terms and their measured full-depth time
+    per segment ((n, S), ``cost_fit.segment_times``); None without one."""
+    if not path or not os.path.exists(path):
+        return None
+    rows = read_csv(path)
+    if not rows or "vae_ms" not in rows[0]:
+        return None
+    terms = np.array([[int(r[k]) for k in COST_TERMS] for r in rows], np.int64)
+    timed = np.array([[segment_times(r)[s] for s in SEGMENTS] for r in rows])
+    return rows, terms, timed
+
+
 def model_check(path: str, model: CostModel, steps: int, seed: int) -> list[str]:
     """The model against ``time_record_cost.py``'s full-depth estimates: how it ranks them, its
-    error, and what balancing by it gives when the step is timed by the estimates themselves."""
-    if not path or not os.path.exists(path):
+    error per record and per segment, and what step-model balancing by it gives when the step is
+    timed by the estimates themselves."""
+    h200 = read_h200(path)
+    if h200 is None:
         return []
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    if not rows or "est_full_ms" not in rows[0]:
-        return []
-    terms = np.array([[int(r[k]) for k in COST_TERMS] for r in rows], np.int64)
-    measured = np.array([float(r["est_full_ms"]) for r in rows])
+    rows, terms, timed = h200
+    measured = timed.sum(axis=1)
     est = model.estimate(terms)
     tokens = terms[:, COST_TERMS.index("tokens")].astype(float)
-    rank = lambda a: np.argsort(np.argsort(a, kind="stable"), kind="stable")  # noqa: E731
-    spearman = lambda a: float(np.corrcoef(rank(a), rank(measured))[0, 1])  # noqa: E731
+    rank = lambda a, b=measured: np.argsort(np.argsort(a, kind="stable"), kind="stable")  # noqa: E731
+    spearman = lambda a, b=measured: float(np.corrcoef(rank(a), rank(b))[0, 1])  # noqa: E731
     err = np.abs(est / measured - 1)
     scaled = np.abs(est * (measured.mean() / est.mean()) / measured - 1)
     where = os.path.relpath(path, ROOT)
@@ -272,6 +332,10 @@ def model_check(path: str, model: CostModel, steps: int, seed: int) -> list[str]
              f"{100 * np.median(err):.1f}%, max {100 * err.max():.1f}% (scale-free: median "
              f"{100 * np.median(scaled):.1f}%, max {100 * scaled.max():.1f}%); "
              f"mean estimate {est.mean() / measured.mean():.3f} of measured"]
+    seg = model.segments(terms)
+    parts = [f"{name} Spearman {spearman(seg[:, k], timed[:, k]):.3f}, mean {seg[:, k].mean():.0f} ms vs "
+             f"{timed[:, k].mean():.0f} measured" for k, name in enumerate(SEGMENTS)]
+    lines.append("  per segment: " + "; ".join(parts))
     w, m = HEADLINE
     rng = np.random.default_rng([seed, w, m])
     slowest = np.zeros(4)  # reference; balanced by the model, by tokens alone, by the estimates themselves
@@ -280,8 +344,8 @@ def model_check(path: str, model: CostModel, steps: int, seed: int) -> list[str]
         c = measured[idx]
         slowest += [rank_loads(c, w, m).max()] + [rank_loads(c, w, m, assign_step(by[idx], w, m)).max()
                                                   for by in (est, tokens, measured)]
-    lines.append(f"  timed by those estimates, W={w} M={m}, {steps} steps drawn from its records: step time "
-                 f"{slowest[1] / slowest[0]:.3f} of the reference balanced by the model (by tokens alone "
+    lines.append(f"  step model timed by those estimates, W={w} M={m}, {steps} steps drawn from its records: step "
+                 f"time {slowest[1] / slowest[0]:.3f} of the reference balanced by the model (by tokens alone "
                  f"{slowest[2] / slowest[0]:.3f}, by the estimates themselves {slowest[3] / slowest[0]:.3f})")
     return lines
 
@@ -336,29 +400,37 @@ def main(argv: list[str] | None = None) -> int:
           f"max/min {costs.max() / max(costs.min(), 1e-12):.2f})")
     for line in model_check(args.check_csv, model, args.steps, args.seed):
         print(line)
-    print(f"draw: each step's W x M batches from the {len(terms)} records with replacement, "
-          f"numpy default_rng([seed={args.seed}, W, M]); {args.steps} steps per cell")
-    print(f"{'W':>4} {'M':>2}  spread: reference balanced  ideal   step time: balanced  ideal   CPU/step")
-    grid = [(w, m) for w in args.worlds for m in args.micro]
-    cells = {}
-    for w, m in grid + ([HEADLINE] if HEADLINE not in grid else []):
-        cell = cells[(w, m)] = simulate(costs, w, m, args.steps, args.seed)
-        print(f"{w:>4} {m:>2}  {cell.reference:17.4f} {cell.balanced:8.4f} {cell.ideal:6.4f}   "
-              f"{cell.step_time:19.4f} {cell.ideal_time:6.4f}   {cell.cpu_us:7.0f} us")
-    if len(dirs) > 1:  # each mix alone too: the headline must hold on both, not only pooled
-        w, m = HEADLINE
-        for d, t in zip(dirs, per_pack):
-            if len(t):
-                one = simulate(model.estimate(t), w, m, args.steps, args.seed)
-                print(f"  {os.path.basename(os.path.normpath(d))} alone, W={w} M={m}: spread {one.reference:.4f} -> "
-                      f"{one.balanced:.4f} (ideal {one.ideal:.4f}); step time {one.step_time:.4f} "
-                      f"(ideal {one.ideal_time:.4f}, balanced within {100 * (one.step_time / one.ideal_time - 1):.2f}%)")
+    print(f"draw: each step's W x M batches from a source's records with replacement, "
+          f"numpy default_rng([seed={args.seed}, W, M]); {args.steps} steps per cell.  lockstep: the reference's "
+          f"step time over the mean rank's work, then balanced (assign_lockstep), the bound, and the rank-sum "
+          f"assignment, as step time relative to the reference; step: spread (slowest rank sum / mean) of the "
+          f"reference, balanced (assign_step) and the ideal, and the balanced step time relative to the reference")
+    cells = [(w, m) for w in args.worlds for m in args.micro]
+    cells += [HEADLINE] if HEADLINE not in cells else []
+    for d, t in zip(dirs, per_pack):  # each mix alone: the figures must hold on both, not only pooled
+        if len(t):
+            grid(f"{os.path.basename(os.path.normpath(d))} ({len(t)} records), by the model:", model.segments(t),
+                 None, cells, args)
+    h200 = read_h200(args.check_csv)
+    head = None
+    if h200 is not None:
+        rows, h_terms, timed = h200
+        packs = np.array([str(r.get("pack", "")) for r in rows])
+        for name in sorted(set(packs)):
+            mine = packs == name
+            grid(f"{name} ({int(mine.sum())} records), by the H200 per-part timings (assigned by the model):",
+                 timed[mine], model.segments(h_terms[mine]), cells, args)
+        head = grid(f"both ({len(rows)} records), by the H200 per-part timings (assigned by the model):", timed,
+                    model.segments(h_terms), [HEADLINE], args)[HEADLINE]
+    else:  # no timings: the headline by the model, pooled, and said so
+        print("no H200 timings (--check-csv): the last line is by the model")
+        head = grid(f"all ({len(terms)} records), by the model:", model.segments(terms), None, [HEADLINE],
+                    args)[HEADLINE]
     if packed:
         print(packed)
-    head = cells[HEADLINE]
     z = "n/a" if samples is None else f"{samples:.3f}"
-    print(f"balance: step time {head.step_time:.3f} of the reference at W={HEADLINE[0]} M={HEADLINE[1]} "
-          f"(ideal {head.ideal_time:.3f}); samples at M=1: {z}")
+    print(f"balance: lockstep step time {head.lock_balanced:.3f} of the reference at W={HEADLINE[0]} M={HEADLINE[1]} "
+          f"(bound {head.lock_bound:.3f}); step model {head.step_time:.3f}; samples at M=1: {z}")
     return 0
 
 

@@ -822,8 +822,21 @@ def device_label(device, tiny: bool) -> str:
     return f"{name}, tiny dims" if tiny else name
 
 
-def report(rows: list[dict], label: str, fit_path: str, info: dict) -> None:
-    """Print both fits and the last line; write the fit JSON."""
+def print_segments(fit: dict) -> None:
+    """The per-segment fit (``cost_fit.fit_segments``): each segment's terms against its own time."""
+    print("per segment (where FSDP ranks wait; each segment's terms fitted to its own measured time, "
+          f"{fit['n_train']} records, {fit['n_heldout']} held out):")
+    for segment, part in fit["per_segment"].items():
+        h = part["heldout"]
+        terms = ", ".join(f"{k} {v:.4g}" for k, v in part["coefficients_ms"].items())
+        print(f"  {segment:<4} mean {part['mean_ms']:7.1f} ms ({part['min_ms']:.1f}..{part['max_ms']:.1f}): R2 "
+              f"{h['r2']:.3f}, median error {h['median_ape']:.1f}%, max {h['max_ape']:.1f}%; intercept "
+              f"{part['intercept_ms']:.4g} ms, {terms} ms/unit")
+
+
+def report(rows: list[dict], label: str, fit_path: str, info: dict, segments_path: str | None = None) -> None:
+    """Print both fits and the last line; write the fit JSON (and the per-segment model's, to
+    ``segments_path``: a file ``CostModel.read`` and ``--cost-model`` take)."""
     full, standin = fit_report(rows, "est_full_ms"), fit_report(rows, "total_ms")
     ratio = np.array([r["parts_ms"] / r["total_ms"] for r in rows if r["total_ms"] > 0])
     r0 = rows[0]
@@ -843,6 +856,12 @@ def report(rows: list[dict], label: str, fit_path: str, info: dict) -> None:
            **full, "stand_in_measured": standin}
     with open(fit_path, "w") as f:
         json.dump(doc, f, indent=2)
+    segments = fit_segments(rows)
+    print_segments(segments)
+    if segments_path:
+        with open(segments_path, "w") as f:
+            json.dump({"device": label, **info, "target": "per segment: cost_fit.segment_times", **segments}, f,
+                      indent=2)
     h = full["heldout"]
     print(f"record cost on {label}: fit R2 {h['r2']:.3f} (tokens alone {full['tokens_alone']['r2']:.3f}), "
           f"median error {h['median_ape']:.1f}% over {full['n_heldout']} records")
@@ -886,6 +905,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-verify", action="store_true", help="skip the records' digest checks while reading")
     ap.add_argument("--csv", default=os.path.join(ROOT, ".costpack", "record_cost.csv"), help="per-record CSV, written as records are timed (default .costpack/record_cost.csv)")
     ap.add_argument("--fit", default=os.path.join(ROOT, ".costpack", "record_cost_fit.json"), help="the fit's coefficients and metrics, JSON (default .costpack/record_cost_fit.json)")
+    ap.add_argument("--segments-fit", default=os.path.join(ROOT, ".costpack", "record_cost_fit_segments.json"),
+                    help="the per-segment model (VAE, ViT, LLM: each fitted to its own time), a --cost-model file "
+                         "(default .costpack/record_cost_fit_segments.json)")
     ap.add_argument("--from-csv", metavar="CSV", help="time nothing: fit an earlier run's CSV again")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights and the random inputs (default 0)")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -897,7 +919,7 @@ def main(argv=None) -> int:
         rows = read_csv(args.from_csv)
         if not rows:
             ap.error(f"{args.from_csv}: no rows")
-        report(rows, str(rows[0]["device"]), args.fit, {"from_csv": args.from_csv})
+        report(rows, str(rows[0]["device"]), args.fit, {"from_csv": args.from_csv}, args.segments_fit)
         return 0
     if not args.pack:
         ap.error("--pack is required (or --from-csv)")
@@ -1009,7 +1031,7 @@ def main(argv=None) -> int:
         log.warning("%d records failed and were skipped", failed)
     info = {"device_type": device.type, "reps": args.reps, "packs": args.pack, "failed_records": failed,
             "dims": asdict(dims)}
-    report(rows, label, args.fit, info)
+    report(rows, label, args.fit, info, args.segments_fit)
     return 0
 
 

@@ -13,7 +13,7 @@ import textwrap
 
 from prepack.run.bound import BoundSpec
 from prepack.run.command import add_bound_arguments, add_continue_arguments, add_reuse_argument
-from prepack.tools.stats_command import add_cost_model_argument
+from prepack.tools.stats_command import add_cost_model_argument, add_sync_argument
 from schemas.errors import UsageError
 
 
@@ -42,16 +42,16 @@ def cmd_plan(args) -> int:
                                   sample_streams_n=args.sample_streams, max_seconds=args.max_seconds,
                                   reuse=args.reuse or (), continue_from=continue_from, bounded=bounded)
     plan = plan_schedule.plan_schedule(cfg, options) if cfg.schedule else planner.plan_pack(cfg, options)
-    spread = None
+    spreads = []
     if getattr(plan, "batch_terms", None):  # a schedule's plan is per step: weigh a step's own config
         model = step_spread.cost_model(args.cost_model, cfg)
-        spread = step_spread.drawn_spread(model.estimate(plan.batch_terms), args.world_size or cfg.world_size,
-                                          args.micro_batches)
+        spreads = step_spread.drawn_spread(plan.batch_terms, model, args.world_size or cfg.world_size,
+                                           args.micro_batches, syncs=step_spread.syncs(args.sync))
     if args.json:
-        print(json.dumps({**plan.to_json(), **({"step_spread": dataclasses.asdict(spread)} if spread else {})},
-                         sort_keys=True))
+        doc = {"step_spread": {s.sync: dataclasses.asdict(s) for s in spreads}} if spreads else {}
+        print(json.dumps({**plan.to_json(), **doc}, sort_keys=True))
     else:
-        for line in plan.lines() + (spread.lines() if spread else []):
+        for line in plan.lines() + [line for s in spreads for line in s.lines()]:
             print(line)
     return 0
 
@@ -114,6 +114,7 @@ def add_command(subparsers) -> None:
     pl.add_argument("--micro-batches", type=int, default=1, metavar="M",
                     help="micro-batches per rank per optimizer step for the step spread (default 1)")
     add_cost_model_argument(pl)
+    add_sync_argument(pl)
     pl.add_argument("--checkpoint-every", type=int, default=1000, metavar="C",
                     help="with --ahead: training steps between the training's checkpoints (default 1000)")
     # skip_teardown: the program ends a plan without the interpreter's teardown (prepack.cli._exit_now)

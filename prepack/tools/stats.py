@@ -27,7 +27,7 @@ import numpy as np
 import polars as pl
 
 from loader.reader import Pack, read_shard
-from prepack.tools.step_spread import cost_model as step_cost_model, pack_spread
+from prepack.tools.step_spread import cost_model as step_cost_model, pack_spread, syncs as step_syncs
 from prepack.tools.composition import COLUMNS, BatchCounts, Composition, record_counts, table_lines
 from prepack.tools.lineage_queries import ROW_KEY, chain_segments, scan_chain_lineage, scan_lineage
 from schemas.manifest import StreamSummary
@@ -438,13 +438,13 @@ def render_html(st: PackStats) -> str:
 
 
 def pack_stats(out, html: str | None = None, steps: "tuple[int | None, int]" = (None, 1),
-               cost_model: "str | None" = None) -> str:
+               cost_model: "str | None" = None, sync: "str | None" = None) -> str:
     """The plain-text report; with ``html``, also write the page there; ``steps``: the world size (None:
     the pack's) and micro-batches per step its step spread is weighed for (``prepack.tools.step_spread``),
-    by the model in the file ``cost_model`` (None: the default)."""
+    by the model in the file ``cost_model`` (None: the pack's), by the step model ``sync`` (None: both)."""
     st = compute_stats(out)
-    spread = pack_spread(out, *steps, model=step_cost_model(cost_model))
-    text = format_stats(st) + "\n\n" + "\n".join(spread.lines())
+    spreads = pack_spread(out, *steps, model=step_cost_model(cost_model), syncs=step_syncs(sync))
+    text = format_stats(st) + "\n\n" + "\n".join(line for s in spreads for line in s.lines())
     if html:
         with open(os.fspath(html), "w", encoding="utf-8") as f:
             f.write(render_html(st))

@@ -175,8 +175,12 @@ def test_plan_prints_one_json_object_and_its_help_teaches(tmp_path):
     assert set(plan["groups"]) == {"t2i_pretrain", "vlm_sft"}
     assert set(plan["composition"]) == {"per_batch", "per_group"}
     assert plan["composition"]["per_batch"]["tokens"]["count"] == 1 and plan["composition"]["per_batch"]["text"]["max"] > 0
-    r = prepack("plan", config, "--cores", "4", "--sample-batches", "1", "--sample-streams", "1")
+    # both step models' spreads, keyed by sync kind (a plan draws its steps from the sampled batches)
+    assert set(plan["step_spread"]) == {"lockstep", "step"} and plan["step_spread"]["lockstep"]["drawn"]
+    r = prepack("plan", config, "--cores", "4", "--sample-batches", "1", "--sample-streams", "1",
+                "--micro-batches", "2", "--sync", "lockstep")
     assert r.returncode == 0 and "records" in r.stdout and "core-hours" in r.stdout
+    assert "lockstep step spread (W=1, M=2, 200 steps drawn" in r.stdout and "\nstep spread" not in r.stdout
     r = prepack("plan", config, "--cores", "0")
     assert r.returncode == 2 and r.stderr.strip().startswith("prepack: error: --cores")
 
