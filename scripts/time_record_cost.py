@@ -121,7 +121,7 @@ import torch.nn.functional as F  # noqa: E402
 from pack_dirs import pack_dirs  # noqa: E402
 from torch import nn  # noqa: E402
 
-from cost_fit import FULL_LLM_LAYERS, FULL_VIT_LAYERS, FEATURES, fit_report, fit_segments, nnls, read_csv  # noqa: E402,F401
+from cost_fit import FEATURES, FULL_LLM_LAYERS, FULL_VIT_LAYERS, fit_report, fit_segments, read_csv  # noqa: E402
 from schemas.cost import RECORD_TERMS, record_terms  # noqa: E402 (numpy only: what a GPU machine has)
 
 log = logging.getLogger("time_record_cost")

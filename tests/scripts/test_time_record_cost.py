@@ -150,17 +150,6 @@ def test_flex_mask_is_the_dense_reference_mask(seed):
         a += ln
 
 
-def test_nnls_is_a_nonnegative_least_squares_solution():
-    rng = np.random.default_rng(0)
-    A = rng.random((40, 6))
-    b = A @ np.array([1.0, 0.0, 2.0, 0.0, 0.5, 0.0]) + rng.normal(0, 0.05, 40) - 0.3 * A[:, 1]
-    x = trc.nnls(A, b)
-    grad = A.T @ (A @ x - b)
-    assert (x >= 0).all()
-    assert np.allclose(grad[x > 0], 0, atol=1e-8) and (grad[x == 0] >= -1e-8).all()  # KKT conditions
-    assert x[1] == 0  # the negative effect is clipped
-
-
 def test_bf16_stand_in_with_the_real_canvas_runs():
     """The GPU's dtype (bf16) and the VAE at its real canvas scale (latents cut from the padded canvas
     per image and patchified), at tiny widths on the CPU: the latent tokens are exactly the record's."""
