@@ -148,12 +148,15 @@ def pack_spread(out, world_size: "int | None", micro_batches: int, model: "CostM
     return [spread_of_steps([_priced(model, t, sync) for t in steps], w, m, sync=sync) for sync in syncs]
 
 
+DRAW_SEED = 0  # a plan's steps are drawn the same way every time
+
+
 def drawn_spread(terms: np.ndarray, model: CostModel, world_size: int, micro_batches: int, steps: int = 200,
-                 seed: int = 0, syncs: "tuple[str, ...]" = SYNC_KINDS) -> "list[StepSpread]":
-    """The spread of ``steps`` steps whose batches are drawn (with replacement, a fixed seed) from
-    batches of these ``terms`` ((n, len(COST_TERMS))): a plan's sampled batches standing for a run's."""
+                 syncs: "tuple[str, ...]" = SYNC_KINDS) -> "list[StepSpread]":
+    """The spread of ``steps`` steps whose batches are drawn (with replacement, seed ``DRAW_SEED``)
+    from batches of these ``terms`` ((n, len(COST_TERMS))): a plan's sampled batches standing for a run's."""
     terms = np.asarray(terms, np.int64).reshape(len(terms), -1)
-    rng = np.random.default_rng([seed, world_size, micro_batches])
+    rng = np.random.default_rng([DRAW_SEED, world_size, micro_batches])
     drawn = [terms[rng.integers(0, len(terms), world_size * micro_batches)] for _ in range(steps)] if len(terms) else []
     return [spread_of_steps([_priced(model, t, sync) for t in drawn], world_size, micro_batches, drawn=True, sync=sync)
             for sync in syncs]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import numpy as np
 import pyarrow as pa
 import pytest
 
 from schemas.compression import Compression, decompress
-from schemas.record import encode_record, record_digest, record_pixels, record_to_batch
+from schemas.record import (FIELD_KINDS, NOT_STORED, RECORD_SCHEMA, SampleOrigin, encode_record, record_digest,
+                            record_pixels, record_to_batch)
 from tests.helpers.fakepack import make_batch
 
 SPECS = ["none", "zstd:1", "zstd:3", "zstd:-5", "lz4"]
@@ -159,3 +162,21 @@ def test_frames_are_each_picture_compressed_alone(spec):
         want = [g if g is not None else a for g, a in zip(given, alone)]
         got = bytes(memoryview(stored))
         assert [got[frames[i]:frames[i + 1]] for i in range(5)] == want and codec == spec.split(":")[0]
+
+
+def test_every_stored_field_comes_back_from_the_record():
+    """Each field whose kind the record stores (``FIELD_KINDS``) has its column and comes back as
+    it went in; a field of kind ``NOT_STORED`` has none and comes back empty."""
+    batch = make_batch(6)
+    columns = set(RECORD_SCHEMA.names)
+    back = record_to_batch(roundtrip(encode_record(batch, Compression.parse("zstd:1")).record))
+    for name, kind in FIELD_KINDS.items():
+        want, got = getattr(batch, name), getattr(back, name)
+        if kind.values == NOT_STORED:
+            assert name not in columns and got == [], name
+        elif name == "origins":
+            assert {f"origin_{f.name}" for f in fields(SampleOrigin)} <= columns and got == want
+        else:
+            assert name in columns, name
+            np.testing.assert_array_equal(got, want, err_msg=name)
+            assert np.shape(got) == np.shape(want), name

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from prepack.engine.resplit import samples_of
 from loader.batch import SimpleCustomBatch
 from prepack.engine.step_split import join_samples, split_batch, split_step
 from schemas.cost import CostModel, terms_of
-from schemas.record import encode_record
+from schemas.record import FIELD_KINDS, IMAGE, NOT_STORED, SAMPLE_ROWS, VALUE, encode_record
 from tests.helpers.fakepack import BatchSpec, make_batch
 from tests.helpers.samples import same, sample_tensors
 
@@ -42,6 +43,31 @@ def test_a_batch_cut_and_joined_is_itself(seed):
     assert len(samples) == batch.num_samples
     assert sum(s.length for s in samples) == batch.sequence_length
     assert digest(join_samples(samples, batch)) == digest(batch)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_cut_and_join_carry_every_field(seed):
+    """Field by field as ``FIELD_KINDS`` lists them: a sample holds its rows of every field with rows
+    per sample, split, position, token or image use; joined again each field is the batch's, its
+    dtype and shape too, and the fields the record does not store are left empty."""
+    spec = BatchSpec(use_flex=bool(seed % 2), n_samples=1 + seed % 4, vit=seed % 3 != 1, vae=seed % 3 != 2)
+    batch = make_batch(seed, spec)
+    batch.image_sources = [None] * len(batch.image_heights)
+    samples = split_batch(batch)
+    for s in samples:
+        assert set(s.rows) == {name for name, k in FIELD_KINDS.items() if k.rows in SAMPLE_ROWS}
+        assert all(set(img.rows) == {n for n, k in FIELD_KINDS.items() if (k.rows, k.values) == (IMAGE, VALUE)}
+                   for img in s.images)
+    joined = join_samples(samples, batch)
+    for name, kind in FIELD_KINDS.items():
+        want, got = getattr(batch, name), getattr(joined, name)
+        if kind.values == NOT_STORED:
+            assert got == [], name
+        elif isinstance(want, np.ndarray):
+            assert got.dtype == want.dtype and got.shape == want.shape, name
+            np.testing.assert_array_equal(got, want, err_msg=name)
+        else:
+            assert got == want, name
 
 
 def test_joined_in_another_order_changes_only_where_samples_lie():
