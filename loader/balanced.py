@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from loader.balance import Balance
-from loader.batch import SimpleCustomBatch
+from loader.batch import SimpleCustomBatch, VaeMoments
 from loader.index_window import StreamWindows
 from loader.state import BalancedState, LoaderState, MergedState
 from loader.stream import round_robin
@@ -179,8 +179,9 @@ def balanced_order(windows: StreamWindows, ranks: list[list[int]], rank: int, ba
             yield Placed(mark.step * m + j, s, rec, mark, None)
 
 
-def read_balanced(windows: StreamWindows, items: Iterator[Placed], verify: "bool | str"
+def read_balanced(windows: StreamWindows, items: Iterator[Placed], verify: "bool | str",
+                  latents: "Callable[[int, int], VaeMoments | None] | None" = None
                   ) -> Iterator[tuple[Placed, SimpleCustomBatch]]:
-    """Each placed item with its batch, read and checked."""
+    """Each placed item with its batch, read and checked (with its VAE moments from ``latents``)."""
     for item in items:
-        yield item, windows.read(item.stream, item.record, verify)
+        yield item, windows.read(item.stream, item.record, verify, latents)

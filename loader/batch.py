@@ -10,6 +10,11 @@ mask bounds) and builds the reference tensors on demand, on the device the batch
   patchified ``packed_vit_tokens``, dense ``nested_attention_masks``;
 - on the CPU, attribute access and ``to_dict()`` build them on first use.
 
+With VAE latents (``vae_latents``; ``loader.latents``) the batch holds its VAE images' stored
+encoder moments instead of building ``padded_images``: ``padded_latent`` is drawn on the batch's
+device, as NeMo's recipe draws it from ``encoder(padded_images)`` (``VaeMoments``), and
+``padded_images`` is absent, so the recipe skips its encode.
+
 Reference dtype rules kept on purpose: fields the reference makes with ``torch.tensor(list)`` are
 int64 (integers), float32 (floats) -- and float32 when the list is empty (e.g. ``mse_loss_indexes``
 when every VAE image of the batch is a condition); fields it makes with ``torch.cat`` of position
@@ -19,6 +24,7 @@ ids are int64.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -44,7 +50,8 @@ _LIGHT = {
     "ce_loss_indexes": "list",
     "ce_loss_weights": "list",
 }
-_HEAVY = ("padded_images", "packed_vit_tokens", "nested_attention_masks")
+_HEAVY = ("padded_images", "padded_latent", "packed_vit_tokens", "nested_attention_masks")
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # Optional groups in the reference's to_dict order; a group is present or absent as a whole.
 _BASE = (
@@ -61,6 +68,21 @@ _GROUPS = {
     "timesteps": ("packed_timesteps", "mse_loss_indexes"),
     "labels": ("packed_label_ids", "ce_loss_indexes", "ce_loss_weights"),
 }
+
+
+@dataclass(frozen=True)
+class VaeMoments:
+    """A record's stored VAE encoder moments (``schemas.latents``) and how to draw its latent.
+
+    ``moments[k]``: VAE image use k's ``[2 * z_channels, h, w]`` (mean, then log-variance), numpy
+    of the stored ``dtype`` (bfloat16 as its raw 16 bits); ``seed``: the record's noise seed."""
+
+    moments: "list[np.ndarray]"
+    dtype: str
+    z_channels: int
+    scale_factor: float
+    shift_factor: float
+    seed: int
 
 
 def _view(array: np.ndarray) -> torch.Tensor:
@@ -83,7 +105,7 @@ class SimpleCustomBatch:
     (VAE images).  Tensor attributes are built on first access on the batch's device.
     """
 
-    def __init__(self, packed: PackedBatch):
+    def __init__(self, packed: PackedBatch, latents: "VaeMoments | None" = None):
         self._device = torch.device("cpu")
         self.use_flex = bool(packed.use_flex)
         self.sequence_length = int(packed.sequence_length)
@@ -109,10 +131,18 @@ class SimpleCustomBatch:
 
         self._vit_ids = [int(i) for i in packed.vit_image_ids.tolist()]
         self._vae_ids = [int(i) for i in packed.vae_image_ids.tolist()]
+        self._latents = latents if self._vae_ids else None
         if self._vae_ids:
             present.update(_GROUPS["vae"])
             present.discard("patchified_vae_latent_shapes")
             self.patchified_vae_latent_shapes = [(int(h), int(w)) for h, w in packed.vae_latent_shapes.tolist()]
+        if self._latents is not None:
+            if len(self._latents.moments) != len(self._vae_ids):
+                raise ValueError(f"{len(self._latents.moments)} images' VAE moments for {len(self._vae_ids)} VAE images")
+            present.discard("padded_images")
+            present.add("padded_latent")
+            for k, m in enumerate(self._latents.moments):
+                compact[f"moments{k}"] = _view(m)
         if self._vit_ids:
             present.update(_GROUPS["vit"])
         if len(packed.packed_timesteps):
@@ -127,7 +157,7 @@ class SimpleCustomBatch:
         keys = [norm_key(row) for row in packed.image_norm]
         uniq = sorted(set(keys))
         self._table_base = [uniq.index(k) * TABLE_SIZE for k in keys]
-        if self._vit_ids or self._vae_ids:
+        if self._vit_ids or (self._vae_ids and self._latents is None):
             compact["pixels"] = _view(packed.image_pixels)
             compact["norm_tables"] = stacked_tables(uniq)
         self._compact = compact
@@ -158,6 +188,8 @@ class SimpleCustomBatch:
         for group in ("vae", "vit", "timesteps", "labels"):
             if _GROUPS[group][-1] in self._present:
                 names += _GROUPS[group]
+        if self._latents is not None:  # the encoder's output in place of its input
+            names[names.index("padded_images")] = "padded_latent"
         return {name: getattr(self, name) for name in names}
 
     @property
@@ -190,6 +222,8 @@ class SimpleCustomBatch:
             return self._build_vit_tokens()
         if name == "padded_images":
             return self._build_padded_images()
+        if name == "padded_latent":
+            return self._build_padded_latent()
         if name == "nested_attention_masks":
             return self._build_masks()
         return self._widen(self._compact[name], _LIGHT[name])
@@ -246,6 +280,30 @@ class SimpleCustomBatch:
             index = hwc.to(torch.int32) + (channels + self._table_base[image])
             values = self._compact["norm_tables"].index_select(0, index.view(-1)).view(h, w, CHANNELS)
             out[k, :, :h, :w].copy_(values.permute(2, 0, 1))
+        return out
+
+    def _build_padded_latent(self) -> torch.Tensor:
+        """float32 [n_vae, z, Hmax/8, Wmax/8]: each image's latent drawn from its moments at its
+        top left (the rows the model reads of it), zeros elsewhere.
+
+        The draw is the recipe's ``scale * (mean + exp(0.5 * logvar) * randn_like(mean) - shift)``
+        in the moments' dtype as autocast runs it: ``0.5 * logvar`` and the noise in that dtype,
+        ``exp`` and the rest in float32."""
+        lat = self._latents
+        z, down = lat.z_channels, 8
+        hmax = max(self._heights[i] for i in self._vae_ids) // down
+        wmax = max(self._widths[i] for i in self._vae_ids) // down
+        out = torch.zeros((len(self._vae_ids), z, hmax, wmax), dtype=torch.float32, device=self._device)
+        dtype = _TORCH_DTYPES[lat.dtype]
+        generator = torch.Generator(device=self._device).manual_seed(lat.seed)
+        for k in range(len(self._vae_ids)):
+            m = self._compact[f"moments{k}"]
+            m = m.view(dtype) if dtype == torch.bfloat16 else m  # bfloat16 arrives as its raw 16 bits
+            mean, logvar = m[:z], m[z:]
+            eps = torch.randn(mean.shape, dtype=dtype, device=self._device, generator=generator)
+            std = torch.exp((0.5 * logvar).float())
+            sample = mean.float() + std * eps.float()
+            out[k, :, : m.shape[1], : m.shape[2]].copy_(lat.scale_factor * (sample - lat.shift_factor))
         return out
 
     def _build_masks(self) -> list[torch.Tensor]:

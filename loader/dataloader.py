@@ -99,6 +99,7 @@ def build_dataloader(
     filesystem: pafs.FileSystem | None = None,
     progress: "str | os.PathLike | ProgressFolder | None" = None,
     balance: "Balance | bool | dict | None" = None,
+    vae_latents: "bool | str" = False,
 ) -> StatefulDataLoader:
     """A ``StatefulDataLoader`` over this rank's share of the pack at ``packed_dir``.
 
@@ -112,11 +113,12 @@ def build_dataloader(
     ``balance=Balance(micro_batches=M, sync="lockstep"|"step", cost_model=...)`` deals each
     optimizer step's M x world-size batches to the ranks and micro-steps by their estimated cost
     (``loader.balance.Balance``): iterate M batches per optimizer step and normalize the loss by
-    the step's global token counts.
+    the step's global token counts.  ``vae_latents=True`` hands ``padded_latent`` from the moments
+    ``prepack latents`` stored, in place of ``padded_images`` (``loader.latents``).
     """
     dataset = PackedShardDataset(
         packed_dir, rank=rank, world_size=world_size, verify=verify, prefetch=prefetch, filesystem=filesystem,
-        progress=progress, publish_checkpoints=False, balance=balance,
+        progress=progress, publish_checkpoints=False, balance=balance, vae_latents=vae_latents,
     )
     return (StatefulDataLoader if progress is None else ProgressDataLoader)(
         dataset,

@@ -36,6 +36,12 @@ reads only its items).  The state is the optimizer step, the item within it and 
 position at the step's start; ``merge_states`` of every rank's balanced states at one step
 boundary loads on any world size, balanced or not.  Without ``balance`` nothing changes.
 
+VAE latents (``vae_latents=True``; ``loader.latents``): each batch carries its VAE images' encoder
+moments, stored beside its shard by ``prepack latents``, and hands ``padded_latent`` (drawn on its
+device; ``set_epoch`` draws anew per pass) in place of ``padded_images``; a shard without latents
+is an error naming it (``"prefer"``: pixels there).  Balancing then leaves the VAE out of a
+batch's cost.
+
 ``progress`` (a folder, ``file://`` or ``s3://`` URI; ``schemas.progress``) publishes where the
 training stands, for a pack that is bounded by it: ``prepack run --ahead N --progress P`` packs
 at most N batches past the live position, ``prepack trim --progress P`` trims behind the K
@@ -53,6 +59,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -62,6 +69,7 @@ from loader.balance import Balance
 from loader.balanced import BalancedRun, StepStart, after, balanced_order, check_start, fresh_start, read_balanced
 from loader.batch import SimpleCustomBatch
 from loader.index_window import StreamWindows
+from loader.latents import LatentsReader, latents_mode
 from loader.prefetch import Prefetcher
 from loader.progress import ProgressPublisher
 from loader.reader import Follow, Pack
@@ -115,12 +123,15 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         live_every_s: float = 5.0,
         publish_checkpoints: bool = True,
         balance: "Balance | bool | dict | None" = None,
+        vae_latents: "bool | str" = False,
     ):
         super().__init__()
         try:
             setting = Balance.of(balance)
         except UsageError as e:
             raise ValueError(str(e)) from None
+        self.vae_latents = latents_mode(vae_latents)
+        self.epoch = 0
         self.pack = Pack.open(path, filesystem)
         self.rank = _env_int("RANK", 0) if rank is None else int(rank)
         self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else int(world_size)
@@ -140,12 +151,27 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         self.publish_checkpoints = publish_checkpoints
         # the balancing, with its cost model (the pack's when it names none); None: the reference order
         self.balance = setting.with_model(self.pack.info.cost_model()) if setting is not None else None
+        if self.balance is not None and self.vae_latents:  # the encode is no longer the training's work
+            self.balance = replace(self.balance, cost_model=self.balance.cost_model.without("vae"))
         self.micro_batches = self.balance.micro_batches if self.balance is not None else 1
         self._balanced_run = BalancedRun(self.fingerprint, self.rank, self.world_size, self.micro_batches,
                                          self.balance.fingerprint(), tuple(self.streams)) if self.balance else None
         self._start: StepStart | None = None  # balanced: where the next iteration starts, and its first item
         self._first = 0
         self._at: tuple[StepStart, int] | None = None  # balanced: (step start, this worker's next item)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The pass over the pack: with ``vae_latents`` each record's latent noise is drawn anew
+        per epoch (seeded by the record and the epoch; ``loader.latents``)."""
+        self.epoch = int(epoch)
+
+    def _latents(self):
+        """What gives each record its VAE moments when batches carry latents (else None)."""
+        if not self.vae_latents:
+            return None
+        reader = LatentsReader(self.pack, self.vae_latents, self.verify, self.follow)
+        reader.epoch = self.epoch
+        return reader.moments
 
     def num_batches(self) -> int:
         """Batches committed for this rank so far (all DataLoader workers together); final once the
@@ -186,7 +212,7 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
                 last = state.last
             self._check_positions(streams, self._positions, last)
         source = interleaved_batches(self.pack, streams, self._cursor, verify=self.verify, firsts=self._firsts,
-                                     follow=self.follow)
+                                     follow=self.follow, latents=self._latents())
         prefetcher = Prefetcher(source, self.prefetch, f"prefetch-rank{self.rank}-worker{self._split[0]}")
         return self._hand_out(prefetcher, streams)
 
@@ -239,7 +265,7 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         windows = self._windows()
         order = balanced_order(windows, self._rank_streams(), self.rank, self.balance, start, first)
         mine = (item for item in order if item.index % workers == worker)
-        source = read_balanced(windows, mine, self.verify)
+        source = read_balanced(windows, mine, self.verify, self._latents())
         prefetcher = Prefetcher(source, self.prefetch, f"prefetch-rank{self.rank}-worker{worker}")
         return self._hand_out_balanced(prefetcher)
 

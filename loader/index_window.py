@@ -15,10 +15,11 @@ from __future__ import annotations
 import bisect
 import contextlib
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 
-from loader.batch import SimpleCustomBatch
+from loader.batch import SimpleCustomBatch, VaeMoments
 from loader.reader import Follow, Pack, iter_records
 from schemas.cost import COST_TERMS
 from schemas.manifest import RecordList
@@ -130,8 +131,10 @@ class StreamWindows:
         """The digest of the record before ``position`` ("" at 0): what a state holds per stream."""
         return self.digest(stream, position - 1) if position else ""
 
-    def read(self, stream: int, record: int, verify: "bool | str") -> SimpleCustomBatch:
-        """One record, checked as ``loader.reader.read_shard`` checks every record."""
+    def read(self, stream: int, record: int, verify: "bool | str",
+             latents: "Callable[[int, int], VaeMoments | None] | None" = None) -> SimpleCustomBatch:
+        """One record, checked as ``loader.reader.read_shard`` checks every record (with its VAE
+        moments from ``latents``, when batches carry latents)."""
         self._held[stream] = None
         self._held.move_to_end(stream)
         while len(self._held) > self.keep:
@@ -140,5 +143,5 @@ class StreamWindows:
             for index, rec in records:
                 if index != record:  # the index and the schedule disagree: a reader bug, not data
                     raise RuntimeError(f"stream {stream}: expected record {record}, read {index}")
-                return SimpleCustomBatch(record_to_batch(rec))
+                return SimpleCustomBatch(record_to_batch(rec), latents(stream, record) if latents else None)
         raise RuntimeError(f"stream {stream}: record {record} was not read")

@@ -16,6 +16,7 @@ YAML::
       packed_dir: /data/packed
       progress: /data/progress    # optional: where training stands, for a pack bounded by it
       balance: {sync: lockstep}   # optional: balanced steps (loader.balance.Balance; M: the recipe's)
+      vae_latents: true           # optional: padded_latent from the moments prepack latents stored
     dataloader: {num_workers: 2, pin_memory: true, prefetch_factor: 2}
 
 This module imports ``nemo_automodel``; ``import loader`` does not import this module.
@@ -78,6 +79,10 @@ class PackedBagelDataloaderConfig:
     ``step_scheduler.global_batch_size // (local_batch_size * world size)``, NeMo's
     ``grad_acc_steps``, its default global batch size 8) and ``cost_model`` (a file
     ``schemas.cost.CostModel.read`` takes; default: the pack's).
+
+    ``vae_latents``: ``true`` hands each batch's ``padded_latent`` drawn from the encoder moments
+    ``prepack latents`` stored, and no ``padded_images``: the recipe's ``_forward_backward_step``
+    then skips its VAE encode (``"prefer"``: pixels for shards without latents).
     """
 
     packed_dir: str
@@ -88,6 +93,7 @@ class PackedBagelDataloaderConfig:
     prefetch: int = 2
     progress: str | None = None
     balance: "bool | dict" = False
+    vae_latents: "bool | str" = False
     global_batch_size: int | None = None  # the recipe's step_scheduler.global_batch_size (not a dataset key)
 
     def balance_setting(self, batch_size: int, world_size: int) -> Balance | None:
@@ -146,6 +152,7 @@ class PackedBagelDataloaderConfig:
             prefetch=self.prefetch,
             progress=self.progress,
             balance=self.balance_setting(batch_size, world_size),
+            vae_latents=self.vae_latents,
         )
         dataset: PackedShardDataset = loader.dataset
         _check_identity(dataset.pack.info, special_tokens, global_seed)

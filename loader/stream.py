@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 import pyarrow.fs as pafs
 
-from loader.batch import SimpleCustomBatch
+from loader.batch import SimpleCustomBatch, VaeMoments
 from loader.prefetch import Prefetcher
 from loader.reader import Follow, Pack, iter_records
 from schemas.record import record_to_batch
@@ -55,10 +55,12 @@ def interleaved_batches(
     verify: "bool | str" = True,
     firsts: list[int] | None = None,
     follow: Follow | None = None,
+    latents: "Callable[[int, int], VaeMoments | None] | None" = None,
 ) -> Iterator[tuple[int, int, SimpleCustomBatch]]:
     """``(stream, record, batch)`` for ``streams`` interleaved round-robin, from position ``start``.
 
     Without ``follow`` each stream ends at the records committed when it is first asked for.
+    ``latents(stream, record)``: the record's VAE moments, when batches carry latents (``loader.latents``).
     """
     readers: dict[int, Iterator] = {}
     lengths: dict[int, int] = {}
@@ -78,7 +80,8 @@ def interleaved_batches(
             index, rec = next(reader)
             if index != record:  # the index and the schedule disagree: a reader bug, not data
                 raise RuntimeError(f"stream {streams[slot]}: expected record {record}, read {index}")
-            yield streams[slot], record, SimpleCustomBatch(record_to_batch(rec))
+            moments = latents(streams[slot], record) if latents is not None else None
+            yield streams[slot], record, SimpleCustomBatch(record_to_batch(rec), moments)
     finally:
         for reader in readers.values():
             reader.close()

@@ -82,3 +82,8 @@ class ShardTrimmed(PrepackError, RuntimeError):
 
 class FollowTimeout(PrepackError, TimeoutError):
     """A followed stream got no new committed shard within the timeout."""
+
+
+class MissingLatents(PrepackError, RuntimeError):
+    """A loader asked for VAE latents (``vae_latents=True``) reached a shard whose latents were not
+    written (``prepack latents``), or whose latents do not belong to it."""

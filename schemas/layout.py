@@ -9,6 +9,8 @@ Layout of a pack (every name deterministic, no uuids or timestamps)::
     OUT/stream-00003/shard-00000.pixels.arrow     where each picture of the shard lies, by content (schemas.pixel_index)
     OUT/stream-00003/shard-00000.lineage.parquet  one row per packed sample of the shard (until the stream is done)
     OUT/stream-00003/shard-00000.sources.json     every source the shard read, by identity (schemas.sources: restorable?)
+    OUT/stream-00003/shard-00000.latents.arrow    its records' VAE encoder moments (prepack latents; schemas.latents)
+    OUT/stream-00003/latents.json                 the shards whose latents are written: their commit marker
     OUT/stream-00003/ckpt-00001.json (+ .arrow)   stream state after shard 0 = at the start of shard 1
     OUT/stream-00003/index.arrow                  one row per committed shard: THE commit marker
     OUT/stream-00003/done.json                    the stream finished its budget: totals, drops, digest root
@@ -40,6 +42,7 @@ LEASE_DIR = ".prepack/leases"
 INDEX_NAME = "index.arrow"
 DONE_NAME = "done.json"
 TRIMMED_NAME = "trimmed.json"
+LATENTS_NAME = "latents.json"
 # a balanced-samples pack (``prepack: balance: samples``) holds its reference, an ordinary pack, here
 REFERENCE_DIR = "reference"
 # a training's progress folder (``schemas.progress``): a rank's checkpoint file keeps this many entries,
@@ -63,6 +66,8 @@ INDEX = "index"
 DONE = "done"
 TRIMMED = "trimmed"
 STREAM_LINEAGE = "stream_lineage"
+LATENTS = "latents"
+STREAM_LATENTS = "stream_latents"
 
 # kind -> name relative to the pack's root: {stream} and {shard} are numbers, {holder} a lease's holder id
 LAYOUT: dict[str, str] = {
@@ -73,6 +78,8 @@ LAYOUT: dict[str, str] = {
     PIXELS: _STREAM_DIR + "/shard-{shard:05d}.pixels.arrow",
     SHARD_LINEAGE: _STREAM_DIR + "/shard-{shard:05d}.lineage.parquet",
     SOURCES: _STREAM_DIR + "/shard-{shard:05d}.sources.json",
+    LATENTS: _STREAM_DIR + "/shard-{shard:05d}.latents.arrow",
+    STREAM_LATENTS: _STREAM_DIR + "/" + LATENTS_NAME,
     CKPT_JSON: _STREAM_DIR + "/ckpt-{shard:05d}.json",
     CKPT_ARROW: _STREAM_DIR + "/ckpt-{shard:05d}.arrow",
     INDEX: _STREAM_DIR + "/" + INDEX_NAME,
@@ -80,7 +87,7 @@ LAYOUT: dict[str, str] = {
     TRIMMED: _STREAM_DIR + "/" + TRIMMED_NAME,
     STREAM_LINEAGE: LINEAGE_DIR + "/stream-{stream:05d}.parquet",
 }
-SHARD_FILES = (SHARD, PIXELS, SHARD_LINEAGE, SOURCES)  # numbered by the shard they belong to
+SHARD_FILES = (SHARD, PIXELS, SHARD_LINEAGE, SOURCES, LATENTS)  # numbered by the shard they belong to
 CHECKPOINT_FILES = (CKPT_JSON, CKPT_ARROW)  # numbered by the shard they are the state at the start of
 _CHECKPOINT_EXT = {"json": CKPT_JSON, "arrow": CKPT_ARROW}
 
@@ -99,6 +106,14 @@ def shard_pixels_file(stream: int, shard: int) -> str:
 
 def shard_sources_file(stream: int, shard: int) -> str:
     return LAYOUT[SOURCES].format(stream=stream, shard=shard)
+
+
+def shard_latents_file(stream: int, shard: int) -> str:
+    return LAYOUT[LATENTS].format(stream=stream, shard=shard)
+
+
+def stream_latents_file(stream: int) -> str:
+    return LAYOUT[STREAM_LATENTS].format(stream=stream)
 
 
 def shard_lineage_file(stream: int, shard: int) -> str:
