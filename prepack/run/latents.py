@@ -23,11 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from loader.reader import Pack, read_shard
-from prepack.engine.vae_encoder import VaeEncoder
-from prepack.run.driver import init_ray
+from prepack.engine.vae_encoder import VaeEncoder, weights_digest
+from prepack.run.ray_init import init_ray
 from prepack.run.atomic_files import write_bytes_atomic, write_json_atomic
 from schemas.documents import read_document
-from schemas.errors import UsageError
+from schemas.errors import DamagedFile, UsageError
 from schemas.latents import ShardLatents, StreamLatents, encode_latents, file_digest
 from schemas.layout import shard_latents_file, stream_latents_file
 from schemas.location import PackLocation
@@ -204,3 +204,54 @@ def _on_ray(out: str, options: LatentsOptions, streams: "list[int]", bar) -> dic
             bar.update(written[s])
             bar.set_postfix_str(f"stream {s} on {where}")
     return written
+
+
+@dataclass(frozen=True)
+class LatentsRestore:
+    """Encoding a restored shard's latents again (``prepack restore --vae``): the same encoder,
+    weights and device kind as the listing recorded, or a one-line reason before any work."""
+
+    weights: "str | None"
+    stack: str = "nemo"
+
+    def why_not(self, pack: Pack, stream: int, shard: int) -> "str | None":
+        """Why ``shard``'s latents could not be made again here (None: they can, or it has none)."""
+        listing = read_listing(pack.location, stream)
+        entry = listing.get(shard) if listing is not None else None
+        if entry is None:
+            return None
+        if self.weights is None:
+            return "it had VAE latents: give --vae, the weights they were encoded with"
+        if weights_digest(self.weights) != listing.weights:
+            return f"--vae {self.weights} is not the weights its latents were encoded with ({listing.weights})"
+        here = _device_for(entry.device)
+        if here is None:
+            return f"its latents were encoded on {entry.device}, which this machine does not have"
+        return None
+
+    def encode(self, pack: Pack, stream: int, shard: ShardEntry) -> None:
+        """Encode ``shard``'s latents again, on the device kind they were made on; writes the file only
+        when it is byte for byte the one the listing recorded."""
+        listing = read_listing(pack.location, stream)
+        entry = listing.get(shard.shard) if listing is not None else None
+        if entry is None:
+            return
+        encoder = VaeEncoder.load(self.stack, self.weights, _device_for(entry.device))
+        data, again = encode_shard(pack, shard, encoder)
+        name = shard_latents_file(stream, shard.shard)
+        if (again.size, again.digest) != (entry.size, entry.digest):
+            raise DamagedFile(f"{pack.location.path(name)}: encoded again, its latents differ from the ones recorded "
+                              "(another encoder version or device); not written")
+        write_bytes_atomic(pack.location, name, data)
+
+
+def _device_for(recorded: str) -> "str | None":
+    """A device of this machine of the kind ``recorded`` names ("cpu", or a CUDA device's name)."""
+    if recorded == "cpu":
+        return "cpu"
+    import torch  # noqa: PLC0415 (the stage's own dependency)
+
+    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        if torch.cuda.get_device_name(i) == recorded:
+            return f"cuda:{i}"
+    return None

@@ -24,11 +24,12 @@ from prepack.engine.tokenizer import load_tokenizer, special_token_ids, tokenize
 from prepack.engine.reuse.earlier_pixels import PixelReuse
 from prepack.run.atomic_files import write_bytes_atomic
 from prepack.run.checkpoint_files import read_checkpoint
+from prepack.run.latents import LatentsRestore
 from prepack.run.restorable import RestoreCheck
 from prepack.run.writer import ShardFormat, StreamWriter
 from schemas.compression import Compression
 from schemas.errors import DamagedFile, PackRefused, UsageError
-from schemas.layout import shard_file, trimmed_file
+from schemas.layout import shard_file, shard_latents_file, trimmed_file
 from schemas.location import PackLocation
 from schemas.manifest import ShardEntry, StreamIndex, TrimmedShards
 
@@ -60,6 +61,13 @@ def trim_shards(pack: Pack, stream: int, shards: "list[ShardEntry]") -> int:
         try:
             loc.fs.delete_file(loc.path(shard_file(stream, sh.shard)))
             freed += sh.nbytes
+        except FileNotFoundError:
+            pass
+        try:  # its VAE latents go with it (the stream's latents.json keeps what restore makes again)
+            path = loc.path(shard_latents_file(stream, sh.shard))
+            size = loc.fs.get_file_info(path).size
+            loc.fs.delete_file(path)
+            freed += size or 0
         except FileNotFoundError:
             pass
     return freed
@@ -95,9 +103,13 @@ def _restore_shard(pack: Pack, index: StreamIndex, shard: ShardEntry, tokenizer,
                           "the file the index recorded (the data or the packing code changed); not restored")
 
 
-def restore(out, spans: dict[int, tuple[int, int | None]], tokenizer=None) -> dict[int, list[int]]:
+def restore(out, spans: dict[int, tuple[int, int | None]], tokenizer=None,
+            latents: "LatentsRestore | None" = None) -> dict[int, list[int]]:
     """Pack again the trimmed shards holding any record of ``spans`` (stream -> (first, last) chain
-    records, last None: to the end); returns the shards restored per stream."""
+    records, last None: to the end), and encode again the VAE latents those shards had
+    (``latents``: the weights; refused before any work without them); returns the shards restored
+    per stream."""
+    latents = latents or LatentsRestore(None)
     pack = Pack.open(out)
     cfg = pack.info.stored_config()
     if cfg.content_hash() != pack.info.config_hash:
@@ -115,7 +127,7 @@ def restore(out, spans: dict[int, tuple[int, int | None]], tokenizer=None) -> di
     check = RestoreCheck(pack, tokenizer_fingerprint(tokenizer[0]) if tokenizer is not None else None)
     for stream, shards in wanted.items():  # every shard asked for, before any work
         for sh in shards:
-            why = check.why_not(stream, sh.shard)
+            why = check.why_not(stream, sh.shard) or latents.why_not(pack, stream, sh.shard)
             if why is not None:
                 raise PackRefused(f"{pack.location.path(shard_file(stream, sh.shard))}: cannot be restored: {why}; "
                                   "nothing was restored")
@@ -126,6 +138,7 @@ def restore(out, spans: dict[int, tuple[int, int | None]], tokenizer=None) -> di
         for sh in shards:
             log.info("restoring %s from its checkpoint", shard_file(stream, sh.shard))
             _restore_shard(pack, index, sh, tokenizer[0], tokenizer[1], cfg)
+            latents.encode(pack, stream, sh)
             listed.discard(sh.shard)
             _write_trimmed(pack.location, stream, listed)  # after the checked file is in place
             done.setdefault(stream, []).append(sh.shard)

@@ -51,7 +51,7 @@ def cmd_restore(args) -> int:
     else:
         span = trim.parse_records(args.records) if args.records else (0, None)
         spans = {s: span for s in parse_streams(args.streams)}
-    done = trim.restore(args.dir, spans)
+    done = trim.restore(args.dir, spans, latents=trim.LatentsRestore(args.vae, args.encoder))
     n = sum(len(v) for v in done.values())
     print(f"restored {n} shard(s)" + (f" of stream(s) {', '.join(map(str, sorted(done)))}: each file is the "
                                       "one its index recorded" if n else ": none of those records was trimmed"))
@@ -83,4 +83,8 @@ def add_command(subparsers) -> None:
                    help="a loader state: restore everything it will read (each stream from its position on)")
     r.add_argument("--streams", help="stream ids, e.g. 0,5,8-15 (with --records; default every record)")
     r.add_argument("--records", help="chain record numbers A-B (inclusive), A- (to the end) or A")
+    r.add_argument("--vae", metavar="FILE", help="the VAE weights a shard's latents were encoded with "
+                   "(prepack latents): restore encodes them again, on the same kind of device")
+    r.add_argument("--encoder", default="nemo", choices=("nemo", "bagel"),
+                   help="whose encoder module made the latents (default nemo)")
     r.set_defaults(func=cmd_restore)

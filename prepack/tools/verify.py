@@ -24,6 +24,7 @@ import pyarrow as pa
 
 from loader.reader import Pack, read_shard
 from prepack.run.restorable import RestoreCheck, current_tokenizer
+from prepack.tools.latents_check import check_latents
 from prepack.tools.report import CheckReport
 from schemas.errors import DamagedFile, PrepackError, ShardTrimmed
 from schemas.layout import (
@@ -154,6 +155,7 @@ def check_stream(pack: Pack, stream: int, rep: CheckReport, pool: ThreadPoolExec
         _check_file(loc, rep, "pixel index", shard_pixels_file(stream, sh.shard), sh.pixels_sha256)
         if sh.ckpt_json_sha256:  # committed by a stream job: it recorded the sources its restore reads
             _check_sources(loc, rep, sh)
+    check_latents(pack, index, rep)
     done = _check_done(pack, index, rep)
     if done is not None and done.lineage_sha256:
         data = _check_file(loc, rep, "lineage", stream_lineage_file(stream), done.lineage_sha256)
