@@ -37,6 +37,7 @@ ENCODERS = {
     "bagel": ("modeling.autoencoder", "load_ae", None),  # upstream ByteDance-Seed/Bagel on PYTHONPATH
 }
 _CHUNK = 1 << 24  # bytes read at a time when digesting the weights
+CPU_THREADS = 1  # torch threads of a CPU encode: its bytes are the same on every machine
 
 
 def weights_digest(path: str) -> str:
@@ -59,10 +60,25 @@ def _version(dist: "str | None") -> str:
         return ""
 
 
+def _weight_names(path: str) -> set[str]:
+    """The tensors a safetensors file holds; a file that is not one is the user's mistake, in one line."""
+    from safetensors import safe_open  # noqa: PLC0415 (a dependency of the training stacks, not of the packer)
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            return set(f.keys())
+    except Exception as e:  # noqa: BLE001 -- safetensors raises its own error type for any damage
+        raise UsageError(f"--vae {path}: not a safetensors file ({e})") from None
+
+
 def load_autoencoder(stack: str, weights: str) -> tuple[torch.nn.Module, str]:
-    """The training stack's autoencoder with ``weights`` loaded, and its name (stack and version)."""
+    """The training stack's autoencoder with ``weights`` loaded, and its name (stack and version).
+
+    The stacks load with ``strict=False`` (a missing tensor is only a warning): here a file that
+    lacks any of the encoder's tensors is refused, since its moments would come from random weights."""
     if stack not in ENCODERS:
         raise UsageError(f"--encoder {stack!r}: one of {', '.join(ENCODERS)}")
+    names = _weight_names(weights)
     module_name, function, dist = ENCODERS[stack]
     try:
         module = importlib.import_module(module_name)
@@ -71,6 +87,10 @@ def load_autoencoder(stack: str, weights: str) -> tuple[torch.nn.Module, str]:
                          "that holds the VAE encoder") from None
     loaded = getattr(module, function)(weights)
     autoencoder = loaded[0] if isinstance(loaded, tuple) else loaded
+    missing = sorted(f"encoder.{k}" for k in autoencoder.encoder.state_dict() if f"encoder.{k}" not in names)
+    if missing:
+        raise UsageError(f"--vae {weights}: lacks {len(missing)} of the encoder's tensors (e.g. {missing[0]}): not "
+                         "the VAE the training loads")
     return autoencoder, f"{module_name}.{function}{_version(dist)}"
 
 
@@ -106,12 +126,21 @@ class VaeEncoder:
         return cls(autoencoder, device, info)
 
     def canvas_moments(self, padded_images: torch.Tensor) -> torch.Tensor:
-        """``encoder(padded_images)`` as the recipe runs it: [n, 2 * z_channels, H/8, W/8]."""
+        """``encoder(padded_images)`` as the recipe runs it: [n, 2 * z_channels, H/8, W/8].
+
+        On the CPU with one thread (``CPU_THREADS``): float32 convolutions differ in their last bits
+        with the thread count, and a shard's bytes must not depend on the machine that encoded it
+        (a resume, a Ray actor, a restore elsewhere)."""
         with torch.no_grad():
             if self.device.type == "cuda":
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     return self.autoencoder.encoder(padded_images)
-            return self.autoencoder.encoder(padded_images)
+            threads = torch.get_num_threads()
+            torch.set_num_threads(CPU_THREADS)
+            try:
+                return self.autoencoder.encoder(padded_images)
+            finally:
+                torch.set_num_threads(threads)
 
     def record_moments(self, batch: PackedBatch) -> list[np.ndarray]:
         """One record's moments, each VAE image use cropped to the latent rows the model reads."""

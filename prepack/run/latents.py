@@ -142,8 +142,9 @@ def _todo(pack: Pack, streams: "list[int]") -> int:
     """Shards committed and not yet encoded (what the bar starts from)."""
     n = 0
     for s in streams:
-        listing = read_listing(pack.location, s)
-        n += sum(1 for sh in pack.index(s).shards if listing is None or listing.get(sh.shard) is None)
+        listing, trimmed = read_listing(pack.location, s), pack.trimmed(s)
+        n += sum(1 for sh in pack.index(s).shards
+                 if sh.shard not in trimmed and (listing is None or listing.get(sh.shard) is None))
         pack.forget(s)
     return n
 
