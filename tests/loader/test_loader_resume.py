@@ -224,3 +224,32 @@ def test_stateful_dataloader_resume(pack, tmp_path, workers):
         assert head + ids(resumed) == full, f"stop={stop}"
     torch.save(state, tmp_path / "state")
     assert head + _resume_in_subprocess(tmp_path, pack, rank, world_size, "loader", workers) == full
+
+
+@pytest.mark.parametrize("how", ["plain", "balanced", "dataloader"])
+def test_a_second_resume_from_a_state_saved_after_a_first_resume_continues_exactly(pack, how):
+    """Resume, read on, save, resume again: the second resume continues exactly (Hugging Face
+    datasets shipped a bug there, huggingface/datasets#8308: a state saved after a resume lost the
+    resumed offset)."""
+    from loader.balance import Balance
+
+    def make():
+        balance = Balance(micro_batches=2) if how == "balanced" else None
+        ds = PackedShardDataset(pack, rank=1, world_size=3, balance=balance)
+        return StatefulDataLoader(ds, batch_size=None, num_workers=0) if how == "dataloader" else ds
+
+    full = ids(make())
+    assert len(full) > 6
+    first = make()
+    it = iter(first)
+    read = [batch_id(next(it)) for _ in range(3)]
+    state = json.loads(json.dumps(first.state_dict()))
+    second = make()
+    second.load_state_dict(state)
+    it = iter(second)
+    read += [batch_id(next(it)) for _ in range(2)]  # after the first resume
+    state = json.loads(json.dumps(second.state_dict()))
+    third = make()
+    third.load_state_dict(state)
+    read += ids(third)
+    assert read == full
