@@ -229,3 +229,34 @@ def test_moments_are_stored_for_each_vae_image_and_nothing_else(pack):
                 moments = f.moments(j)
                 assert [m.shape for m in moments] == [(2 * Z, *crop_shape(x))
                                                       for x in np.asarray(batch.vae_latent_shapes).reshape(-1, 2)]
+
+
+def test_follow_waits_for_latents_still_being_encoded(pack, tmp_path):
+    """``prepack latents --follow`` beside training: a followed loader waits for a shard's latents."""
+    import threading
+    import time
+
+    out = str(tmp_path / "encoding")
+    shutil.copytree(pack, out)
+    listing = os.path.join(out, stream_latents_file(0))
+    saved = open(listing, "rb").read()
+    os.remove(listing)  # the stage has not reached stream 0 yet
+    got, errors = [], []
+
+    def read():
+        try:
+            ds = PackedShardDataset(out, rank=0, world_size=2, vae_latents=True, follow=True, poll_s=0.02,
+                                    timeout_s=60)
+            got.extend(b.to_dict().get("padded_latent") for b in ds)
+        except Exception as e:  # noqa: BLE001 -- reported below
+            errors.append(e)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    time.sleep(0.5)
+    assert t.is_alive() and not got and not errors  # waiting for the latents
+    open(listing, "wb").write(saved)  # the stage commits stream 0's latents
+    t.join(60)
+    assert not errors and not t.is_alive()
+    want = [b.to_dict().get("padded_latent") for b in PackedShardDataset(pack, rank=0, world_size=2, vae_latents=True)]
+    assert len(got) == len(want) and all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, want))
