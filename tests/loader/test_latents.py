@@ -19,6 +19,7 @@ from loader import PackedShardDataset
 from loader.balance import Balance
 from loader.latents import noise_seed
 from loader.reader import Pack, iter_records
+from prepack.engine.vae_encoder import CPU_THREADS
 from prepack.run.latents import LatentsOptions, run_latents
 from schemas.cost import CostModel
 from schemas.errors import MissingLatents
@@ -83,11 +84,14 @@ def _recipe_latent(ae, padded_images: torch.Tensor, moments_dtype: torch.dtype, 
         return out
 
     torch.randn_like = same_noise
+    threads = torch.get_num_threads()
+    torch.set_num_threads(CPU_THREADS)  # the stage's: float32 convolutions' last bits follow the thread count
     try:
         with torch.no_grad():
             return ae.encode(padded_images)
     finally:
         torch.randn_like = real
+        torch.set_num_threads(threads)
 
 
 def test_padded_latent_is_the_recipes_encode_for_the_same_noise(pack, vae):
