@@ -14,16 +14,21 @@ from typing import Iterator, Protocol
 
 from prepack.engine.accounting import Counters
 from prepack.engine.packer import PackerOptions, StreamPacker, StreamState, Switch
+from prepack.engine.reuse.source_pictures import PictureStore
 from prepack.engine.schedule import ScheduledPacker
+from prepack.engine.sources import Source
 from schemas.config import PrepackConfig
 from schemas.record import PackedBatch
 
 
 class Packer(Protocol):
-    """What a caller of either packer uses."""
+    """What a caller of either packer uses (``StreamPacker`` and ``ScheduledPacker`` present it all)."""
 
     batches: int
     tokens: int
+    counters: Counters  # drops and warnings so far
+    pictures: PictureStore  # the stream's pictures: reuse counts, the pixel provider
+    sources: "list[Source]"  # one per group, in the config's order
 
     def __iter__(self) -> Iterator[PackedBatch]: ...
     def state(self) -> StreamState: ...

@@ -20,8 +20,11 @@ from __future__ import annotations
 import logging
 from typing import Iterator
 
-from prepack.engine.state_codec import detached
+from prepack.engine.accounting import Counters
 from prepack.engine.packer import PackerOptions, StreamPacker, StreamState, Switch
+from prepack.engine.reuse.source_pictures import PictureStore
+from prepack.engine.sources import Source
+from prepack.engine.state_codec import detached
 from schemas.config import PrepackConfig
 from schemas.record import PackedBatch
 
@@ -51,14 +54,38 @@ class ScheduledPacker:
         packer.go_on_from(Switch(state, self.cfg.step_config(step - 1), whole_stream=True))
         return packer
 
-    # -- what callers of a StreamPacker use: the current step's packer answers --------------------
-    _DELEGATED = frozenset({"batches", "tokens", "counters", "pictures", "sources", "state", "budget_spent",
-                            "final_counters", "close"})
+    # -- the Packer interface (prepack.engine.packers): the current step's packer answers ----------
+    @property
+    def batches(self) -> int:
+        return self._packer.batches
 
-    def __getattr__(self, name: str):
-        if name in ScheduledPacker._DELEGATED:
-            return getattr(self._packer, name)
-        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+    @property
+    def tokens(self) -> int:
+        return self._packer.tokens
+
+    @property
+    def counters(self) -> Counters:
+        return self._packer.counters
+
+    @property
+    def pictures(self) -> PictureStore:
+        return self._packer.pictures
+
+    @property
+    def sources(self) -> list[Source]:
+        return self._packer.sources
+
+    def state(self) -> StreamState:
+        return self._packer.state()
+
+    def budget_spent(self) -> bool:
+        return self._packer.budget_spent()
+
+    def final_counters(self) -> Counters:
+        return self._packer.final_counters()
+
+    def close(self) -> None:
+        self._packer.close()
 
     def go_on_from(self, switch: Switch) -> None:
         """A continuation of another pack starts here (at this pack's batch 0, step 0)."""
