@@ -859,6 +859,7 @@ def report(rows: list[dict], label: str, fit_path: str, info: dict, segments_pat
     segments = fit_segments(rows)
     print_segments(segments)
     if segments_path:
+        os.makedirs(os.path.dirname(os.path.abspath(segments_path)), exist_ok=True)
         with open(segments_path, "w") as f:
             json.dump({"device": label, **info, "target": "per segment: cost_fit.segment_times", **segments}, f,
                       indent=2)
@@ -905,13 +906,14 @@ def main(argv=None) -> int:
     ap.add_argument("--no-verify", action="store_true", help="skip the records' digest checks while reading")
     ap.add_argument("--csv", default=os.path.join(ROOT, ".costpack", "record_cost.csv"), help="per-record CSV, written as records are timed (default .costpack/record_cost.csv)")
     ap.add_argument("--fit", default=os.path.join(ROOT, ".costpack", "record_cost_fit.json"), help="the fit's coefficients and metrics, JSON (default .costpack/record_cost_fit.json)")
-    ap.add_argument("--segments-fit", default=os.path.join(ROOT, ".costpack", "record_cost_fit_segments.json"),
+    ap.add_argument("--segments-fit", default=None,
                     help="the per-segment model (VAE, ViT, LLM: each fitted to its own time), a --cost-model file "
-                         "(default .costpack/record_cost_fit_segments.json)")
+                         "(default: beside --fit, its name + _segments.json)")
     ap.add_argument("--from-csv", metavar="CSV", help="time nothing: fit an earlier run's CSV again")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights and the random inputs (default 0)")
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     args = ap.parse_args(argv)
+    args.segments_fit = args.segments_fit or os.path.splitext(args.fit)[0] + "_segments.json"
     t_begin = time.perf_counter()  # --time-budget counts from here: reading and warm-up included
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)

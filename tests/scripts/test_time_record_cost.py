@@ -86,6 +86,11 @@ def test_cpu_dry_run_rows_terms_and_last_line(tmp_path, capsys):
     fit = json.load(open(out_fit))
     assert set(fit["coefficients_ms"]) == set(trc.FEATURES) and min(fit["coefficients_ms"].values()) >= 0
     assert fit["n_heldout"] == 1 and fit["n_train"] == 6 and fit["device_type"] == "cpu"
+    from schemas.cost import CostModel  # the per-segment model beside it: a --cost-model file
+
+    segments = json.load(open(str(tmp_path / "fit_segments.json")))
+    assert set(segments["per_segment"]) == {"vae", "vit", "llm"}
+    assert CostModel.read(str(tmp_path / "fit_segments.json")).to_mapping()["intercept"] >= 0
 
     # the fit again from the CSV alone: the same last line
     assert trc.main(["--from-csv", out_csv, "--fit", str(tmp_path / "fit2.json")]) == 0
