@@ -183,7 +183,7 @@ def _run_balanced(cfg: PrepackConfig, out: str, options: RunOptions, tokenizer: 
                         (cfg.schedule, "prepack.schedule")):
         if given:
             raise UsageError(f"prepack.balance: samples is not supported with {what} yet; pack without it, "
-                             "or balance whole batches in the loader (balance=True)")
+                             "or balance whole batches in the loader (balance=Balance(micro_batches=M))")
     loc = resolve_location(out)
     try:
         loc.fs.create_dir(loc.base, recursive=True)
