@@ -77,13 +77,14 @@ from loader.state import BalancedState, LoaderState, MergedState, WorkerState, m
 from loader.stream import interleaved_batches
 from schemas.errors import UsageError
 from schemas.progress import ProgressFolder
+from schemas.streams import rank_streams, workers_per_rank
 
 
 def streams_for_rank(
     num_streams: int, pack_world_size: int, pack_num_workers: int, rank: int, world_size: int
 ) -> list[int]:
     """The streams rank ``rank`` of ``world_size`` reads, in interleaving order (see module doc)."""
-    per_rank = max(pack_num_workers, 1)
+    per_rank = workers_per_rank(pack_num_workers)
     if num_streams != pack_world_size * per_rank:
         raise ValueError(
             f"pack has {num_streams} streams but its identity says {pack_world_size} ranks x {per_rank} streams"
@@ -95,7 +96,7 @@ def streams_for_rank(
             f"{world_size} ranks but the pack has only {num_streams} streams: some ranks would get no data"
         )
     if world_size == pack_world_size:
-        return list(range(rank * per_rank, (rank + 1) * per_rank))
+        return rank_streams(rank, pack_num_workers)
     return list(range(rank, num_streams, world_size))
 
 

@@ -23,6 +23,7 @@ from schemas.cost import CostModel
 from schemas.config_checks import check_keys, closest, is_kind, load_mapping, resolve, typed
 from schemas.errors import ConfigError
 from schemas.kinds import KINDS, SourceKind
+from schemas.streams import rank_and_worker, workers_per_rank
 
 DEFAULT_MAX_IMAGE_PIXELS = 400_000_000  # the reference's effective limit: 2 x PIL.MAX_IMAGE_PIXELS(2e8)
 
@@ -372,13 +373,12 @@ class PrepackConfig:
 
     @property
     def num_streams(self) -> int:
-        return self.prepack.world_size * max(1, self.num_workers)
+        return self.prepack.world_size * workers_per_rank(self.num_workers)
 
     def stream_rank_worker(self, stream: int) -> tuple[int, int]:
-        k = max(1, self.num_workers)
         if not 0 <= stream < self.num_streams:
             raise ConfigError(f"stream {stream} out of range: this config has {self.num_streams} streams (W*K)")
-        return divmod(stream, k)
+        return rank_and_worker(stream, self.num_workers)
 
     def stream_seed(self, stream: int) -> int:
         """The reference's per-iterator reseed value for stream s = r*K + w."""

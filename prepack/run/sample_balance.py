@@ -36,6 +36,7 @@ from schemas.lineage import read_lineage
 from schemas.location import PackLocation
 from schemas.manifest import StreamIndex, StreamSummary
 from schemas.record import PackedBatch, record_to_batch
+from schemas.streams import stream_of, workers_per_rank
 
 log = logging.getLogger(__name__)
 _NEVER = 1 << 62  # shard bytes: a balanced shard ends where its reference shard ends, never by size
@@ -43,8 +44,8 @@ _NEVER = 1 << 62  # shard bytes: a balanced shard ends where its reference shard
 
 def step_streams(cfg: PrepackConfig) -> list[list[int]]:
     """The streams whose records j form one step at M = 1, per DataLoader worker w: ``r*K + w`` for r < W."""
-    k = max(1, cfg.num_workers)
-    return [[r * k + w for r in range(cfg.world_size)] for w in range(k)]
+    workers = range(workers_per_rank(cfg.num_workers))
+    return [[stream_of(r, w, cfg.num_workers) for r in range(cfg.world_size)] for w in workers]
 
 
 def balanced_records(reference: Pack, streams: list[int], model: CostModel,

@@ -47,3 +47,16 @@ def test_temporary_names():
     assert L.is_temporary(L.temporary(L.index_file(0))) and not L.is_temporary(L.index_file(0))
     mine, theirs = L.temporary(L.PACK_INFO_NAME, "a1"), L.temporary(L.PACK_INFO_NAME, "b2")
     assert mine != theirs and L.is_temporary(mine) and L.is_temporary(theirs)
+
+
+def test_stream_numbering_is_rank_times_workers_plus_worker():
+    from schemas.streams import rank_and_worker, rank_streams, stream_of, workers_per_rank
+
+    for k in (0, 1, 2, 3):
+        per = workers_per_rank(k)
+        assert per == max(1, k)
+        for r in range(4):
+            assert rank_streams(r, k) == [stream_of(r, w, k) for w in range(per)]
+            for w in range(per):
+                s = stream_of(r, w, k)
+                assert s == r * per + w and rank_and_worker(s, k) == (r, w)
