@@ -265,7 +265,7 @@ class Pack:
         A follower would otherwise wait for a done.json that will never come."""
         if self._done.get(stream) is not None:
             return False
-        return self.location.fs.get_file_info(self.location.path(MANIFEST_NAME)).type == pafs.FileType.File
+        return PackSummary.written(self.location)
 
     def forget(self, stream: int) -> None:
         """Drop what was read of ``stream`` (tools that walk every stream keep one in memory)."""

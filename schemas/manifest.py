@@ -109,6 +109,12 @@ class PackSummary(Document):
         """The pack's ``manifest.json``, or None while some stream is not finished."""
         return read_document(loc, MANIFEST_NAME, cls.from_json)
 
+    @staticmethod
+    def written(loc: "PackLocation") -> bool:
+        """Whether the pack's ``manifest.json`` is there (every stream finished), without reading it:
+        the one "is the pack finished?" probe (the driver, verify and a following reader ask it)."""
+        return loc.fs.get_file_info(loc.path(MANIFEST_NAME)).type.name == "File"
+
 
 @dataclass
 class TrimmedShards(Document):

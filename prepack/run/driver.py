@@ -145,7 +145,7 @@ def run_pack(cfg: PrepackConfig, out: str, options: RunOptions = RunOptions(), t
         drop_lineage_leftovers(loc, s)  # what a run killed just after finishing s left
     if not todo:  # nothing to pack; write the manifest only if an earlier job could not yet
         remove_stale_leases(loc)  # a job killed after its last stream finished left its lease
-        written = loc.fs.get_file_info(loc.path(MANIFEST_NAME)).type.name == "File"
+        written = PackSummary.written(loc)
         if not written:
             written, _ = finalize(loc, cfg)
         return RunSummary(out, [dones[s] for s in wanted], written, 0.0, already_done=True,

@@ -195,7 +195,7 @@ def _check_done(pack: Pack, index: StreamIndex, rep: CheckReport) -> StreamSumma
         rep.add("stream done", rel, False, str(e))
         return None
     if done is None:
-        finished = pack.location.fs.get_file_info(pack.location.path(MANIFEST_NAME)).type.name == "File"
+        finished = PackSummary.written(pack.location)
         rep.add("stream done", rel, not finished, "missing, but manifest.json says every stream is done" if finished
                 else "not done yet (still packing, or packed by another job)")
         return None
