@@ -26,12 +26,12 @@ from dataclasses import dataclass, field, replace
 from loader.reader import Pack, iter_records
 from prepack.engine.step_split import split_step
 from prepack.run.atomic_files import sha256_hex, write_bytes_atomic
-from prepack.run.lineage import compact_lineage, lineage_table, parquet_bytes
+from prepack.run.lineage import lineage_table, parquet_bytes
 from prepack.run.recovery import recover_stream
-from prepack.run.writer import ShardFormat, StreamWriter, write_index
+from prepack.run.writer import ShardFormat, StreamWriter, write_done, write_index
 from schemas.config import PrepackConfig
 from schemas.cost import CostModel
-from schemas.layout import done_file, shard_lineage_file, stream_lineage_file
+from schemas.layout import shard_lineage_file, stream_lineage_file
 from schemas.lineage import read_lineage
 from schemas.location import PackLocation
 from schemas.manifest import StreamIndex, StreamSummary
@@ -142,27 +142,16 @@ def _commit(loc: PackLocation, o: _Out) -> None:
 
 def finish_balanced(cfg: PrepackConfig, loc: PackLocation, reference: Pack, stream: int) -> StreamSummary:
     """``done.json`` of a balanced stream: its own totals and lineage, the reference stream's accounting."""
-    index = StreamIndex.read(loc, stream)
     ref = reference.done(stream)
-    lineage_sha, rows = compact_lineage(loc, index) if index.shards else ("", 0)
-    groups = Counter()
-    if rows:
-        groups.update(read_lineage(loc.read_bytes(stream_lineage_file(stream))).column("group").to_pylist())
-    records = [r for sh in index.shards for r in sh.records]
-    rank, worker = cfg.stream_rank_worker(stream)
-    summary = StreamSummary(
-        stream=stream, rank=rank, worker=worker, seed=cfg.stream_seed(stream), num_shards=len(index.shards),
-        num_records=len(records), num_tokens=sum(r.num_tokens for r in records),
-        num_samples=sum(r.num_samples for r in records), root=index.root, budget=cfg.prepack.budget(),
-        lineage_sha256=lineage_sha, lineage_rows=rows, drops=ref.drops, warnings=ref.warnings,
-        examples=ref.examples, group_samples=dict(sorted(groups.items())))
-    write_bytes_atomic(loc, done_file(stream), summary.to_json().encode())
-    for entry in index.shards:
-        try:
-            loc.fs.delete_file(loc.path(shard_lineage_file(stream, entry.shard)))
-        except FileNotFoundError:
-            pass
-    return summary
+
+    def accounting(rows: int) -> dict:
+        groups = Counter()
+        if rows:
+            groups.update(read_lineage(loc.read_bytes(stream_lineage_file(stream))).column("group").to_pylist())
+        return dict(drops=ref.drops, warnings=ref.warnings, examples=ref.examples,
+                    group_samples=dict(sorted(groups.items())))
+
+    return write_done(cfg, loc, StreamIndex.read(loc, stream), accounting)
 
 
 def reference_config(cfg: PrepackConfig) -> PrepackConfig:

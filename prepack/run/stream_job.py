@@ -22,18 +22,17 @@ from prepack.engine.reuse.earlier_packs import OldPack
 from prepack.engine.reuse.earlier_pixels import PixelReuse, own_reuse_on
 from prepack.engine.sources.ledger import SourceLedger
 from prepack.run.ahead import AheadGate, WaitRule, wait_to_pack
-from prepack.run.atomic_files import write_bytes_atomic
 from prepack.run.bound import BoundSpec
 from prepack.run.chain import open_parent, switch_at
 from prepack.run.checkpoint_files import read_checkpoint, state_files
-from prepack.run.lineage import compact_lineage, drop_lineage_leftovers
+from prepack.run.lineage import drop_lineage_leftovers
 from prepack.run.progress_bar import StreamProgress
 from prepack.run.recovery import recover_stream
-from prepack.run.writer import Committing, ShardFormat, StreamWriter
+from prepack.run.writer import Committing, ShardFormat, StreamWriter, write_done
 from schemas.compression import Compression
 from schemas.config import PrepackConfig
 from schemas.location import PackLocation, resolve_location
-from schemas.layout import done_file, shard_lineage_file, stream_dir
+from schemas.layout import done_file, stream_dir
 from schemas.manifest import ShardEntry, StreamIndex, StreamSummary
 from schemas.pack_info import ParentLink
 
@@ -129,29 +128,11 @@ def start_stream(job: StreamJob, loc: PackLocation, stream: int, tokenizer, spec
 def finish_stream(cfg: PrepackConfig, loc: PackLocation, started: StartedStream) -> StreamSummary:
     """The stream reached its budget: compact its lineage, write ``done.json`` (the stream's end), then
     delete the shard lineage files it replaces."""
-    stream, index, packer = started.stream, started.index, started.packer
-    rank, worker = cfg.stream_rank_worker(stream)
-    lineage_sha, lineage_rows = compact_lineage(loc, index) if index.shards else ("", 0)
-    counters = packer.final_counters()
-    records = [r for s in index.shards for r in s.records]
-    result = StreamSummary(
-        stream=stream, rank=rank, worker=worker, seed=cfg.stream_seed(stream), num_shards=len(index.shards),
-        num_records=len(records), num_tokens=sum(r.num_tokens for r in records),
-        num_samples=sum(r.num_samples for r in records), root=index.root, budget=cfg.prepack.budget(),
-        lineage_sha256=lineage_sha, lineage_rows=lineage_rows,
+    counters, packer = started.packer.final_counters(), started.packer
+    return write_done(cfg, loc, started.index, lambda rows: dict(
         drops=counters.drops, warnings=counters.warnings, examples=counters.examples,
-        group_samples=counters.samples_packed,
-        elapsed_s=round(time.perf_counter() - started.start, 3),
-        cpu_s=round(time.process_time() - started.cpu_start, 3),
-        reuse=packer.pictures.counts.to_json(),
-    )
-    write_bytes_atomic(loc, done_file(stream), result.to_json().encode())
-    for entry in index.shards:  # the stream's lineage file now holds these rows
-        try:
-            loc.fs.delete_file(loc.path(shard_lineage_file(stream, entry.shard)))
-        except FileNotFoundError:
-            pass
-    return result
+        group_samples=counters.samples_packed, elapsed_s=round(time.perf_counter() - started.start, 3),
+        cpu_s=round(time.process_time() - started.cpu_start, 3), reuse=packer.pictures.counts.to_json()))
 
 
 @dataclass(frozen=True)

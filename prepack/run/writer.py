@@ -40,12 +40,13 @@ from prepack.engine.reuse.source_pictures import RESIZE_IMPL
 from prepack.run.atomic_files import AtomicFile, sha256_hex, write_bytes_atomic
 from prepack.run.checkpoint_files import write_checkpoint
 from prepack.run.direct_file import staging_buffer
-from prepack.run.lineage import lineage_table, parquet_bytes
+from prepack.run.lineage import compact_lineage, lineage_table, parquet_bytes
 from schemas.compression import Compression
+from schemas.config import PrepackConfig
 from schemas.cost import terms_of
-from schemas.layout import index_file, shard_file, shard_lineage_file, shard_pixels_file, shard_sources_file
+from schemas.layout import done_file, index_file, shard_file, shard_lineage_file, shard_pixels_file, shard_sources_file
 from schemas.location import PackLocation, resolve_location
-from schemas.manifest import RecordEntry, ShardEntry, StreamIndex, shard_metadata
+from schemas.manifest import RecordEntry, ShardEntry, StreamIndex, StreamSummary, shard_metadata
 from schemas.pack_info import SHARD_KEYS
 from schemas.pixel_index import PictureSource, PixelEntry, pixel_index_bytes
 from schemas.pixel_table import StoredImage
@@ -301,3 +302,27 @@ def _written_images(batch: PackedBatch, encoded: EncodedRecord, stored: pa.Buffe
 def write_index(loc: PackLocation, index: StreamIndex) -> None:
     """Commit: publish the index that lists every committed shard (atomic replace / PUT)."""
     write_bytes_atomic(loc, index_file(index.stream), index.to_bytes())
+
+
+def write_done(cfg: PrepackConfig, loc: PackLocation, index: StreamIndex,
+               accounting: "Callable[[int], dict]") -> StreamSummary:
+    """A stream's end, in one place: compact its lineage into one file, write ``done.json`` (its
+    totals from the index; ``accounting(lineage_rows)`` the rest: drops, warnings, examples, group
+    counts, timings), then delete the shard lineage files it replaces.  Used by a packed stream
+    (``prepack.run.stream_job.finish_stream``) and a balanced one (``prepack.run.sample_balance``)."""
+    stream = index.stream
+    lineage_sha, rows = compact_lineage(loc, index) if index.shards else ("", 0)
+    records = [r for sh in index.shards for r in sh.records]
+    rank, worker = cfg.stream_rank_worker(stream)
+    summary = StreamSummary(
+        stream=stream, rank=rank, worker=worker, seed=cfg.stream_seed(stream), num_shards=len(index.shards),
+        num_records=len(records), num_tokens=sum(r.num_tokens for r in records),
+        num_samples=sum(r.num_samples for r in records), root=index.root, budget=cfg.prepack.budget(),
+        lineage_sha256=lineage_sha, lineage_rows=rows, **accounting(rows))
+    write_bytes_atomic(loc, done_file(stream), summary.to_json().encode())
+    for entry in index.shards:  # the stream's lineage file now holds these rows
+        try:
+            loc.fs.delete_file(loc.path(shard_lineage_file(stream, entry.shard)))
+        except FileNotFoundError:
+            pass
+    return summary
