@@ -21,17 +21,15 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from loader.reader import Pack, iter_records
 from prepack.engine.step_split import split_step
-from prepack.run.atomic_files import sha256_hex, write_bytes_atomic
-from prepack.run.lineage import lineage_table, parquet_bytes
 from prepack.run.recovery import recover_stream
-from prepack.run.writer import ShardFormat, StreamWriter, write_done, write_index
+from prepack.run.writer import Committing, ShardFormat, StreamWriter, write_done
 from schemas.config import PrepackConfig
 from schemas.cost import CostModel
-from schemas.layout import shard_lineage_file, stream_lineage_file
+from schemas.layout import stream_lineage_file
 from schemas.lineage import read_lineage
 from schemas.location import PackLocation
 from schemas.manifest import StreamIndex, StreamSummary
@@ -83,7 +81,6 @@ class _Out:
     index: StreamIndex
     ends: list[tuple[int, int]]  # per reference shard: (first record, records)
     writer: StreamWriter | None = None
-    lineage: list = field(default_factory=list)  # (origins, sample lens) of the open shard's records
 
     @property
     def start(self) -> int:
@@ -113,31 +110,18 @@ def balance_class(reference: Pack, loc: PackLocation, streams: list[int], fmt: S
         for o in outs:
             if j < o.start or o.stream not in batches:
                 continue
-            if o.writer is None:
+            if o.writer is None:  # the writer's own commit: records, pixel index, lineage, index (no states)
                 o.writer = StreamWriter(loc, o.stream, ShardFormat(_NEVER, fmt.compression, fmt.metadata),
-                                        start=(len(o.index.shards), j))
-            batch = batches[o.stream]
-            o.writer.append(batch)
-            o.lineage.append((batch.origins, batch.sample_lens.tolist()))
+                                        Committing(o.index, None))
+            o.writer.append(batches[o.stream])
             if o.shard_end(j):
-                _commit(loc, o)
+                o.writer.finish()
         if time.monotonic() - last > 30:
             log.info("balanced samples: streams %d..%d at record %d", streams[0], streams[-1], j + 1)
             last = time.monotonic()
     for o in outs:
         if o.writer is not None:
             o.writer.abort()
-
-
-def _commit(loc: PackLocation, o: _Out) -> None:
-    """The shard commit (``prepack.run.writer``) of a balanced shard: records, pixel index, lineage, index."""
-    entry = o.writer.finish()
-    lineage = parquet_bytes(lineage_table(o.stream, entry.first_record, o.lineage))
-    write_bytes_atomic(loc, shard_lineage_file(o.stream, entry.shard), lineage)
-    entry.lineage_sha256, entry.lineage_rows = sha256_hex(lineage), sum(len(x) for x, _ in o.lineage)
-    o.index.append(entry)
-    write_index(loc, o.index)
-    o.lineage = []
 
 
 def finish_balanced(cfg: PrepackConfig, loc: PackLocation, reference: Pack, stream: int) -> StreamSummary:

@@ -117,11 +117,12 @@ class ShardFormat:
 @dataclass(frozen=True)
 class Committing:
     """What a committing writer needs: the stream's ``index`` (as ``recover_stream`` returned it) and
-    ``state``, a call giving the packer's state at that moment as a checkpoint's (json, arrow) bytes;
-    ``sources``, a call giving the sources the shard just ended read (``SourceLedger.take``)."""
+    ``state``, a call giving the packer's state at that moment as a checkpoint's (json, arrow) bytes
+    (None: the stream has no states of its own, as a balanced-samples stream, whose states are its
+    reference's); ``sources``, a call giving the sources the shard just ended read (``SourceLedger.take``)."""
 
     index: StreamIndex
-    state: Callable[[], tuple[bytes, bytes]]
+    state: "Callable[[], tuple[bytes, bytes]] | None"
     sources: "Callable[[], list[SourceIdentity]] | None" = None
 
 
@@ -171,7 +172,7 @@ class StreamWriter:
         self.committed_pixels: list[PixelEntry] = []
         self.last_images: list[tuple[PictureSource, StoredImage]] = []
         self._staging = None  # one direct-I/O staging buffer for every shard file (made at the first)
-        if index is not None and not index.shards:
+        if index is not None and not index.shards and state is not None:
             index.ckpt0_json_sha256, index.ckpt0_arrow_sha256 = self._checkpoint(0)
 
     def __enter__(self) -> "StreamWriter":
@@ -273,7 +274,8 @@ class StreamWriter:
             if self._sources is not None:
                 doc = ShardSources(self.stream, entry.shard, self.metadata.get(TOKENIZER_KEY, ""), self._sources())
                 write_bytes_atomic(self.loc, shard_sources_file(self.stream, entry.shard), doc.to_json().encode())
-            entry.ckpt_json_sha256, entry.ckpt_arrow_sha256 = self._checkpoint(entry.shard + 1)
+            if self._state is not None:
+                entry.ckpt_json_sha256, entry.ckpt_arrow_sha256 = self._checkpoint(entry.shard + 1)
             self.index.append(entry)
             write_index(self.loc, self.index)  # the commit
         self._records = []
