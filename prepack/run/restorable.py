@@ -53,9 +53,11 @@ class RestoreCheck:
         return None
 
 
-def current_tokenizer(pack: Pack) -> str:
-    """The fingerprint of the tokenizer a restore of ``pack`` would load now (its stored config's);
-    a description that matches no fingerprint when it does not load (so nothing counts as restorable)."""
+def current_tokenizer(pack: "Pack | str") -> str:
+    """The fingerprint of the tokenizer a restore of ``pack`` (a pack, or its folder or URI) would load
+    now (its stored config's); a description that matches no fingerprint when it does not load (so
+    nothing counts as restorable)."""
+    pack = pack if isinstance(pack, Pack) else Pack.open(pack)
     try:
         return tokenizer_fingerprint(special_token_ids(load_tokenizer(pack.info.stored_config().tokenizer))[0])
     except Exception as e:  # noqa: BLE001 (whatever stops the tokenizer loading stops a restore)

@@ -1,4 +1,5 @@
-"""``prepack trim`` and ``prepack restore``: their parsers and handlers (``prepack.run.trim_policy``, ``prepack.run.trim``).
+"""``prepack trim`` and ``prepack restore``: their parsers and handlers (``prepack.run.trim_policy``,
+``prepack.run.trim``, ``prepack.run.restore``).
 
 Registered by ``prepack.cli`` (``add_command``); light to import: the tool is imported when it runs.
 """
@@ -21,17 +22,13 @@ def cmd_trim(args) -> int:
     if bool(args.state) == bool(args.progress):
         raise UsageError("trim takes --progress P (a training's progress folder), or --state STATE.json")
     # a shard packed with another tokenizer than a restore would load now cannot be packed again: kept
-    tokenizer = restorable.current_tokenizer(trim.Pack.open(args.dir))
+    tokenizer = restorable.current_tokenizer(args.dir)
     if args.progress:
         for line in BoundSpec(None, tuple(args.progress), args.keep_checkpoints).warnings():  # checks: one line
             log.warning("%s", line)
         result = trim_policy.trim_to_progress(args.dir, args.progress, args.keep_checkpoints, tokenizer)
     else:
-        try:
-            states = [trim.read_state_file(p) for p in args.state]
-        except ValueError as e:
-            raise UsageError(f"--state {e}") from None
-        result = trim_policy.trim_pack(args.dir, states, tokenizer)
+        result = trim_policy.trim_pack(args.dir, trim.read_states(args.state), tokenizer)
     for line in result.lines():
         print(line)
     return 0
@@ -39,19 +36,16 @@ def cmd_trim(args) -> int:
 
 def cmd_restore(args) -> int:
     # restoring packs (torch, transformers): imported when the command runs, not for `prepack --help`
-    from prepack.run import trim
+    from prepack.run import latents, restore as restoring
 
     if (args.state is None) == (args.streams is None):
         raise UsageError("restore takes --state STATE.json, or --streams S with --records A-B")
     if args.state is not None:
-        try:
-            spans = trim.spans_of_state(trim.Pack.open(args.dir), trim.read_state_file(args.state))
-        except ValueError as e:
-            raise UsageError(f"--state {e}") from None
+        spans = restoring.spans_of_state(args.dir, args.state)
     else:
-        span = trim.parse_records(args.records) if args.records else (0, None)
+        span = restoring.parse_records(args.records) if args.records else (0, None)
         spans = {s: span for s in parse_streams(args.streams)}
-    done = trim.restore(args.dir, spans, latents=trim.LatentsRestore(args.vae, args.encoder))
+    done = restoring.restore(args.dir, spans, latents=latents.LatentsRestore(args.vae, args.encoder))
     n = sum(len(v) for v in done.values())
     print(f"restored {n} shard(s)" + (f" of stream(s) {', '.join(map(str, sorted(done)))}: each file is the "
                                       "one its index recorded" if n else ": none of those records was trimmed"))

@@ -24,7 +24,7 @@ from prepack.run.bound import BoundSpec
 from prepack.run.trainings import Trainings
 from prepack.run.trim_policy import TrimPolicy, trim_to_progress
 from prepack.run.driver import RunOptions, run_pack
-from prepack.run.trim import restore
+from prepack.run.restore import restore
 from prepack.tools.verify import verify_pack
 from schemas.config_file import load_config
 from schemas.errors import UsageError

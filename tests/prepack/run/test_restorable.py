@@ -20,7 +20,8 @@ import pytest
 from loader import PackedShardDataset
 from loader.reader import Pack
 from prepack.cli import main
-from prepack.run.trim import restore, trim_shards
+from prepack.run.restore import restore
+from prepack.run.trim import trim_shards
 from prepack.run.trim_policy import trim_pack
 from prepack.tools.verify import verify_pack
 from schemas.errors import PackRefused
