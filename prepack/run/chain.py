@@ -30,6 +30,7 @@ from prepack.engine.reuse.earlier_pixels import PixelReuse
 from prepack.run.checkpoint_files import read_checkpoint
 from schemas.config import PrepackConfig
 from schemas.errors import PackRefused, UsageError
+from schemas.layout import REFERENCE_DIR
 from schemas.location import redact_uri, resolve_location
 from schemas.mix_change import check_mix_change
 from schemas.pack_info import ParentLink
@@ -98,7 +99,15 @@ def steps_of(cfg: PrepackConfig) -> list[PrepackConfig]:
 
 def check_continuation(parent: Pack, cfg: PrepackConfig, uri: str) -> None:
     """``cfg`` (each step of its schedule) may continue every segment of the parent's chain
-    (``schemas.mix_change``)."""
+    (``schemas.mix_change``); a balanced-samples pack holds no states of its own to go on from."""
+    segment = parent
+    while segment is not None:
+        if segment.info.stored_config().prepack.balance == "samples":
+            where = redact_uri(segment.location.base)
+            raise UsageError(f"--continue {redact_uri(uri)}: {where} is a balanced-samples pack, whose streams' "
+                             f"states are its reference's: continue from {where}/{REFERENCE_DIR} (the same samples, "
+                             "step for step)")
+        segment = segment.parent
     for old in chain_configs(parent):
         for new in steps_of(cfg):
             check_mix_change(old, new, redact_uri(uri))

@@ -179,11 +179,16 @@ def _run_balanced(cfg: PrepackConfig, out: str, options: RunOptions, tokenizer: 
     """A balanced-samples pack (``prepack.run.sample_balance``): its reference packed into
     ``OUT/reference`` as any pack, then, once every reference stream is done, the balanced streams."""
     start = time.perf_counter()
-    for given, what in ((options.continue_from, "--continue-from"), (options.bound, "--ahead / --disk-budget"),
+    for given, what in ((options.continue_from, "--continue"), (options.bound, "--ahead / --disk-budget / --progress"),
                         (cfg.schedule, "prepack.schedule")):
         if given:
             raise UsageError(f"prepack.balance: samples is not supported with {what} yet; pack without it, "
                              "or balance whole batches in the loader (balance=Balance(micro_batches=M))")
+    if "batches_per_stream" not in cfg.prepack.budget():  # streams that end unevenly leave their last steps whole
+        existing = PackInfo.read(resolve_location(out))
+        if existing is not None and existing.budget != cfg.prepack.budget():
+            raise UsageError("prepack.balance: samples extends a batches_per_stream budget only (streams that end "
+                             "unevenly under a token or pass budget leave their last steps unsplit); pack afresh")
     loc = resolve_location(out)
     try:
         loc.fs.create_dir(loc.base, recursive=True)

@@ -14,11 +14,13 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import yaml
 
 from loader import PackedShardDataset, open_stream
 from loader.batch import SimpleCustomBatch
 from loader.reader import Pack, iter_records
 from prepack.run.bound import BoundSpec
+from prepack.run.chain import Continue
 from prepack.run.driver import RunOptions, run_pack
 from prepack.run.writer import write_index
 from prepack.tools.audit import audit_pack
@@ -172,10 +174,52 @@ def test_refused_where_it_does_not_apply(packs, tmp_path, tokenizer_and_special)
         load_config(ds.config(knobs=KNOBS, num_workers=K, prepack={"batches_per_stream": 2, "balance": "samples"}))
     with pytest.raises(ConfigError, match="balance must be one of"):
         load_config(_config(ds, balance="steps"))
-    with pytest.raises(UsageError, match="--ahead"):
+    with pytest.raises(UsageError, match="not supported with --ahead / --disk-budget / --progress yet"):
         run_pack(load_config(packs["config"]), str(tmp_path / "bounded"),
                  RunOptions(inline=True, bar=False, bound=BoundSpec(ahead=2, progress=(str(tmp_path / "p"),))),
                  tokenizer=tokenizer_and_special)
+    with pytest.raises(UsageError, match="not supported with --continue yet"):
+        run_pack(load_config(packs["config"]), str(tmp_path / "continued"),
+                 RunOptions(inline=True, bar=False, continue_from=Continue(packs["plain"], 2, None)),
+                 tokenizer=tokenizer_and_special)
+    raw = yaml.safe_load(open(packs["config"]))
+    raw["prepack"]["schedule"] = [{"after": 2, "set": {"dataset.grouped_datasets.t2i_pretrain.weight": 3.0}}]
+    with pytest.raises(UsageError, match="not supported with prepack.schedule yet"):
+        run_pack(load_config(_beside(packs["config"], raw, "scheduled.yaml")), str(tmp_path / "scheduled"),
+                 RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
+
+
+def _beside(config: str, raw: dict, name: str) -> str:
+    """``raw`` written as ``name`` beside ``config`` (its data paths are relative to it)."""
+    path = os.path.join(os.path.dirname(config), name)
+    with open(path, "w") as f:
+        yaml.safe_dump(raw, f, sort_keys=False)
+    return path
+
+
+def test_going_on_from_or_extending_a_balanced_pack_is_refused_where_it_cannot_hold(packs, tmp_path,
+                                                                                      tokenizer_and_special):
+    """A balanced-samples pack has no states of its own: a continuation goes on from its reference;
+    it extends a batch budget only (streams ending unevenly under a token budget leave steps whole)."""
+    raw = yaml.safe_load(open(packs["config"]))
+    raw["prepack"]["balance"] = "none"
+    plain = _beside(packs["config"], raw, "after-balanced.yaml")
+    with pytest.raises(UsageError, match=r"is a balanced-samples pack, whose streams' states are its reference's: "
+                                         r"continue from .*/reference"):
+        run_pack(load_config(plain), str(tmp_path / "next"),
+                 RunOptions(inline=True, bar=False, continue_from=Continue(packs["out"], 2, None)),
+                 tokenizer=tokenizer_and_special)
+    assert not os.path.exists(tmp_path / "next" / "pack.json")  # refused before anything is written
+    tokens = yaml.safe_load(open(packs["config"]))
+    tokens["prepack"].pop("batches_per_stream")
+    tokens["prepack"]["tokens_per_stream"] = 2000
+    out = str(tmp_path / "tokens")
+    run_pack(load_config(_beside(packs["config"], tokens, "tokens-a.yaml")), out, RunOptions(inline=True, bar=False),
+             tokenizer=tokenizer_and_special)
+    tokens["prepack"]["tokens_per_stream"] = 4000
+    with pytest.raises(UsageError, match="extends a batches_per_stream budget only"):
+        run_pack(load_config(_beside(packs["config"], tokens, "tokens-b.yaml")), out,
+                 RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
 
 
 def test_the_configs_cost_model_splits_and_is_the_packs(packs, tmp_path, tokenizer_and_special):
