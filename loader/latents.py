@@ -62,6 +62,7 @@ class LatentsReader:
         self.pack, self.mode, self.verify, self.follow = pack, mode, verify, follow
         self._open: dict[tuple[int, int], _Open] = {}  # (pack id, stream) -> the open shard's file
         self._listings: dict[tuple[int, int], StreamLatents | None] = {}
+        self._made_by: tuple | None = None  # (encoder, weights, scale, shift) of the first file read
         self.epoch = 0
 
     def _listing(self, pack: Pack, stream: int, refresh: bool = False) -> "StreamLatents | None":
@@ -96,6 +97,12 @@ class LatentsReader:
         file = LatentsFile(data, path)
         if file.shard_digest != index_shard.xxh3:
             raise MissingLatents(f"{path}: the latents of another shard (its shard digest differs from the index)")
+        made_by = (file.info.encoder, file.info.weights, file.info.scale_factor, file.info.shift_factor)
+        if self._made_by is None:
+            self._made_by = made_by
+        elif made_by != self._made_by:  # one training, one VAE: a chain or pack encoded twice must agree
+            raise MissingLatents(f"{path}: encoded by {made_by[0]} with weights {made_by[1]}, but the latents read "
+                                 f"before by {self._made_by[0]} with weights {self._made_by[1]}")
         self._open[key] = _Open(shard, file)
         return file
 

@@ -264,3 +264,19 @@ def test_follow_waits_for_latents_still_being_encoded(pack, tmp_path):
     assert not errors and not t.is_alive()
     want = [b.to_dict().get("padded_latent") for b in PackedShardDataset(pack, rank=0, world_size=2, vae_latents=True)]
     assert len(got) == len(want) and all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_latents_of_other_weights_in_one_training_are_refused(pack, tmp_path):
+    """Streams (or a continuation's parent) encoded with other VAE weights: one training, one VAE."""
+    from tests.helpers.latents import write_weights
+
+    out = str(tmp_path / "mixed")
+    shutil.copytree(pack, out)
+    for name in os.listdir(os.path.join(out, "stream-00001")):
+        if "latents" in name:
+            os.remove(os.path.join(out, "stream-00001", name))
+    other = write_weights(str(tmp_path / "other.safetensors"), seed=1)
+    run_latents(out, LatentsOptions(weights=other, device="cpu", inline=True, bar=False, streams=(1,)))
+    assert list(PackedShardDataset(out, rank=1, world_size=2, vae_latents=True))  # each stream alone is fine
+    with pytest.raises(MissingLatents, match="encoded by .* with weights .*, but the latents read before"):
+        list(PackedShardDataset(out, rank=0, world_size=1, vae_latents=True))
