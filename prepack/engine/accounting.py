@@ -288,7 +288,7 @@ def meaning(kind: str, detail: str, knobs: dict, dropped: bool = True) -> str:
     if declared is None:
         return ("samples or rows dropped" if dropped else "damaged input packed as the reference does") + \
             (f", e.g. {detail}" if detail else "") + \
-            "; see docs/architecture.md, 'Accounting and divergences from the reference'"
+            "; see docs/architecture/packing.md, 'Accounting and divergences from the reference'"
     try:
         text = declared.meaning.format(detail=detail or "?", **knobs)
     except (KeyError, IndexError, ValueError):

@@ -4,7 +4,7 @@ Stream ``s = r*K + w`` owns two explicit generators seeded like the reference se
 globals at iterator start (``random`` and NumPy's legacy generator, same seed) and draws from them
 in the reference's order: group choice, the sources' per-row draws, then CFG dropout and
 timesteps while laying a sample out.  Divergences from the reference (documented in
-docs/architecture.md): a source that never yields stops the stream with an error instead of
+docs/architecture/packing.md): a source that never yields stops the stream with an error instead of
 looping forever; in flex mode a batch whose mandatory samples exceed ``max_num_tokens`` (negative
 padding) is refused and counted instead of emitted.  Every sample that is not packed is counted.
 """

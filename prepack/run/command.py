@@ -119,7 +119,7 @@ def add_command(subparsers) -> None:
                            "state after --after N of its batches (or where --after-state leaves it), nothing repeated "
                            "or skipped; readers read --out as OLD's first batches, then its own. OLD may still be "
                            "packing. A change planned ahead goes in CONFIG instead, one pack: prepack.schedule "
-                           "(docs/architecture.md)")
+                           "(docs/architecture/mix-change.md)")
     r.add_argument("--no-ray", action="store_true",
                    help="pack in this process, one stream after another (debugging; same bytes as with Ray)")
     r.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,

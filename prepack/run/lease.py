@@ -22,7 +22,7 @@ Acquiring ``streams``:
 
 A renewal that finds our lease gone, or a new lease that took ours over, means another job
 decided we were dead (we were not heard from for a whole lease): ``check`` raises ``LeaseLost``
-and the run stops.  What this does not guarantee is in docs/architecture.md ("Leases").
+and the run stops.  What this does not guarantee is in docs/architecture/run.md ("Leases").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Earlier pixels: pictures already decoded and resized by another pack, or by this stream's own
 earlier shards, found by content and checked before use.
 
-The rule (docs/architecture.md, "Reuse"): a picture's resized pixels are a function of its encoded
+The rule (docs/architecture/pack-on-disk.md, "Reuse"): a picture's resized pixels are a function of its encoded
 bytes, how they are decoded and the resize target, for one resize implementation.  So an image is
 taken from an earlier shard when its ``(content, decode, width, height)`` is in that shard's pixel
 index (``schemas.pixel_index``) and the index names the same resize implementation; its frame is

@@ -194,7 +194,7 @@ def _announce(section: str, key: str, example: str) -> list[str]:
     return run.new_kinds()
 
 
-GENERIC = "see docs/architecture.md"
+GENERIC = "see docs/architecture/packing.md"
 
 
 def _specific(declared, key: str, example: str) -> str:
