@@ -9,6 +9,11 @@
 #   1. scripts/check_cuda_materialize.py: SimpleCustomBatch.cuda() bit-identical to the CPU tensors,
 #      on synthetic batches and on the real packs' records; the loader feeding the GPU.
 #   2. scripts/time_record_cost.py: a BAGEL-7B-shaped forward+backward per record, and the cost fit.
+#   3. scripts/check_latents_device.py: the VAE latents on the GPU (issue 51): the stage's moments
+#      against the recipe's bf16 autocast encode, the difference from the CPU's, the loader's draw
+#      against the recipe's encode for the same noise, and the encode time the latents save.  It
+#      needs NeMo's autoencoder.py in .nemo/ (cp from site-packages/nemo_automodel/components/models/
+#      bagel/) and einops + safetensors wheels in .whl/ (pip download ... einops safetensors).
 set -uo pipefail
 out="${OUT:-gpu-out}"
 mkdir -p "$out"
@@ -32,4 +37,13 @@ budget="${COST_SECONDS:-270}"  # the script stops starting records then, and fit
 timeout "$((budget + 90))" python3 scripts/time_record_cost.py --pack .costpack/costpack.tar.xz --device cuda \
   --time-budget "$budget" --max-records "${COST_RECORDS:-160}" --reps "${COST_REPS:-2}" --csv "$out/record_cost.csv" \
   --fit "$out/record_cost_fit.json" 2>&1 | tee "$out/record_cost.log" || rc=1
+if [ -f .nemo/autoencoder.py ]; then
+  for p in "$packs"/*/; do
+    name=$(basename "$p")
+    timeout 240 python3 scripts/check_latents_device.py --pack "$p" --device cuda --records "${LATENT_RECORDS:-8}" \
+      --module-file .nemo/autoencoder.py 2>&1 | tee "$out/latents_$name.log" || rc=1
+  done
+else
+  echo "gpu_checks: no .nemo/autoencoder.py: the latents check was not run" | tee "$out/latents.log"
+fi
 exit $rc
