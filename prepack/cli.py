@@ -17,8 +17,10 @@ from typing import NoReturn
 
 from prepack import __version__
 from prepack.demo import command as demo_data_command
-from prepack.run import index_command, latents_command, trim_command
 from prepack.run import command as run_command
+from prepack.run import index_command
+from prepack.run.bounded import trim_command
+from prepack.run.latents import command as latents_command
 from prepack.tools import audit_command, inspect_record_command, plan_command, stats_command, verify_command
 from schemas.errors import PrepackError
 
@@ -62,8 +64,8 @@ COMMANDS = (
     index_command.add_command,         # index      prepack/run/index_command.py
     inspect_record_command.add_command,  # inspect    prepack/tools/inspect_record_command.py
     stats_command.add_command,           # stats      prepack/tools/stats_command.py
-    trim_command.add_command,            # trim, restore  prepack/run/trim_command.py
-    latents_command.add_command,         # latents    prepack/run/latents_command.py
+    trim_command.add_command,            # trim, restore  prepack/run/bounded/trim_command.py
+    latents_command.add_command,         # latents    prepack/run/latents/command.py
 )
 
 

@@ -19,7 +19,7 @@ Layout of a pack (every name deterministic, no uuids or timestamps)::
     OUT/manifest.json                             a summary of every stream once all are done (O(streams))
     OUT/pixels/...                                the pack's pixel catalog (its names: schemas.pixel_catalog)
 
-How a shard is committed into this layout is ``prepack.run.writer``'s (its module doc); what the
+How a shard is committed into this layout is ``prepack.run.commit.writer``'s (its module doc); what the
 documents hold is ``schemas.manifest``'s.
 
 Why one table: the writer, crash recovery, the reader's evidence of records, the tools and the

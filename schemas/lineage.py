@@ -3,7 +3,7 @@ reads.  Its files are found and decoded here, for every reader (compaction, veri
 
 A shard's rows are written at its commit (``shard-k.lineage.parquet``, its sha256 in the index row);
 when the stream finishes they are compacted into ``lineage/stream-S.parquet``, one row group per
-shard in shard order, and the shard files go (``prepack.run.lineage``).  A stream extended after it
+shard in shard order, and the shard files go (``prepack.run.commit.lineage``).  A stream extended after it
 finished keeps that file for its first shards and has shard files for the later ones until it
 finishes again.  Names: ``schemas.layout``; queries: ``prepack.tools.lineage_queries``.
 """

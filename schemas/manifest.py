@@ -1,10 +1,10 @@
 """The pack's documents, declared once and each read in one place, checked: the stream index
 (``StreamIndex.read``), done.json (``StreamSummary.read``), the manifest (``PackSummary.read``) and
 the identity stamped into every shard file.  ``pack.json`` is ``schemas.pack_info``, the lineage
-``schemas.lineage``; a checkpoint's files are read and written by ``prepack.run.checkpoint_files``.
+``schemas.lineage``; a checkpoint's files are read and written by ``prepack.run.commit.checkpoint_files``.
 
 Where each file lies is ``schemas.layout``; in what order a shard is committed, and why the stream
-index is the commit marker, is ``prepack.run.writer`` (its module doc).  A reader needs
+index is the commit marker, is ``prepack.run.commit.writer`` (its module doc).  A reader needs
 ``pack.json`` and its own streams' ``index.arrow`` only, so opening a rank's share costs the same
 for a pack of 10^3 or 10^8 records.
 

@@ -315,7 +315,7 @@ def trimmable(out: str, progress: str, keep: int) -> int:
     """Shards wholly behind the trainings' kept checkpoints as they stand now (read fresh, as
     ``prepack trim --progress`` would): what the running job could have trimmed by its end."""
     from loader.reader import Pack
-    from prepack.run.trainings import Trainings
+    from prepack.run.bounded.trainings import Trainings
 
     p = Pack.open(out)
     trainings = Trainings((progress,), p)

@@ -247,8 +247,8 @@ _PLACES = (
     ("layout and packing", ("prepack/engine/sample.py", "prepack/engine/sequence.py", "prepack/engine/packer.py",
                             "prepack/engine/accounting.py")),
     ("record encoding", ("schemas/record.py", "schemas/pixel_table.py", "schemas/compression.py")),
-    ("checkpoints", ("prepack/run/checkpoint_files.py", "prepack/engine/state_codec.py", "schemas/checkpoint.py")),
-    ("lineage", ("prepack/run/lineage.py",)),
+    ("checkpoints", ("prepack/run/commit/checkpoint_files.py", "prepack/engine/state_codec.py", "schemas/checkpoint.py")),
+    ("lineage", ("prepack/run/commit/lineage.py",)),
     ("shard files and index", ("prepack/run/", "schemas/")),
     ("loader (OLD's chain)", ("loader/",)),
 )

@@ -37,7 +37,7 @@ def read_cpu(path: str, follow: bool) -> tuple[int, float]:
 
 def latency(tmp: str, batches: int, interval: float, poll: float) -> list[float]:
     from loader import PackedShardDataset
-    from prepack.run.writer import ShardFormat, StreamWriter
+    from prepack.run.commit.writer import ShardFormat, StreamWriter
     from schemas.location import resolve_location
     from schemas.manifest import StreamIndex
     from tests.helpers.fakepack import commit_entry, fake_metadata, mark_done, stream_batches, write_pack

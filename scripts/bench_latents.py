@@ -11,7 +11,7 @@ pack fixes each canvas, so the moments can be encoded once, on other GPUs.
 
 What it does:
 
-- **encode**: runs the stage (``prepack.run.latents.run_latents``, in this process) on the pack
+- **encode**: runs the stage (``prepack.run.latents.stage.run_latents``, in this process) on the pack
   (default: ``bench_pack.py``'s photographs under NeMo's pretrain knobs, two streams of
   ``--batches`` records, its VAE pictures capped at ``--vae-side`` pixels so a CPU finishes in
   minutes: a CPU encode runs on one thread; ``--pack`` takes yours)
@@ -97,7 +97,7 @@ def random_weights(out: str) -> str:
 
 def encode(pack_dir: str, weights: str, device: str) -> tuple[str, dict]:
     """The stage on the whole pack, timed: its device and counts."""
-    from prepack.run.latents import LatentsOptions, read_listing, run_latents
+    from prepack.run.latents.stage import LatentsOptions, read_listing, run_latents
 
     t0, c0 = time.perf_counter(), time.process_time()
     run_latents(pack_dir, LatentsOptions(weights=weights, device=device, inline=True, bar=False))
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     from machine import machine_line  # a script beside this one
 
-    from prepack.run.latents import resolve_device
+    from prepack.run.latents.stage import resolve_device
 
     print(machine_line())
     device = resolve_device(args.device)

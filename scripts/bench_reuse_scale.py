@@ -123,8 +123,8 @@ def synthetic_shards(out: str, pictures: int, per_shard: int = 1000, streams: in
     import numpy as np
 
     from prepack.engine.reuse.source_pictures import RESIZE_IMPL
-    from prepack.run.atomic_files import write_bytes_atomic
-    from prepack.run.writer import write_index
+    from prepack.run.commit.atomic_files import write_bytes_atomic
+    from prepack.run.commit.writer import write_index
     from schemas.location import resolve_location
     from schemas.layout import shard_pixels_file
     from schemas.manifest import RecordEntry, ShardEntry, StreamIndex

@@ -116,8 +116,8 @@ def build(out: str, streams: int, records: int, world: int, per_shard: int, samp
     import pyarrow.parquet as pq
 
     from prepack.run.identity import pack_identity, write_identity
-    from prepack.run.atomic_files import write_bytes_atomic
-    from prepack.run.writer import write_index
+    from prepack.run.commit.atomic_files import write_bytes_atomic
+    from prepack.run.commit.writer import write_index
     from schemas.layout import done_file, stream_lineage_file
     from schemas.lineage import LINEAGE_SCHEMA
     from schemas.location import resolve_location

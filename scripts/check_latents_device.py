@@ -8,7 +8,7 @@ Why (issue 51): ``prepack latents`` stores the moments NeMo's recipe would compu
 (``encoder(padded_images)`` under bfloat16 autocast), and the loader draws ``padded_latent`` from
 them.  What only a GPU can show, per record of ``--pack`` (its first ``--records``):
 
-1. **moments**: the stage's (``prepack.engine.vae_encoder.VaeEncoder`` on ``--device``) against the
+1. **moments**: the stage's (``prepack.run.latents.vae_encoder.VaeEncoder`` on ``--device``) against the
    recipe's path run here (the same module, fp32 weights, ``torch.amp.autocast(device, bfloat16)``
    on CUDA, ``no_grad``, the whole canvas): bit-equal or not, and the largest difference;
 2. **across devices**: the device's moments against the CPU's float32 ones (the largest absolute

@@ -3,7 +3,7 @@
 1. the imports among the project's own modules (prepack, loader, schemas) form no cycle (imports
    inside functions count; those under ``if TYPE_CHECKING:`` do not, since they never run);
 2. no function in ``prepack/`` takes more than 6 parameters;
-3. ``prepack/`` imports the project's own modules inside functions at most 21 times, and each such
+3. ``prepack/`` imports the project's own modules inside functions at most 22 times, and each such
    import says why in a comment (on its line or the line just above).
 
 That ``loader/`` imports none of prepack, ray, PIL, transformers is checked in
@@ -24,9 +24,10 @@ from tests.helpers.paths import REPO
 
 OWN = ("prepack", "loader", "schemas")  # the project's top-level packages
 MAX_PARAMETERS = 6  # per function in prepack/; self/cls not counted, *args and **kwargs one each
-# imports of OWN modules inside functions in prepack/: 21 since `prepack latents` (each subcommand's
-# handler imports its tool when it runs, so that `prepack --help` stays quick: one per subcommand)
-MAX_INNER_IMPORTS = 21
+# imports of OWN modules inside functions in prepack/: 22 since `prepack latents` and prepack/run's
+# rooms (each subcommand's handler imports its tool when it runs, so that `prepack --help` stays quick;
+# `restore` takes its tool from two rooms: the bounded pack's and the latents')
+MAX_INNER_IMPORTS = 22
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,7 +323,7 @@ def test_no_function_in_prepack_takes_more_than_6_parameters():
     )
 
 
-def test_prepack_imports_its_own_modules_inside_functions_at_most_21_times():
+def test_prepack_imports_its_own_modules_inside_functions_at_most_22_times():
     found = inner_imports(REPO)
     assert len(found) <= MAX_INNER_IMPORTS, (
         f"{len(found)} imports of prepack/loader/schemas modules inside functions in prepack/ "

@@ -26,8 +26,9 @@ import xxhash
 
 from prepack.engine.resplit import balance_samples, samples_of
 from schemas.cost import CostModel
-from schemas.record import (ARRAY_DTYPES, BATCH, FIELD_KINDS, IMAGE, IMAGE_IDS, LENGTH, OFFSETS, PIXELS, POSITIONS,
-                            VALUE, PackedBatch, SampleOrigin, batch_anatomy)
+from schemas.anatomy import (BATCH, FIELD_KINDS, IMAGE, IMAGE_IDS, LENGTH, OFFSETS, PIXELS, POSITIONS, VALUE,
+                             batch_anatomy)
+from schemas.record import ARRAY_DTYPES, PackedBatch, SampleOrigin
 
 # the fields a sample owns rows of, and those of the image table a picture takes along (``FIELD_KINDS``)
 _ROW_FIELDS = [(name, k.values) for name, k in FIELD_KINDS.items() if k.rows not in (BATCH, IMAGE)]

@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from prepack.engine.reuse.source_pictures import RESIZE_IMPL
 from prepack.engine.reuse.earlier_packs import open_old_pack
-from prepack.run.atomic_files import write_bytes_atomic
+from prepack.run.commit.atomic_files import write_bytes_atomic
 from schemas.errors import DamagedFile, PackFormatError
 from schemas.layout import PACK_INFO_NAME, shard_pixels_file
 from schemas.location import PackLocation, redact_uri, resolve_location

@@ -27,7 +27,7 @@ from prepack.engine.state_codec import detached
 from prepack.engine.packer import PackerOptions, Switch
 from prepack.engine.packers import open_packer
 from prepack.engine.reuse.earlier_pixels import PixelReuse
-from prepack.run.checkpoint_files import read_checkpoint
+from prepack.run.commit.checkpoint_files import read_checkpoint
 from schemas.config import PrepackConfig
 from schemas.errors import PackRefused, UsageError
 from schemas.layout import REFERENCE_DIR

@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from prepack.run.bound import DEFAULT_KEEP_CHECKPOINTS, BoundSpec, parse_disk_budget
+from prepack.run.bounded.bound import DEFAULT_KEEP_CHECKPOINTS, BoundSpec, parse_disk_budget
 from schemas.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ _BAR = "<bar>"  # --progress without a folder: the older name of --bar (before -
 
 def add_bound_arguments(parser, what: str) -> None:
     """``--progress P`` (repeatable) and ``--keep-checkpoints K``: the trainings a bounded pack follows
-    (``prepack.run.ahead``), for ``run`` and ``trim``."""
+    (``prepack.run.bounded.ahead``), for ``run`` and ``trim``."""
     parser.add_argument("--keep-checkpoints", type=int, default=DEFAULT_KEEP_CHECKPOINTS, metavar="K",
                         help=f"{what}: nothing a training's K newest checkpoints may read again is trimmed (a "
                         f"crash rolls back at most that far; default {DEFAULT_KEEP_CHECKPOINTS})")

@@ -26,15 +26,15 @@ from pyarrow.fs import FileSelector
 from loader.reader import Pack
 from prepack.engine.reuse.earlier_packs import open_old_packs, read_old_pack
 from prepack.engine.tokenizer import load_tokenizer, recorded_fingerprint, special_token_ids
-from prepack.run.ahead import JobStreams, WaitRule
+from prepack.run.bounded.ahead import JobStreams, WaitRule
 from prepack.run.ray_init import init_ray
-from prepack.run.atomic_files import write_bytes_atomic
-from prepack.run.bound import BoundSpec
+from prepack.run.commit.atomic_files import write_bytes_atomic
+from prepack.run.bounded.bound import BoundSpec
 from prepack.run.catalog import build_for_reuse
 from prepack.run.chain import Continue, check_continuation, open_parent, parent_link, switch_points, wait_for_parent
 from prepack.run.identity import settle_identity
 from prepack.run.lease import StreamLease, acquire_streams, live_leases, remove_stale_leases
-from prepack.run.lineage import drop_lineage_leftovers
+from prepack.run.commit.lineage import drop_lineage_leftovers
 from prepack.run.progress_bar import RunProgress, StreamProgress
 from prepack.run.sample_balance import reference_config, write_balanced
 from prepack.run.stream_job import Paused, StreamJob, pack_one_stream
@@ -57,7 +57,7 @@ class RunOptions:
     take (``prepack.engine.reuse.earlier_pixels``; the output is the same bytes with or without them,
     and pack.json does not name them); ``continue_from``: the pack this one continues, and after
     which record (``prepack.run.chain``; its chain's pictures are reused); ``bound``: pack just ahead
-    of the trainings and trim behind them (``prepack.run.ahead``).  Where it runs: ``inline`` packs
+    of the trainings and trim behind them (``prepack.run.bounded.ahead``).  Where it runs: ``inline`` packs
     the streams one after another in this process, without Ray (debugging, tests); else on Ray at
     ``address`` (default $RAY_ADDRESS, else a local Ray of ``num_cpus``).  ``bar``: show a progress bar."""
 

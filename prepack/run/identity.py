@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prepack import __version__
-from prepack.run.atomic_files import write_bytes_atomic
+from prepack.run.commit.atomic_files import write_bytes_atomic
 from schemas.config import PrepackConfig
 from schemas.errors import PackRefused
 from schemas.layout import MANIFEST_NAME, PACK_INFO_NAME

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 
-from prepack.run.atomic_files import write_bytes_atomic
+from prepack.run.commit.atomic_files import write_bytes_atomic
 from schemas.errors import LeaseLost, PackRefused, UsageError
 from schemas.layout import LEASE, LEASE_DIR, lease_file, parse
 from schemas.location import PackLocation

@@ -25,8 +25,8 @@ from dataclasses import dataclass, replace
 
 from loader.reader import Pack, iter_records
 from prepack.engine.step_split import split_step
-from prepack.run.recovery import recover_stream
-from prepack.run.writer import Committing, ShardFormat, StreamWriter, write_done
+from prepack.run.commit.recovery import recover_stream
+from prepack.run.commit.writer import Committing, ShardFormat, StreamWriter, write_done
 from schemas.config import PrepackConfig
 from schemas.cost import CostModel
 from schemas.layout import stream_lineage_file

@@ -1,6 +1,6 @@
 """Pack one stream into its directory, resumably and extendably: the body of one Ray task.
 
-The stream's shards are committed by ``prepack.run.writer.StreamWriter`` (the commit protocol is
+The stream's shards are committed by ``prepack.run.commit.writer.StreamWriter`` (the commit protocol is
 that module's doc).  Here, the stream's two ends: ``start_stream`` decides where it starts (fresh,
 after a crash from the checkpoint of its first uncommitted shard, or extended past an earlier
 budget) and ``finish_stream`` how it ends (the shard lineage files compacted into
@@ -21,14 +21,14 @@ from prepack.engine.packers import Packer, open_packer
 from prepack.engine.reuse.earlier_packs import OldPack
 from prepack.engine.reuse.earlier_pixels import PixelReuse, own_reuse_on
 from prepack.engine.sources.ledger import SourceLedger
-from prepack.run.ahead import AheadGate, WaitRule, wait_to_pack
-from prepack.run.bound import BoundSpec
+from prepack.run.bounded.ahead import AheadGate, WaitRule, wait_to_pack
+from prepack.run.bounded.bound import BoundSpec
 from prepack.run.chain import open_parent, switch_at
-from prepack.run.checkpoint_files import read_checkpoint, state_files
-from prepack.run.lineage import drop_lineage_leftovers
+from prepack.run.commit.checkpoint_files import read_checkpoint, state_files
+from prepack.run.commit.lineage import drop_lineage_leftovers
 from prepack.run.progress_bar import StreamProgress
-from prepack.run.recovery import recover_stream
-from prepack.run.writer import Committing, ShardFormat, StreamWriter, write_done
+from prepack.run.commit.recovery import recover_stream
+from prepack.run.commit.writer import Committing, ShardFormat, StreamWriter, write_done
 from schemas.compression import Compression
 from schemas.config import PrepackConfig
 from schemas.location import PackLocation, resolve_location
@@ -118,7 +118,7 @@ def start_stream(job: StreamJob, loc: PackLocation, stream: int, tokenizer, spec
     elif job.parent is not None:
         start = switch_at(open_parent(job.parent.uri), stream, job.parent.after[stream], tokenizer, special)
     # each batch is written before the next: the packer may reuse one pixel table buffer
-    ledger = SourceLedger()  # what each shard reads: a trim checks it first (prepack.run.trim_policy)
+    ledger = SourceLedger()  # what each shard reads: a trim checks it first (prepack.run.bounded.trim_policy)
     packer = open_packer(cfg, stream, tokenizer, special, start,
                          PackerOptions(reuse_pixel_table=True, pixels=pixels, ledger=ledger))
     return StartedStream(stream, index, packer, pixels, pixels is not None and own_reuse_on(), cpu_start,
@@ -150,7 +150,7 @@ def pack_one_stream(job: StreamJob, stream: int, tokenizer, special,
     """Pack (or continue, or extend) stream ``stream`` of ``job``; returns its summary (done.json).
 
     With a bound that holds streams back (``--ahead``, ``--disk-budget``), before each new shard the
-    stream waits until the trainings are close enough and its disk share has room (``prepack.run.ahead``),
+    stream waits until the trainings are close enough and its disk share has room (``prepack.run.bounded.ahead``),
     as ``wait`` says; a stream that gave up
     waiting returns ``Paused`` instead."""
     loc = resolve_location(job.out)

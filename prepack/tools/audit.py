@@ -25,7 +25,7 @@ from loader.reader import Pack, read_shard
 from prepack.engine.state_codec import state_to_payload
 from prepack.engine.packers import open_packer
 from prepack.run.chain import switch_at
-from prepack.run.checkpoint_files import read_checkpoint, read_checkpoint_files
+from prepack.run.commit.checkpoint_files import read_checkpoint, read_checkpoint_files
 from prepack.run.identity import identity_mismatch, pack_identity
 from prepack.tools.balanced_check import audit_balanced_shard, balances_samples, open_reference
 from prepack.tools.report import CheckReport

@@ -32,7 +32,7 @@ from prepack.engine.packers import open_packer
 from prepack.engine.reuse.earlier_packs import check_old_packs
 from prepack.engine.reuse.earlier_pixels import PixelReuse
 from prepack.run.chain import Continue, check_continuation, open_parent, switch_at, switch_points
-from prepack.run.lineage import lineage_table, parquet_bytes
+from prepack.run.commit.lineage import lineage_table, parquet_bytes
 from prepack.tools.composition import Composition, packed_batch_counts
 from schemas.cost import terms_of
 from prepack.tools.plan_report import GroupPlan, PackPlan, size_text

@@ -11,7 +11,7 @@ import dataclasses
 import json
 import textwrap
 
-from prepack.run.bound import BoundSpec
+from prepack.run.bounded.bound import BoundSpec
 from prepack.run.command import add_bound_arguments, add_continue_arguments, add_reuse_argument
 from prepack.tools.stats_command import add_cost_model_argument, add_sync_argument
 from schemas.errors import UsageError

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from loader.reader import Pack, read_shard
-from prepack.run.restorable import RestoreCheck, current_tokenizer
+from prepack.run.bounded.restorable import RestoreCheck, current_tokenizer
 from prepack.tools.latents_check import check_latents
 from prepack.tools.report import CheckReport
 from schemas.errors import DamagedFile, PrepackError, ShardTrimmed
@@ -314,7 +314,7 @@ def check_catalog(pack: Pack, rep: CheckReport) -> None:
 
 def check_restorable(pack: Pack, rep: CheckReport) -> None:
     """Each trimmed shard: could ``prepack restore`` pack it again now (its sources and tokenizer as
-    they were when it was packed, ``prepack.run.restorable``)?"""
+    they were when it was packed, ``prepack.run.bounded.restorable``)?"""
     check = RestoreCheck(pack, current_tokenizer(pack))
     trimmed = 0
     for stream in range(pack.num_streams):

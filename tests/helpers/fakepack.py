@@ -4,7 +4,7 @@
 text, start/end markers around ViT patches and VAE latents, one rope id per image, causal text
 splits, full ViT/condition splits, noise VAE-target splits, timesteps per latent slot, loss
 indexes and weights) from random content: images of several sizes divisible by the patch
-sizes, several normalisations.  ``write_pack`` writes batches with ``prepack.run.writer`` into the
+sizes, several normalisations.  ``write_pack`` writes batches with ``prepack.run.commit.writer`` into the
 real output layout (pack.json, shards, stream indexes, done.json), so loader tests read what a
 real pack run would leave.
 """
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from prepack.run.atomic_files import write_bytes_atomic
-from prepack.run.writer import ShardFormat, StreamWriter, write_index
+from prepack.run.commit.atomic_files import write_bytes_atomic
+from prepack.run.commit.writer import ShardFormat, StreamWriter, write_index
 from schemas.documents import dump_checked
 from schemas.layout import PACK_INFO_NAME, done_file
 from schemas.location import resolve_location

@@ -24,8 +24,8 @@ from loader.dataloader import dataset_states
 from loader.index_window import StreamWindows
 from loader.reader import Pack
 from loader.state import positions_in
-from prepack.run.trainings import Trainings
-from prepack.run.writer import write_index
+from prepack.run.bounded.trainings import Trainings
+from prepack.run.commit.writer import write_index
 from schemas.cost import CostModel
 from schemas.layout import PACK_INFO_NAME, index_file
 from schemas.location import resolve_location

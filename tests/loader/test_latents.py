@@ -19,8 +19,8 @@ from loader import PackedShardDataset
 from loader.balance import Balance
 from loader.latents import noise_seed
 from loader.reader import Pack, iter_records
-from prepack.engine.vae_encoder import CPU_THREADS
-from prepack.run.latents import LatentsOptions, run_latents
+from prepack.run.latents.vae_encoder import CPU_THREADS
+from prepack.run.latents.stage import LatentsOptions, run_latents
 from schemas.cost import CostModel
 from schemas.errors import MissingLatents
 from schemas.latents import LatentsFile, StreamLatents, crop_shape

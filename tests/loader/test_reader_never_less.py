@@ -16,7 +16,7 @@ import pytest
 from loader import PackedShardDataset, open_stream
 from loader.reader import Pack
 from prepack.cli import main
-from prepack.run.atomic_files import write_bytes_atomic
+from prepack.run.commit.atomic_files import write_bytes_atomic
 from schemas.errors import DamagedFile, FollowTimeout
 from schemas.layout import MANIFEST_NAME, done_file, index_file, stream_dir, stream_lineage_file
 from schemas.manifest import StreamIndex

@@ -1,7 +1,7 @@
 """What a stream's sources read, shard by shard, and whether each is still what was read.
 
 A trimmed shard is re-packed from its checkpoint by reading its sources again
-(``prepack.run.trim``), so a trim is safe only while those sources are unchanged.  The sources
+(``prepack.run.bounded.trim``), so a trim is safe only while those sources are unchanged.  The sources
 tell the ``SourceLedger`` on their ``StreamContext`` what they use, on the packing thread and at
 the point they use it (a read-ahead's fetch counts where the source takes it, so an object read
 ahead for the next shard belongs to that shard):

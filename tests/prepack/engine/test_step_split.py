@@ -14,7 +14,8 @@ from prepack.engine.resplit import samples_of
 from loader.batch import SimpleCustomBatch
 from prepack.engine.step_split import join_samples, split_batch, split_step
 from schemas.cost import CostModel, terms_of
-from schemas.record import FIELD_KINDS, IMAGE, NOT_STORED, SAMPLE_ROWS, VALUE, encode_record
+from schemas.anatomy import FIELD_KINDS, IMAGE, NOT_STORED, SAMPLE_ROWS, VALUE
+from schemas.record import encode_record
 from tests.helpers.fakepack import BatchSpec, make_batch
 from tests.helpers.samples import same, sample_tensors
 

@@ -19,12 +19,12 @@ import pytest
 from loader import PackedShardDataset
 from loader.reader import Pack
 from prepack.cli import main
-from prepack.run import trainings as trainings_module
-from prepack.run.bound import BoundSpec
-from prepack.run.trainings import Trainings
-from prepack.run.trim_policy import TrimPolicy, trim_to_progress
+from prepack.run.bounded import trainings as trainings_module
+from prepack.run.bounded.bound import BoundSpec
+from prepack.run.bounded.trainings import Trainings
+from prepack.run.bounded.trim_policy import TrimPolicy, trim_to_progress
 from prepack.run.driver import RunOptions, run_pack
-from prepack.run.restore import restore
+from prepack.run.bounded.restore import restore
 from prepack.tools.verify import verify_pack
 from schemas.config_file import load_config
 from schemas.errors import UsageError
@@ -255,7 +255,7 @@ def test_trim_to_progress_never_removes_what_a_kept_checkpoint_reads(unbounded, 
             self.start(st)
 
     trainings = [Training(f) for f in folders]
-    import prepack.run.trim as trim_module
+    import prepack.run.bounded.trim as trim_module
 
     real_shard_file = trim_module.shard_file
     for round_ in range(14):
@@ -292,7 +292,7 @@ def test_trim_to_progress_never_removes_what_a_kept_checkpoint_reads(unbounded, 
 def test_a_killed_bounded_run_gives_the_same_records(unbounded, tmp_path, tokenizer_and_special, monkeypatch):
     """The packer killed mid-way (after a random shard) and started again: the same records, the
     training's position and checkpoints are followed from where they stand."""
-    from prepack.run.writer import StreamWriter
+    from prepack.run.commit.writer import StreamWriter
 
     out, progress = str(tmp_path / "out"), str(tmp_path / "progress")
     fp = Pack.open(unbounded["out"]).info.fingerprint
@@ -432,7 +432,7 @@ def _pack_bytes(out: str) -> int:
 def test_a_disk_budget_is_never_exceeded_beside_two_trainings(tmp_path, tokenizer_and_special, monkeypatch):
     """``--disk-budget``: the pack (every file of it, checked after each shard commit) stays under the
     budget while two trainings read it; the records are those of a pack made at once."""
-    from prepack.run.writer import StreamWriter
+    from prepack.run.commit.writer import StreamWriter
 
     root = str(tmp_path)
     config = small_dataset(root, batches=60, shard_bytes=150_000)

@@ -10,8 +10,8 @@ import os
 import numpy as np
 import pytest
 
-import prepack.run.direct_file as direct_file
-from prepack.run.direct_file import DirectFile
+import prepack.run.commit.direct_file as direct_file
+from prepack.run.commit.direct_file import DirectFile
 from tests.helpers.fakepack import stream_batches
 from schemas.layout import shard_file
 from tests.prepack.run.test_writer import write_stream

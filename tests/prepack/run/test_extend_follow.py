@@ -108,7 +108,7 @@ def test_damaged_stream_index_is_refused_by_the_loader(fresh12, tmp_path):
 _WRITER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {repo!r})
-    from prepack.run import writer
+    from prepack.run.commit import writer
     from prepack.run.driver import RunOptions, run_pack
     from schemas.config_file import load_config
 

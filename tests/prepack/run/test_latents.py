@@ -33,10 +33,10 @@ import xxhash
 from loader.batch import SimpleCustomBatch
 from loader.reader import Pack, read_shard
 from prepack.cli import main
-from prepack.run import latents as latents_stage
-from prepack.run.latents import LatentsOptions, read_listing, run_latents
-from prepack.run.trim import trim_shards
-from prepack.run.writer import write_index
+from prepack.run.latents import stage as latents_stage
+from prepack.run.latents.stage import LatentsOptions, read_listing, run_latents
+from prepack.run.bounded.trim import trim_shards
+from prepack.run.commit.writer import write_index
 from schemas.errors import UsageError
 from schemas.latents import LatentsFile, StreamLatents
 from schemas.layout import done_file, shard_latents_file, stream_latents_file
@@ -283,7 +283,7 @@ def test_a_crash_between_a_file_and_its_listing_resumes_to_the_same_bytes(fresh,
 def test_the_bytes_do_not_depend_on_the_cpu_thread_count(fresh, encoded, weights, tmp_path):
     """A run resumed on a machine with another core count, or in a Ray actor (``num_cpus=1``: Ray sets
     OMP_NUM_THREADS=1, so torch runs one intra-op thread) beside an in-process run on all cores, must
-    write the same bytes: one stage, one set of bytes on one device kind (``prepack.run.latents``)."""
+    write the same bytes: one stage, one set of bytes on one device kind (``prepack.run.latents.stage``)."""
     out = copy_pack(fresh, tmp_path)
     threads = torch.get_num_threads()  # 1 (one_torch_thread)
     other = 2

@@ -12,9 +12,9 @@ import pytest
 
 from loader.reader import Pack
 from prepack.cli import main
-from prepack.run.latents import LatentsOptions, LatentsRestore, run_latents
-from prepack.run.restore import restore
-from prepack.run.trim import trim_shards
+from prepack.run.latents.stage import LatentsOptions, LatentsRestore, run_latents
+from prepack.run.bounded.restore import restore
+from prepack.run.bounded.trim import trim_shards
 from prepack.tools.verify import verify_pack
 from schemas.errors import PackRefused
 from schemas.layout import shard_file, shard_latents_file, stream_latents_file

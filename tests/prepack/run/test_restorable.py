@@ -20,9 +20,9 @@ import pytest
 from loader import PackedShardDataset
 from loader.reader import Pack
 from prepack.cli import main
-from prepack.run.restore import restore
-from prepack.run.trim import trim_shards
-from prepack.run.trim_policy import trim_pack
+from prepack.run.bounded.restore import restore
+from prepack.run.bounded.trim import trim_shards
+from prepack.run.bounded.trim_policy import trim_pack
 from prepack.tools.verify import verify_pack
 from schemas.errors import PackRefused
 from schemas.layout import shard_sources_file

@@ -17,7 +17,7 @@ import re
 
 import pytest
 
-from prepack.run.atomic_files import write_bytes_atomic
+from prepack.run.commit.atomic_files import write_bytes_atomic
 from schemas.location import resolve_location
 from tests.helpers.latency_proxy import LatencyProxy
 from tests.helpers.packs import pack_in_process, small_dataset

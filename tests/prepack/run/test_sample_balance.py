@@ -19,10 +19,10 @@ import yaml
 from loader import PackedShardDataset, open_stream
 from loader.batch import SimpleCustomBatch
 from loader.reader import Pack, iter_records
-from prepack.run.bound import BoundSpec
+from prepack.run.bounded.bound import BoundSpec
 from prepack.run.chain import Continue
 from prepack.run.driver import RunOptions, run_pack
-from prepack.run.writer import write_index
+from prepack.run.commit.writer import write_index
 from prepack.tools.audit import audit_pack
 from prepack.tools.verify import verify_pack
 from schemas.config_file import load_config

@@ -19,8 +19,8 @@ from loader import PackedShardDataset, open_stream
 from loader.reader import Pack
 from prepack.cli import main
 from prepack.run.driver import RunOptions, run_pack
-from prepack.run.restore import restore
-from prepack.run.trim_policy import trim_pack
+from prepack.run.bounded.restore import restore
+from prepack.run.bounded.trim_policy import trim_pack
 from prepack.tools.audit import audit_pack
 from prepack.tools.stats import compute_stats, format_stats
 from prepack.tools.verify import verify_pack

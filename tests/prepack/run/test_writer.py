@@ -12,9 +12,9 @@ import pytest
 import xxhash
 from tests.helpers.fakepack import BatchSpec, make_batch, stream_batches
 
-from prepack.run.atomic_files import AtomicFile, write_json_atomic
-from prepack.run.recovery import recover_stream
-from prepack.run.writer import Committing, ShardFormat, StreamWriter
+from prepack.run.commit.atomic_files import AtomicFile, write_json_atomic
+from prepack.run.commit.recovery import recover_stream
+from prepack.run.commit.writer import Committing, ShardFormat, StreamWriter
 from schemas.compression import Compression
 from schemas.errors import DamagedFile
 from schemas.layout import checkpoint_file
@@ -258,7 +258,7 @@ def test_empty_lists_round_trip(tmp_path):
 
 
 def test_write_bytes_atomic_replaces_whole_file(tmp_path):
-    from prepack.run.atomic_files import write_bytes_atomic
+    from prepack.run.commit.atomic_files import write_bytes_atomic
 
     write_bytes_atomic(str(tmp_path), "stream-00001/ckpt-00001.arrow", b"first version, longer")
     write_bytes_atomic(str(tmp_path), "stream-00001/ckpt-00001.arrow", b"second")

@@ -12,7 +12,7 @@ from prepack.tools import composition as comp
 from prepack.tools.composition import BATCH_QUANTITIES, LABELS, SAMPLE_QUANTITIES, Composition, packed_batch_counts
 from prepack.tools.sketch import EXACT_BITS, Distribution, bucket_floor
 from prepack.tools.stats import compute_stats, format_stats, render_html
-from prepack.run.atomic_files import write_bytes_atomic
+from prepack.run.commit.atomic_files import write_bytes_atomic
 from schemas.documents import dump_checked
 from schemas.layout import PACK_INFO_NAME
 from schemas.location import resolve_location

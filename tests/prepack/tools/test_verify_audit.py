@@ -22,7 +22,7 @@ from tests.helpers.fakepack import make_batch
 from tests.helpers.packs import build_pack
 from loader import open_stream
 from loader.reader import Pack, read_shard
-from prepack.run.checkpoint_files import read_checkpoint
+from prepack.run.commit.checkpoint_files import read_checkpoint
 from prepack.tools.audit import AuditRefused, audit_pack, first_difference
 from prepack.tools.lineage_queries import scan_lineage
 from schemas.documents import dump_checked, load_checked
@@ -30,7 +30,7 @@ from schemas.errors import DamagedFile, PackFormatError, PackIntegrityError
 from prepack.cli import main
 from prepack.tools.lineage_queries import batches_with_row
 from prepack.tools.verify import verify_pack
-from prepack.run.atomic_files import write_bytes_atomic, write_json_atomic
+from prepack.run.commit.atomic_files import write_bytes_atomic, write_json_atomic
 from schemas.compression import Compression
 from schemas.config_file import load_config
 from schemas.layout import MANIFEST_NAME, PACK_INFO_NAME, checkpoint_file, done_file, index_file, stream_lineage_file

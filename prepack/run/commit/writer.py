@@ -3,7 +3,7 @@
 **The shard commit** (described here once; the layout, the stream job and docs/architecture.md
 point here).  A stream is the unit of resume, so its output must always be a clean prefix of
 committed shards.  For shard k a committing ``StreamWriter`` writes, each file atomically
-(``prepack.run.atomic_files``: under a temporary name, made durable, renamed; on an object store, where
+(``prepack.run.commit.atomic_files``: under a temporary name, made durable, renamed; on an object store, where
 an upload appears whole or not at all, under its final name; names from ``schemas.layout``):
 
 1. ``shard-k.arrow``: the records (its XXH3-128 taken from the bytes as they are written, never
@@ -17,7 +17,7 @@ an upload appears whole or not at all, under its final name; names from ``schema
    commit**, atomic on a local disk (rename) and on an object store (PUT).
 
 A shard exists exactly when the index lists it; anything after the last listed shard is a crash
-leftover, which ``prepack.run.recovery.recover_stream`` deletes (``ckpt-next`` stays: it is the
+leftover, which ``prepack.run.commit.recovery.recover_stream`` deletes (``ckpt-next`` stays: it is the
 state to resume from).
 The stream then resumes from that checkpoint, after checking it against the sha256 its index row
 recorded, and writes the same bytes.  Before shard 0 the writer writes ``ckpt-00000``, whose
@@ -37,10 +37,10 @@ import pyarrow as pa
 import xxhash
 
 from prepack.engine.reuse.source_pictures import RESIZE_IMPL
-from prepack.run.atomic_files import AtomicFile, sha256_hex, write_bytes_atomic
-from prepack.run.checkpoint_files import write_checkpoint
-from prepack.run.direct_file import staging_buffer
-from prepack.run.lineage import compact_lineage, lineage_table, parquet_bytes
+from prepack.run.commit.atomic_files import AtomicFile, sha256_hex, write_bytes_atomic
+from prepack.run.commit.checkpoint_files import write_checkpoint
+from prepack.run.commit.direct_file import staging_buffer
+from prepack.run.commit.lineage import compact_lineage, lineage_table, parquet_bytes
 from schemas.compression import Compression
 from schemas.config import PrepackConfig
 from schemas.cost import terms_of

@@ -2,7 +2,7 @@
 
 Every file of a pack that a reader or a resumed run may see is written through here: a crash
 leaves either the old file or the new one, never a half-written one under a real name.  Names
-come from ``schemas.layout``; in what order a shard's files are written is ``prepack.run.writer``.
+come from ``schemas.layout``; in what order a shard's files are written is ``prepack.run.commit.writer``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import secrets
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
-from prepack.run.direct_file import DirectFile
+from prepack.run.commit.direct_file import DirectFile
 from schemas.layout import temporary
 from schemas.location import PackLocation, resolve_location
 

@@ -1,6 +1,6 @@
 """Whether a shard could be packed again now: its sources and tokenizer as they were.
 
-A trimmed shard exists only as its checkpoint and its sources (``prepack.run.trim``), so a trim
+A trimmed shard exists only as its checkpoint and its sources (``prepack.run.bounded.trim``), so a trim
 must never delete the records of a shard a restore could not rebuild: the sources it read
 (``schemas.sources``, recorded at pack time by the stream's ``SourceLedger``) must still be there
 with the same bytes, and the tokenizer must be the one it was packed with.  ``RestoreCheck`` says

@@ -2,7 +2,7 @@
 ``--keep-checkpoints K``).
 
 Plain values, light to import (``prepack run --help`` builds its parser from them) and shipped to
-each stream task as they are; ``prepack.run.ahead`` packs by them, ``prepack.run.trim_policy`` trims.
+each stream task as they are; ``prepack.run.bounded.ahead`` packs by them, ``prepack.run.bounded.trim_policy`` trims.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""``prepack trim`` and ``prepack restore``: their parsers and handlers (``prepack.run.trim_policy``,
-``prepack.run.trim``, ``prepack.run.restore``).
+"""``prepack trim`` and ``prepack restore``: their parsers and handlers (``prepack.run.bounded.trim_policy``,
+``prepack.run.bounded.trim``, ``prepack.run.bounded.restore``).
 
 Registered by ``prepack.cli`` (``add_command``); light to import: the tool is imported when it runs.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from prepack.run.bound import BoundSpec
+from prepack.run.bounded.bound import BoundSpec
 from prepack.run.command import add_bound_arguments, parse_streams
 from schemas.errors import UsageError
 
@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 def cmd_trim(args) -> int:
     # the policy reads packs (pyarrow): imported when the command runs, not for `prepack --help`
-    from prepack.run import restorable, trim, trim_policy
+    from prepack.run.bounded import restorable, trim, trim_policy
 
     if bool(args.state) == bool(args.progress):
         raise UsageError("trim takes --progress P (a training's progress folder), or --state STATE.json")
@@ -36,7 +36,8 @@ def cmd_trim(args) -> int:
 
 def cmd_restore(args) -> int:
     # restoring packs (torch, transformers): imported when the command runs, not for `prepack --help`
-    from prepack.run import latents, restore as restoring
+    from prepack.run.bounded import restore as restoring
+    from prepack.run.latents import stage as latents  # (the same reason: torch)
 
     if (args.state is None) == (args.streams is None):
         raise UsageError("restore takes --state STATE.json, or --streams S with --records A-B")

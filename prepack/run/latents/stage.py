@@ -1,7 +1,7 @@
 """``prepack latents``: encode every committed shard's VAE canvases once, beside the shard (issue 51).
 
 A stream at a time, a shard at a time: read the shard's records (every digest checked), run the
-training's own encoder on each record's padded canvas (``prepack.engine.vae_encoder``), write
+training's own encoder on each record's padded canvas (``prepack.run.latents.vae_encoder``), write
 ``shard-k.latents.arrow`` (``schemas.latents``) atomically, then the stream's ``latents.json``
 with the file's size and digest: that listing is the commit marker, so a killed stage resumes
 after the last listed shard and writes the same bytes again (the encoder is deterministic on one
@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from loader.reader import Pack, read_shard
-from prepack.engine.vae_encoder import VaeEncoder, weights_digest
+from prepack.run.latents.vae_encoder import VaeEncoder, weights_digest
 from prepack.run.ray_init import init_ray
-from prepack.run.atomic_files import write_bytes_atomic, write_json_atomic
+from prepack.run.commit.atomic_files import write_bytes_atomic, write_json_atomic
 from schemas.documents import read_document
 from schemas.errors import DamagedFile, UsageError
 from schemas.latents import ShardLatents, StreamLatents, encode_latents, file_digest
@@ -42,7 +42,7 @@ class LatentsOptions:
     """What ``prepack latents`` was asked: the encoder and where to run it."""
 
     weights: str  # the VAE's ae.safetensors
-    stack: str = "nemo"  # prepack.engine.vae_encoder.ENCODERS
+    stack: str = "nemo"  # prepack.run.latents.vae_encoder.ENCODERS
     device: str = "auto"  # auto: cuda when there is one, else cpu
     streams: "tuple[int, ...] | None" = None
     follow: bool = False

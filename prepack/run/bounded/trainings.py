@@ -5,8 +5,8 @@ position and each checkpoint its rank's state takes.  ``Trainings`` reads those 
 every ``POLL_S`` seconds) and answers, per stream and in the chain's record numbers (what a loader
 state counts), the two facts a bounded run needs: how far the furthest training has read
 (``reached``), and where the earliest of each training's ``keep`` newest checkpoints stands
-(``kept_before``): what packing ahead (``prepack.run.ahead``) and the trim policy
-(``prepack.run.trim_policy``) decide from.
+(``kept_before``): what packing ahead (``prepack.run.bounded.ahead``) and the trim policy
+(``prepack.run.bounded.trim_policy``) decide from.
 """
 
 from __future__ import annotations

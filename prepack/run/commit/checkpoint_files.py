@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from prepack.engine.state_codec import state_from_payload, state_to_payload
 from prepack.engine.packer import StreamState
-from prepack.run.atomic_files import sha256_hex, write_bytes_atomic
+from prepack.run.commit.atomic_files import sha256_hex, write_bytes_atomic
 from schemas.checkpoint import CheckpointDoc
 from schemas.errors import DamagedFile
 from schemas.layout import checkpoint_file

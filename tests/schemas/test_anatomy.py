@@ -1,4 +1,4 @@
-"""A packed batch's anatomy (``schemas.record``): every field has a kind, a field without one is
+"""A packed batch's anatomy (``schemas.anatomy``): every field has a kind, a field without one is
 refused, and ``batch_anatomy`` gives each row of each field to the sample whose span holds it."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ from dataclasses import field, fields, make_dataclass
 import numpy as np
 import pytest
 
-from schemas import record
+from schemas import anatomy
+from schemas.anatomy import (FIELD_KINDS, POSITIONS, SAMPLE_ROWS, VAE, VAE_TOKEN, VIT, VIT_TOKEN, FieldKind,
+                             batch_anatomy, check_field_kinds)
 from schemas.errors import PackingError
-from schemas.record import (FIELD_KINDS, POSITIONS, SAMPLE_ROWS, VAE, VAE_TOKEN, VIT, VIT_TOKEN, FieldKind, PackedBatch,
-                            batch_anatomy, check_field_kinds)
+from schemas.record import PackedBatch
 from tests.helpers.fakepack import BatchSpec, make_batch
 
 
@@ -28,9 +29,9 @@ def test_a_field_without_a_kind_is_refused():
         check_field_kinds(grown)
 
 
-@pytest.mark.parametrize("name, kind", [("image_heights", FieldKind(record.BATCH, record.PIXELS)),
-                                        ("origins", FieldKind("token", record.VALUE)),
-                                        ("image_sources", FieldKind(record.IMAGE))])
+@pytest.mark.parametrize("name, kind", [("image_heights", FieldKind(anatomy.BATCH, anatomy.PIXELS)),
+                                        ("origins", FieldKind("token", anatomy.VALUE)),
+                                        ("image_sources", FieldKind(anatomy.IMAGE))])
 def test_a_kind_the_cut_cannot_carry_is_refused(monkeypatch, name, kind):
     monkeypatch.setitem(FIELD_KINDS, name, kind)
     with pytest.raises(TypeError, match=name):
@@ -43,7 +44,7 @@ def test_each_row_belongs_to_the_sample_whose_span_holds_it(seed):
     body = batch_anatomy(batch)
     assert body.num_samples == batch.num_samples
     assert np.diff(body.starts).tolist() == batch.sample_lens.tolist()
-    assert body.owners[record.POSITION].tolist() == body.owner(np.arange(batch.sequence_length)).tolist()
+    assert body.owners[anatomy.POSITION].tolist() == body.owner(np.arange(batch.sequence_length)).tolist()
     for name, kind in FIELD_KINDS.items():
         if kind.rows in SAMPLE_ROWS:
             assert len(getattr(batch, name)) == len(body.owners[kind.rows]), name

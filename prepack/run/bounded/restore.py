@@ -1,11 +1,11 @@
 """Restoring trimmed shards byte for byte (``prepack restore``).
 
-``restore`` packs a trimmed shard again from its checkpoint (``prepack.run.trim`` deleted only its
+``restore`` packs a trimmed shard again from its checkpoint (``prepack.run.bounded.trim`` deleted only its
 records file: its index row, checkpoints, pixel index and lineage stay), checks the file against
 the size and XXH3-128 its index row recorded, encodes its VAE latents again when it had them
-(``prepack.run.latents.LatentsRestore``), and only then takes it off the stream's ``trimmed.json``.
+(``prepack.run.latents.stage.LatentsRestore``), and only then takes it off the stream's ``trimmed.json``.
 Everything asked for is checked before any work (its sources and tokenizer as packed:
-``prepack.run.restorable``; the latents' weights and device), so a refusal writes nothing.  A
+``prepack.run.bounded.restorable``; the latents' weights and device), so a refusal writes nothing.  A
 crash at any point leaves a listed shard whose file is either absent or complete and checked;
 readers read a file that is there, and name the restore command for one that is not
 (``loader.reader``).  One trim or restore at a time per pack.
@@ -21,11 +21,11 @@ from prepack.engine.packer import PackerOptions
 from prepack.engine.packers import open_packer
 from prepack.engine.reuse.earlier_pixels import PixelReuse
 from prepack.engine.tokenizer import load_tokenizer, special_token_ids, tokenizer_fingerprint
-from prepack.run.checkpoint_files import read_checkpoint
-from prepack.run.latents import LatentsRestore
-from prepack.run.restorable import RestoreCheck
-from prepack.run.trim import positions_of, write_trimmed
-from prepack.run.writer import ShardFormat, StreamWriter
+from prepack.run.commit.checkpoint_files import read_checkpoint
+from prepack.run.latents.stage import LatentsRestore
+from prepack.run.bounded.restorable import RestoreCheck
+from prepack.run.bounded.trim import positions_of, write_trimmed
+from prepack.run.commit.writer import ShardFormat, StreamWriter
 from schemas.compression import Compression
 from schemas.errors import DamagedFile, PackRefused, UsageError
 from schemas.layout import shard_file

@@ -2,13 +2,13 @@
 
 ``AheadGate.holding(stream, records)``: what keeps the stream from starting another shard, having
 ``records`` in its chain (None: nothing)?  ``--ahead N``: it has N batches or more past the furthest
-training's position (``prepack.run.trainings``).  A shard once started is finished (readers see
+training's position (``prepack.run.bounded.trainings``).  A shard once started is finished (readers see
 whole shards), so a stream holds at most ``ahead`` plus one shard of batches past the furthest
 reader.  ``--disk-budget``: the stream's directory and its next shard would not fit in the stream's
 share of the budget (``DiskShare``; the shares add up to the budget, so the pack stays under it
 without the streams talking to each other).  Readers publish their position
 before they would wait for a batch not yet packed, so a packer holding back always hears that they
-caught up.  What may be trimmed meanwhile is the trim policy's to say (``prepack.run.trim_policy``);
+caught up.  What may be trimmed meanwhile is the trim policy's to say (``prepack.run.bounded.trim_policy``);
 ``JobStreams`` is the job's side: which of its streams may pack now, and its trims every few seconds.
 """
 
@@ -23,10 +23,10 @@ from loader.reader import Pack
 from schemas.errors import UsageError
 from schemas.layout import stream_dir
 from schemas.manifest import TrimmedShards
-from prepack.run import trainings as trainings_module
-from prepack.run.bound import BoundSpec
-from prepack.run.trainings import Trainings
-from prepack.run.trim_policy import TrimPolicy
+from prepack.run.bounded import trainings as trainings_module
+from prepack.run.bounded.bound import BoundSpec
+from prepack.run.bounded.trainings import Trainings
+from prepack.run.bounded.trim_policy import TrimPolicy
 from schemas.location import PackLocation
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from prepack.run.atomic_files import sha256_hex, write_bytes_atomic
+from prepack.run.commit.atomic_files import sha256_hex, write_bytes_atomic
 from schemas.layout import LINEAGE_DIR, SHARD_LINEAGE, parse, shard_lineage_file, stream_dir, stream_lineage_file
 from schemas.lineage import LINEAGE_SCHEMA, lineage_by_shard, read_lineage
 from schemas.location import PackLocation

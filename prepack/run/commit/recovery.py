@@ -1,4 +1,4 @@
-"""Crash recovery of one stream: back to its committed prefix (the commit is ``prepack.run.writer``).
+"""Crash recovery of one stream: back to its committed prefix (the commit is ``prepack.run.commit.writer``).
 
 A shard exists exactly when the stream index lists it; anything after the last listed shard is a
 leftover of a crash and is deleted, except ``ckpt-next``: the state the stream resumes from.

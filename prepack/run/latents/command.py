@@ -1,4 +1,4 @@
-"""``prepack latents``: its parser and handler (``prepack.run.latents``).
+"""``prepack latents``: its parser and handler (``prepack.run.latents.stage``).
 
 Registered by ``prepack.cli`` (``add_command``); light to import: the stage (torch, the training
 stack's encoder, Ray) is imported when it runs.
@@ -15,7 +15,7 @@ from schemas.errors import UsageError
 
 
 def cmd_latents(args) -> int:
-    from prepack.run.latents import LatentsOptions, run_latents  # noqa: PLC0415 (torch: when it runs)
+    from prepack.run.latents.stage import LatentsOptions, run_latents  # noqa: PLC0415 (torch: when it runs)
 
     if not os.path.isfile(args.vae):
         raise UsageError(f"--vae {args.vae}: no such file (the VAE weights the training loads, ae.safetensors)")

@@ -5,8 +5,8 @@ the pack's config re-pack shard k exactly (that is what ``audit`` checks).  So o
 reading the pack has checkpointed past a shard (its position in the oldest checkpoint it keeps is
 beyond the shard's last record), the file can go: ``trim`` lists the shard in the stream's
 ``trimmed.json`` first, then deletes ``shard-k.arrow`` (and its VAE latents); the index row (sizes,
-digests), the checkpoints, the pixel index and the lineage stay.  ``prepack.run.restore`` packs a
-trimmed shard again.  Which shards may go is ``prepack.run.trim_policy``'s to say.
+digests), the checkpoints, the pixel index and the lineage stay.  ``prepack.run.bounded.restore`` packs a
+trimmed shard again.  Which shards may go is ``prepack.run.bounded.trim_policy``'s to say.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import logging
 
 from loader.reader import Pack
 from loader.state import positions_in, read_state_file
-from prepack.run.atomic_files import write_bytes_atomic
+from prepack.run.commit.atomic_files import write_bytes_atomic
 from schemas.errors import PackRefused, UsageError
 from schemas.layout import shard_file, shard_latents_file, trimmed_file
 from schemas.location import PackLocation
@@ -48,7 +48,7 @@ def write_trimmed(loc: PackLocation, stream: int, shards: "set[int]") -> None:
 def trim_shards(pack: Pack, stream: int, shards: "list[ShardEntry]") -> int:
     """Delete the records files of ``shards`` of ``stream``, listed in ``trimmed.json`` first (a listed
     file may be absent; an unlisted one never is); the bytes freed.  Which shards may go is the trim
-    policy's to say (``prepack.run.trim_policy``)."""
+    policy's to say (``prepack.run.bounded.trim_policy``)."""
     loc = pack.location
     listed = set(TrimmedShards.read(loc, stream).shards)
     write_trimmed(loc, stream, listed | {sh.shard for sh in shards})

@@ -6,12 +6,12 @@ the earliest chain record any training may still come back to.  Two sources of t
 - ``behind_states``: loader states given by hand (``prepack trim --state``): each one's position;
 - ``behind_checkpoints``: the trainings' progress folders (``prepack trim --progress``, and a
   bounded run as it packs): the earliest of each training's ``keep`` newest checkpoints
-  (``prepack.run.trainings``), so a crash rolls back to nothing trimmed.
+  (``prepack.run.bounded.trainings``), so a crash rolls back to nothing trimmed.
 
 Whatever the position, a shard goes only if it could be packed again now: its sources unchanged
-and the tokenizer the same (``prepack.run.restorable``); otherwise it is kept and the reason said
+and the tokenizer the same (``prepack.run.bounded.restorable``); otherwise it is kept and the reason said
 once.  ``TrimPolicy.apply`` is the one loop over streams; the deleting itself (list the shard in
-``trimmed.json`` first, then delete its records file) is ``prepack.run.trim.trim_shards``.
+``trimmed.json`` first, then delete its records file) is ``prepack.run.bounded.trim.trim_shards``.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 from loader.reader import Pack
 from prepack.engine.sources.ledger import SourceCheck
-from prepack.run.restorable import KeptShards, RestoreCheck
-from prepack.run.trainings import Trainings
-from prepack.run.trim import positions_of, trim_shards
+from prepack.run.bounded.restorable import KeptShards, RestoreCheck
+from prepack.run.bounded.trainings import Trainings
+from prepack.run.bounded.trim import positions_of, trim_shards
 from schemas.layout import shard_file
 from schemas.manifest import ShardEntry, TrimmedShards
 
