@@ -14,6 +14,8 @@ every other weight within 2.4e-7): a property of Adam, not of the data."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -82,3 +84,27 @@ def differences(ref: dict, other: dict) -> tuple[float, float]:
 def spawn_target(rank: int, *args) -> None:
     """``torch.multiprocessing.spawn``'s entry: ``train_rank(rank, *args)``."""
     train_rank(rank, *args)
+
+
+def train_two_ways(target, packed_dir: str, work: str, world: int, micro_batches: int, steps: int,
+                   balance: bool) -> list[dict]:
+    """Every rank's ``{"losses", "weights", "read"}`` of a ``world``-rank training run by ``target``
+    (a ``spawn_target``: this module's, DDP-like, or ``tests/helpers/fsdp_training.py``'s, FSDP2)."""
+    import torch.multiprocessing as mp
+
+    out = os.path.join(work, f"{'balanced' if balance else 'reference'}-rank")
+    init = os.path.join(work, f"pg-{balance}")
+    mp.spawn(target, args=(world, packed_dir, balance, micro_batches, steps, init, out), nprocs=world, join=True)
+    return [torch.load(f"{out}{r}", weights_only=True) for r in range(world)]
+
+
+def check_balanced_against_reference(ref: list[dict], bal: list[dict], steps: int) -> tuple[float, float]:
+    """Every rank saw the same losses, every step computed the reference's batches (dealt otherwise,
+    somewhere), training moved; returns ``differences`` of the balanced run from the reference."""
+    for r in range(len(ref)):
+        assert ref[r]["losses"] == ref[0]["losses"] and bal[r]["losses"] == bal[0]["losses"]
+    for t in range(steps):
+        assert sorted(sum((x["read"][t] for x in ref), [])) == sorted(sum((x["read"][t] for x in bal), []))
+    assert any(ref[r]["read"] != bal[r]["read"] for r in range(len(ref))), "balance moved no batch"
+    assert len(set(ref[0]["losses"])) == steps  # training moves
+    return differences(ref[0], bal[0])

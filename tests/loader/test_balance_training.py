@@ -7,13 +7,10 @@ computed differ.  (SGD, not Adam: why in tests/helpers/balanced_training.py.)"""
 
 from __future__ import annotations
 
-import os
 
 import pytest
-import torch
-import torch.multiprocessing as mp
 
-from tests.helpers.balanced_training import differences, spawn_target
+from tests.helpers.balanced_training import check_balanced_against_reference, spawn_target, train_two_ways
 from tests.helpers.fakepack import make_pack
 
 WORLD, M, STEPS = 2, 2, 5
@@ -23,26 +20,13 @@ LOSS_RTOL = 1e-6
 WEIGHT_ATOL = 1e-6
 
 
-def _train(packed_dir: str, work: str, balance: bool) -> list[dict]:
-    out = os.path.join(work, f"{'balanced' if balance else 'reference'}-rank")
-    init = os.path.join(work, f"pg-{balance}")
-    mp.spawn(spawn_target, args=(WORLD, packed_dir, balance, M, STEPS, init, out), nprocs=WORLD, join=True)
-    return [torch.load(f"{out}{r}", weights_only=True) for r in range(WORLD)]
-
-
 @pytest.mark.slow
 def test_balanced_training_equals_the_reference(tmp_path):
     packed_dir = str(tmp_path / "pack")
     make_pack(packed_dir, world_size=2, num_workers=2, lengths=[6, 5, 6, 6], shard_bytes=40 * 1024)
-    ref = _train(packed_dir, str(tmp_path), balance=False)
-    bal = _train(packed_dir, str(tmp_path), balance=True)
-    for r in range(WORLD):  # every rank ends with the same weights and sees the same losses
-        assert ref[r]["losses"] == ref[0]["losses"] and bal[r]["losses"] == bal[0]["losses"]
-    for t in range(STEPS):  # each step computes the same batches, dealt otherwise
-        assert sorted(sum((x["read"][t] for x in ref), [])) == sorted(sum((x["read"][t] for x in bal), []))
-    assert any(ref[r]["read"] != bal[r]["read"] for r in range(WORLD)), "balance moved no batch"
-    assert len(set(ref[0]["losses"])) == STEPS  # training moves
-    loss_diff, weight_diff = differences(ref[0], bal[0])
+    ref = train_two_ways(spawn_target, packed_dir, str(tmp_path), WORLD, M, STEPS, balance=False)
+    bal = train_two_ways(spawn_target, packed_dir, str(tmp_path), WORLD, M, STEPS, balance=True)
+    loss_diff, weight_diff = check_balanced_against_reference(ref, bal, STEPS)
     print(f"balanced vs reference: loss max relative difference {loss_diff:.3g}, weights max absolute "
           f"difference {weight_diff:.3g}")
     assert loss_diff <= LOSS_RTOL

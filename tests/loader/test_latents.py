@@ -63,6 +63,15 @@ def _same(a, b) -> bool:
     return a == b
 
 
+def _both(pack: str):
+    """``(stream, record, batch, the same batch with latents)`` of every record, rank s reading stream s."""
+    for s in range(Pack.open(pack).num_streams):
+        plain = PackedShardDataset(pack, rank=s, world_size=2)
+        latent = PackedShardDataset(pack, rank=s, world_size=2, vae_latents=True)
+        for i, (a, b) in enumerate(zip(plain, latent)):
+            yield s, i, a, b
+
+
 def _vae_records(out: str) -> list[tuple[int, int, object]]:
     p = Pack.open(out)
     return [(s, i, record_to_batch(r)) for s in range(p.num_streams) for i, r in iter_records(p, s)
@@ -100,26 +109,23 @@ def test_padded_latent_is_the_recipes_encode_for_the_same_noise(pack, vae):
     assert records, "no record with VAE pictures: the test proves nothing"
     p = Pack.open(pack)
     seen = 0
-    for s in range(p.num_streams):
-        plain = list(PackedShardDataset(pack, rank=s, world_size=2))
-        latent = list(PackedShardDataset(pack, rank=s, world_size=2, vae_latents=True))
-        for i, (a, b) in enumerate(zip(plain, latent)):
-            if (s, i) not in records:
-                assert "padded_latent" not in b.to_dict() and "padded_images" not in b.to_dict()
-                continue
-            da, db = a.to_dict(), b.to_dict()
-            assert "padded_images" in da and "padded_images" not in db and "padded_latent" in db
-            assert set(da) - {"padded_images"} == set(db) - {"padded_latent"}  # the rest of the batch is the same
-            for key in set(da) - {"padded_images"}:
-                assert _same(da[key], db[key]), key
-            shapes = records[(s, i)].vae_latent_shapes.reshape(-1, 2).tolist()
-            want = _recipe_latent(ae, da["padded_images"], torch.float32, shapes, noise_seed(p.record_digest(s, i), 0))
-            got = db["padded_latent"]
-            assert got.dtype == torch.float32 and got.shape == want.shape
-            for k, shape in enumerate(shapes):  # the rows the model reads of each image
-                h, w = crop_shape(shape)
-                assert torch.equal(got[k, :, :h, :w], want[k, :, :h, :w])
-            seen += 1
+    for s, i, a, b in _both(pack):
+        if (s, i) not in records:
+            assert "padded_latent" not in b.to_dict() and "padded_images" not in b.to_dict()
+            continue
+        da, db = a.to_dict(), b.to_dict()
+        assert "padded_images" in da and "padded_images" not in db and "padded_latent" in db
+        assert set(da) - {"padded_images"} == set(db) - {"padded_latent"}  # the rest of the batch is the same
+        for key in set(da) - {"padded_images"}:
+            assert _same(da[key], db[key]), key
+        shapes = records[(s, i)].vae_latent_shapes.reshape(-1, 2).tolist()
+        want = _recipe_latent(ae, da["padded_images"], torch.float32, shapes, noise_seed(p.record_digest(s, i), 0))
+        got = db["padded_latent"]
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        for k, shape in enumerate(shapes):  # the rows the model reads of each image
+            h, w = crop_shape(shape)
+            assert torch.equal(got[k, :, :h, :w], want[k, :, :h, :w])
+        seen += 1
     assert seen >= 2
 
 
@@ -139,30 +145,27 @@ def test_a_stage_2_training_step_from_latents_equals_the_step_from_pixels(pack, 
     ae, _ = vae
     p = Pack.open(pack)
     steps = 0
-    for s in range(p.num_streams):
-        plain = list(PackedShardDataset(pack, rank=s, world_size=2))
-        latent = list(PackedShardDataset(pack, rank=s, world_size=2, vae_latents=True))
-        for i, (a, b) in enumerate(zip(plain, latent)):
-            da, db = a.to_dict(), b.to_dict()
-            if "padded_images" not in da:
-                continue
-            shapes = [tuple(x) for x in a.patchified_vae_latent_shapes]
-            da["padded_latent"] = _recipe_latent(ae, da.pop("padded_images"), torch.float32, shapes,
-                                                 noise_seed(p.record_digest(s, i), 0))
-            results = []
-            for data in (da, db):
-                torch.manual_seed(3)
-                model = TinyBagel(latent_channels=Z)
-                out = model(**{k: v for k, v in data.items() if k in FORWARD_KEYS})
-                loss = sum(out[k].mean() for k in ("ce", "mse") if out[k] is not None)
-                loss.backward()
-                grads = {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}
-                assert grads["vae_in.weight"].abs().sum() > 0  # the latent is in the step
-                results.append((loss.item(), list(grads.values())))
-            (loss_a, grads_a), (loss_b, grads_b) = results
-            assert loss_a == loss_b  # CPU, float32: the same arithmetic, bit for bit
-            assert len(grads_a) == len(grads_b) and all(torch.equal(x, y) for x, y in zip(grads_a, grads_b))
-            steps += 1
+    for s, i, a, b in _both(pack):
+        da, db = a.to_dict(), b.to_dict()
+        if "padded_images" not in da:
+            continue
+        shapes = [tuple(x) for x in a.patchified_vae_latent_shapes]
+        da["padded_latent"] = _recipe_latent(ae, da.pop("padded_images"), torch.float32, shapes,
+                                             noise_seed(p.record_digest(s, i), 0))
+        results = []
+        for data in (da, db):
+            torch.manual_seed(3)
+            model = TinyBagel(latent_channels=Z)
+            out = model(**{k: v for k, v in data.items() if k in FORWARD_KEYS})
+            loss = sum(out[k].mean() for k in ("ce", "mse") if out[k] is not None)
+            loss.backward()
+            grads = {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}
+            assert grads["vae_in.weight"].abs().sum() > 0  # the latent is in the step
+            results.append((loss.item(), list(grads.values())))
+        (loss_a, grads_a), (loss_b, grads_b) = results
+        assert loss_a == loss_b  # CPU, float32: the same arithmetic, bit for bit
+        assert len(grads_a) == len(grads_b) and all(torch.equal(x, y) for x, y in zip(grads_a, grads_b))
+        steps += 1
     assert steps >= 1, "no record with VAE pictures: the test proves nothing"
 
 
