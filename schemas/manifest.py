@@ -118,12 +118,15 @@ class PackSummary(Document):
 
 @dataclass
 class TrimmedShards(Document):
-    """``trimmed.json``: the shards of a stream whose records file was trimmed.  Written before a
-    file is deleted (a crash between leaves a listed shard whose file is still there: read as any
-    shard) and after a restored file is in place, so the list never hides a missing file."""
+    """``trimmed.json``: the shards of a stream whose records file was trimmed, and the checkpoints a
+    trim dropped (``ckpt-k``'s two files; ``prepack.run.bounded.checkpoint_ladder`` says which go, a
+    restore starts from the nearest one kept).  Written before a file is deleted (a crash between
+    leaves a listed file still there: a listed shard is read as any, a listed checkpoint is not read)
+    and after a restored file is in place, so the list never hides a missing file."""
 
     stream: int
     shards: list[int] = field(default_factory=list)
+    checkpoints: list[int] = field(default_factory=list)
 
     @classmethod
     def read(cls, loc: "PackLocation", stream: int) -> "TrimmedShards":

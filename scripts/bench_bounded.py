@@ -44,15 +44,20 @@ Measured (a sampling thread here, every ``--sample-ms``):
 Also printed: the shards trimmed by the end against those wholly behind the trainings' kept
 checkpoints then (read fresh, as ``prepack trim --progress`` would: what the job could have
 trimmed), the packer's stderr stamped with the seconds since the run's start (``--keep-tmp``
-keeps it, with each rank's step log, under the temporary folder's ``work/``).
+keeps it, with each rank's step log, under the temporary folder's ``work/``).  After each run the
+trimmed shard a restore packs the most batches again for (its checkpoint dropped by the trims,
+``prepack.run.bounded.checkpoint_ladder``) is restored and audited: byte for byte its index row.
 
-Last line, exactly:
-``bounded: disk peak X MiB of Y MiB (ratio R); trainer waited W ms/step; batches equal``
-(``batches DIFFER`` and a non-zero exit when any check fails).
+``--batches N1,N2`` (default 32,160) runs the same at both lengths: what a bounded pack keeps for
+the whole run (checkpoints, indexes, sources, lineage) must not grow its peak with the run.
 
-    python scripts/bench_bounded.py             # 48 batches/stream, --ahead 4, a checkpoint every 6: ~50 s on 2 cores
-    python scripts/bench_bounded.py --no-kill   # the same without the crashes
-    python scripts/bench_bounded.py --ahead 1 --keep-checkpoints 1 --checkpoint-every 4
+Last line, exactly (two lengths; with one, ``bounded: disk peak X MiB of Y MiB (ratio R); ...``):
+``bounded: disk peak X1 MiB at N1 batches a stream, X2 MiB at N2 (xG); whole packs Y1 and Y2 MiB;
+trainer waited W ms/step; batches equal`` (``batches DIFFER`` and a non-zero exit when any check fails).
+
+    python scripts/bench_bounded.py --ahead 3 --keep-checkpoints 1   # 32 and 160 batches/stream: ~6 min on 2 cores
+    python scripts/bench_bounded.py --batches 48                     # one run: ~50 s
+    python scripts/bench_bounded.py --batches 48 --no-kill           # the same without the crashes
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 
 import yaml
 
@@ -361,10 +367,51 @@ def tail(path: str, n: int = 15) -> str:
         return ""
 
 
-def run(args, tmp: str) -> int:
-    from machine import machine_line
+@dataclass
+class Result:
+    batches: int
+    peak: int
+    whole: int
+    wait_ms: float
+    equal: bool
 
-    print(machine_line(), flush=True)
+
+def restore_and_audit(out: str) -> bool:
+    """Restore the trimmed shard a restore packs the most batches again for (its checkpoint dropped,
+    the nearest kept far behind it) and audit it: byte for byte the file its index recorded."""
+    from loader.reader import Pack
+    from prepack.engine.tokenizer import load_tokenizer, special_token_ids
+    from prepack.run.bounded.checkpoint_ladder import nearest_kept
+    from prepack.run.bounded.restore import restore
+    from prepack.tools.audit import audit_pack
+    from schemas.manifest import TrimmedShards
+
+    p = Pack.open(out)
+    far = []
+    for s in range(p.num_streams):
+        doc, index = TrimmedShards.read(p.location, s), p.index(s)
+        for k in doc.shards:
+            j = nearest_kept(k, set(doc.checkpoints))
+            far.append((index.shards[k].first_record - index.shards[j].first_record, s, k, j))
+    if not far:
+        print("restore: nothing was trimmed")
+        return True
+    todo, s, k, j = max(far)
+    tokenizer = special_token_ids(load_tokenizer(p.info.stored_config().tokenizer))
+    t0 = time.monotonic()
+    first = p.switch(s) + p.index(s).shards[k].first_record
+    restore(out, {s: (first, first)}, tokenizer=tokenizer)
+    restore_s = time.monotonic() - t0
+    ok = bool(audit_pack(out, stream=s, shard=k, tokenizer=tokenizer).ok)
+    print(f"restore: stream {s} shard {k} packed again from checkpoint {j} ({todo} batch(es) before it packed again "
+          f"first), {restore_s:.1f} s, byte for byte its index row; audit {'ok' if ok else 'FAILED'}")
+    return ok
+
+
+def run(args, tmp: str, batches: int) -> Result:
+    args = argparse.Namespace(**{**vars(args), "batches": batches})
+    tmp = os.path.join(tmp, f"b{batches}")
+    os.makedirs(tmp)
     config = make_config(tmp, args)
     work = os.path.join(tmp, "work")
     os.makedirs(work)
@@ -509,16 +556,31 @@ def run(args, tmp: str) -> int:
           f"{'equal' if rows_equal else 'DIFFER from'} the whole pack's; prepack verify "
           f"{'ok' if report.ok else 'FAILED'}; run {wall:.1f} s")
     wait_ms = 1e3 * sum(waits_all) / max(len(waits_all), 1)
-    print(f"bounded: disk peak {sampler.peak / MIB:.1f} MiB of {whole_bytes / MIB:.1f} MiB (ratio {ratio:.2f}); "
-          f"trainer waited {wait_ms:.1f} ms/step; batches {'equal' if equal else 'DIFFER'}")
-    return 0 if equal else 1
+    equal &= restore_and_audit(out)
+    return Result(args.batches, sampler.peak, whole_bytes, wait_ms, equal)
+
+
+def headline(results: list[Result]) -> str:
+    """The last line: one run's peak against its whole pack, or two runs' peaks against each other."""
+    wait_ms = sum(r.wait_ms for r in results) / len(results)
+    verdict = "equal" if all(r.equal for r in results) else "DIFFER"
+    if len(results) == 1:
+        r = results[0]
+        return (f"bounded: disk peak {r.peak / MIB:.1f} MiB of {r.whole / MIB:.1f} MiB (ratio {r.peak / r.whole:.2f}); "
+                f"trainer waited {wait_ms:.1f} ms/step; batches {verdict}")
+    a, b = results[0], results[-1]
+    return (f"bounded: disk peak {a.peak / MIB:.1f} MiB at {a.batches} batches a stream, {b.peak / MIB:.1f} MiB at "
+            f"{b.batches} (x{b.peak / a.peak:.2f}); whole packs {a.whole / MIB:.1f} and {b.whole / MIB:.1f} MiB; "
+            f"trainer waited {wait_ms:.1f} ms/step; batches {verdict}")
 
 
 def main() -> int:
     if len(sys.argv) == 3 and sys.argv[1] == "--trainer":
         return trainer_main(json.loads(sys.argv[2]))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batches", type=int, default=48, help="batches per stream (default 48)")
+    p.add_argument("--batches", default="32,160",
+                   help="batches per stream, or two counts N1,N2: the same run at each, their peaks compared (default "
+                   "32,160: what a bounded pack keeps for the whole run must not grow its peak)")
     p.add_argument("--streams", type=int, default=2, help="streams: W=1 x K of them (default 2)")
     p.add_argument("--ranks", type=int, default=2, help="training ranks reading them (default 2)")
     p.add_argument("--ahead", type=int, default=4, help="prepack run --ahead (default 4)")
@@ -538,11 +600,20 @@ def main() -> int:
     args = p.parse_args()
     if args.ranks > args.streams:
         p.error("--ranks must not exceed --streams")
-    if args.batches < 2:
-        p.error("--batches must be >= 2")
+    try:
+        args.batches = [int(x) for x in args.batches.split(",")]
+    except ValueError:
+        p.error(f"--batches takes N or N1,N2, got {args.batches!r}")
+    if min(args.batches) < 2 or len(args.batches) > 2:
+        p.error("--batches takes one or two counts, each >= 2")
     tmp = tempfile.mkdtemp(prefix="bench-bounded-", dir=args.tmp)
     try:
-        return run(args, tmp)
+        from machine import machine_line
+
+        print(machine_line(), flush=True)
+        results = [run(args, tmp, n) for n in args.batches]
+        print(headline(results))
+        return 0 if all(r.equal for r in results) else 1
     finally:
         if args.keep_tmp:
             print(f"kept {tmp}", file=sys.stderr)

@@ -8,11 +8,12 @@ data position), so NEW is what a reference ``PackedDataset`` built from B yields
 ``load_state_dict`` of OLD's state (``schemas.mix_change`` says what may change, and how groups
 match).
 
-The state after record n comes from the checkpoint of the segment holding n at or before it
-(``ckpt-k``: the state at the start of shard k), replayed forward under that segment's config:
-the replayed batches' pictures are taken from the segment's own shards (the reuse path), not
-decoded, and each replayed batch must have the digest the segment's index records, so a replay
-that would not reproduce OLD is refused instead of continued.
+The state after record n comes from the nearest checkpoint the segment holding n kept at or before
+it (``ckpt-k``: the state at the start of shard k), replayed forward under that segment's config
+(``prepack.run.bounded.replay``): the replayed batches' pictures are taken from the segment's own
+shards (the reuse path) where they are still there, and each replayed batch must have the digest
+the segment's index records, so a replay that would not reproduce OLD is refused instead of
+continued.
 """
 
 from __future__ import annotations
@@ -23,18 +24,14 @@ from dataclasses import dataclass
 
 from loader.reader import Pack
 from loader.state import positions_in, read_state_file
-from prepack.engine.state_codec import detached
-from prepack.engine.packer import PackerOptions, Switch
-from prepack.engine.packers import open_packer
-from prepack.engine.reuse.earlier_pixels import PixelReuse
-from prepack.run.commit.checkpoint_files import read_checkpoint
+from prepack.engine.packer import Switch
+from prepack.run.bounded.replay import state_at
 from schemas.config import PrepackConfig
 from schemas.errors import PackRefused, UsageError
 from schemas.layout import REFERENCE_DIR
 from schemas.location import redact_uri, resolve_location
 from schemas.mix_change import check_mix_change
 from schemas.pack_info import ParentLink
-from schemas.record import encode_record
 
 log = logging.getLogger(__name__)
 
@@ -166,31 +163,7 @@ def switch_at(pack: Pack, stream: int, n: int, tokenizer, special) -> Switch:
     local = n - m
     if local > index.num_records:
         raise PackRefused(f"{pack.location.base}: stream {stream} has {m + index.num_records} records, not {n}")
-    starts = [sh.first_record for sh in index.shards] + [index.num_records]
-    k = max(i for i, b in enumerate(starts) if b <= local)
-    state = read_checkpoint(pack.location, index, k)
-    todo = local - starts[k]
-    if todo:
-        pixels = PixelReuse((), frame_format=None)
-        pixels.add_stream(pack.location, index)  # the replayed batches' pictures are in these shards
-        try:
-            with open_packer(cfg, stream, tokenizer, special, state, PackerOptions(pixels=pixels)) as packer:
-                done = 0
-                for batch in packer:
-                    record = m + starts[k] + done
-                    if encode_record(batch).digest != index.record(starts[k] + done).digest:
-                        raise PackRefused(f"{pack.location.base}: replaying stream {stream} from its checkpoint "
-                                          f"does not give record {record} back (the data or the packing code "
-                                          "changed since it was packed)")
-                    done += 1
-                    if done == todo:
-                        break
-                if done != todo:
-                    raise PackRefused(f"{pack.location.base}: replaying stream {stream} from its checkpoint ended "
-                                      f"after record {m + starts[k] + done - 1}, before record {n - 1}")
-                state = detached(packer.state())
-        finally:
-            pixels.close()
+    got = state_at(pack.location, index, cfg, local, (tokenizer, special))
     log.info("stream %d: state after record %d from %s (checkpoint %d, %d batches replayed)",
-             stream, n, pack.location.base, k, todo)
-    return Switch(state, cfg.packed_under(local))
+             stream, n, pack.location.base, got.checkpoint, got.replayed)
+    return Switch(got.state, cfg.packed_under(local))

@@ -25,7 +25,9 @@ from loader.reader import Pack, read_shard
 from prepack.engine.state_codec import state_to_payload
 from prepack.engine.packers import open_packer
 from prepack.run.chain import switch_at
-from prepack.run.commit.checkpoint_files import read_checkpoint, read_checkpoint_files
+from prepack.run.bounded.replay import state_at
+from prepack.run.commit.atomic_files import sha256_hex
+from prepack.run.commit.checkpoint_files import checkpoint_digests, read_checkpoint_files
 from prepack.run.identity import identity_mismatch, pack_identity
 from prepack.tools.balanced_check import audit_balanced_shard, balances_samples, open_reference
 from prepack.tools.report import CheckReport
@@ -35,7 +37,7 @@ from schemas.errors import AuditRefused, DamagedFile, PrepackError
 from schemas.location import PackLocation
 from schemas.documents import load_checked
 from schemas.layout import REFERENCE_DIR, checkpoint_file
-from schemas.manifest import ShardEntry, StreamIndex
+from schemas.manifest import ShardEntry, StreamIndex, TrimmedShards
 from schemas.record import PackedBatch, SampleOrigin, batch_fields, batch_to_record, record_digest, record_to_batch
 
 log = logging.getLogger(__name__)
@@ -166,6 +168,10 @@ def state_difference(ctx: AuditContext, index: StreamIndex, shard: int, packer) 
 
     The stored files are checked against the digests the index recorded first (DamagedFile)."""
     doc, pixels = state_to_payload(packer.state())
+    if shard in TrimmedShards.read(ctx.loc, index.stream).checkpoints:  # dropped by a trim: its digests
+        if (sha256_hex(doc.to_json().encode()), sha256_hex(pixels)) != checkpoint_digests(index, shard):
+            return "state differs from the digests the stream index recorded of the checkpoint a trim dropped"
+        return None
     doc = json.loads(json.dumps(asdict(doc)))  # tuples -> lists, as stored
     stored_json, stored_pixels = read_checkpoint_files(ctx.loc, index, shard)
     diff = _json_difference(load_checked(stored_json, checkpoint_file(index.stream, shard)), doc)
@@ -237,8 +243,8 @@ def _check_state(ctx: AuditContext, index: StreamIndex, shard: int, packer, rep:
 
 def audit_shard(ctx: AuditContext, index: StreamIndex, shard: ShardEntry, rep: CheckReport) -> None:
     """Re-pack one shard from its start checkpoint; also compare the end state with the next one."""
-    try:
-        state = read_checkpoint(ctx.loc, index, shard.shard)
+    try:  # the checkpoint, or the nearest one a trim kept before it and the batches between packed again
+        state = state_at(ctx.loc, index, ctx.cfg, shard.first_record, (ctx.tokenizer, ctx.special)).state
     except PrepackError as e:  # a missing or damaged checkpoint: one line naming it
         rep.add("checkpoint", checkpoint_file(index.stream, shard.shard), False, str(e))
         return

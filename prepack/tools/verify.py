@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from loader.reader import Pack, read_shard
+from prepack.run.bounded.checkpoint_ladder import nearest_kept
 from prepack.run.bounded.restorable import RestoreCheck, current_tokenizer
 from prepack.tools.latents_check import check_latents
 from prepack.tools.report import CheckReport
@@ -149,8 +150,13 @@ def check_stream(pack: Pack, stream: int, rep: CheckReport, pool: ThreadPoolExec
         rep.rows.extend(rows)
         bar.update(sh.nbytes)
     own_states = not balances_samples(pack)  # a balanced stream's states are its reference's (balanced_check)
+    dropped = set(TrimmedShards.read(loc, stream).checkpoints)
     for sh in index.shards:
-        for ext, sha in (("json", sh.ckpt_json_sha256), ("arrow", sh.ckpt_arrow_sha256)) if own_states else ():
+        if sh.shard + 1 in dropped:  # a trim dropped it, off the ladder: a restore packs it again
+            rep.add("checkpoint", checkpoint_file(stream, sh.shard + 1), True,
+                    f"dropped by a trim (a restore starts from checkpoint {nearest_kept(sh.shard + 1, dropped)})")
+        for ext, sha in (("json", sh.ckpt_json_sha256), ("arrow", sh.ckpt_arrow_sha256)) \
+                if own_states and sh.shard + 1 not in dropped else ():
             _check_file(loc, rep, "checkpoint", checkpoint_file(stream, sh.shard + 1, ext), sha)
         _check_file(loc, rep, "pixel index", shard_pixels_file(stream, sh.shard), sh.pixels_sha256)
         if sh.ckpt_json_sha256:  # committed by a stream job: it recorded the sources its restore reads

@@ -43,3 +43,26 @@ def test_bench_bounded_tiny_ends_with_the_headline_line(tmp_path):
     assert abs(ratio - peak / whole) <= 0.005 + 0.05 / whole * (1 + peak / whole) + 1e-9
     assert ratio < 1, lines[-1]  # a bounded pack holds less than the whole pack
     assert os.listdir(tmp_path) == []  # its temporary folder is gone
+
+
+_TWO = re.compile(r"bounded: disk peak (\d+\.\d) MiB at (\d+) batches a stream, (\d+\.\d) MiB at (\d+) \(x(\d+\.\d\d)\); "
+                  r"whole packs (\d+\.\d) and (\d+\.\d) MiB; trainer waited (\d+\.\d) ms/step; batches (equal|DIFFER)")
+
+
+def test_two_lengths_headline_compares_their_peaks():
+    """``--batches N1,N2``: the last line gives both peaks and their ratio (the run itself is the slow
+    test above, with one length)."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    try:
+        import bench_bounded
+    finally:
+        sys.path.pop(0)
+    mib = bench_bounded.MIB
+    runs = [bench_bounded.Result(32, int(88.3 * mib), int(155.8 * mib), 120.0, True),
+            bench_bounded.Result(160, int(91.4 * mib), int(752.5 * mib), 80.0, True)]
+    m = _TWO.fullmatch(bench_bounded.headline(runs))
+    assert m and (m[2], m[4], m[9]) == ("32", "160", "equal")
+    assert abs(float(m[5]) - float(m[3]) / float(m[1])) < 0.006 and float(m[8]) == 100.0
+    runs[1].equal = False
+    assert bench_bounded.headline(runs).endswith("batches DIFFER")
+    assert _LAST.fullmatch(bench_bounded.headline(runs[:1]))

@@ -16,9 +16,11 @@ import logging
 
 from loader.reader import Pack
 from prepack.engine.sources.ledger import SourceCheck
+from prepack.run.bounded.checkpoint_ladder import nearest_kept
 from prepack.engine.tokenizer import load_tokenizer, special_token_ids, tokenizer_fingerprint
 from schemas.errors import DamagedFile
 from schemas.layout import shard_file, shard_sources_file
+from schemas.manifest import TrimmedShards
 from schemas.sources import ShardSources
 
 log = logging.getLogger(__name__)
@@ -36,7 +38,18 @@ class RestoreCheck:
 
     def why_not(self, stream: int, shard: int) -> "str | None":
         """What keeps shard ``shard`` of ``stream`` from being packed again byte for byte, in a few words
-        naming the file (``source /data/a.jpg deleted since it was packed``), or None."""
+        naming the file (``source /data/a.jpg deleted since it was packed``), or None.  Where a trim
+        dropped its checkpoint, the shards a restore packs again first count too."""
+        dropped = set(TrimmedShards.read(self.pack.location, stream).checkpoints)
+        start = nearest_kept(shard, dropped)
+        for k in range(start, shard + 1):
+            why = self._why_not_alone(stream, k)
+            if why is not None:
+                return why if k == shard else (f"{why}, in {shard_file(stream, k)}, which a restore packs again first "
+                                               f"(from checkpoint {start}: the ones between were dropped)")
+        return None
+
+    def _why_not_alone(self, stream: int, shard: int) -> "str | None":
         try:
             doc = ShardSources.read(self.pack.location, stream, shard)
         except DamagedFile as e:

@@ -1,8 +1,9 @@
 """Restoring trimmed shards byte for byte (``prepack restore``).
 
-``restore`` packs a trimmed shard again from its checkpoint (``prepack.run.bounded.trim`` deleted only its
-records file: its index row, checkpoints, pixel index and lineage stay), checks the file against
-the size and XXH3-128 its index row recorded, encodes its VAE latents again when it had them
+``restore`` packs a trimmed shard again from its checkpoint, or from the nearest one a trim kept
+before it (``prepack.run.bounded.replay``; ``prepack.run.bounded.trim`` deleted its records file and
+maybe its checkpoint: its index row, pixel index and lineage stay), checks the file against
+the size and XXH3-128 its index row recorded, writes back its checkpoint where a trim dropped it, encodes its VAE latents again when it had them
 (``prepack.run.latents.stage.LatentsRestore``), and only then takes it off the stream's ``trimmed.json``.
 Everything asked for is checked before any work (its sources and tokenizer as packed:
 ``prepack.run.bounded.restorable``; the latents' weights and device), so a refusal writes nothing.  A
@@ -17,32 +18,37 @@ import logging
 
 from loader.reader import Pack
 from loader.state import read_state_file
-from prepack.engine.packer import PackerOptions
+from prepack.engine.packer import PackerOptions, StreamState
 from prepack.engine.packers import open_packer
+from prepack.engine.state_codec import detached
 from prepack.engine.reuse.earlier_pixels import PixelReuse
 from prepack.engine.tokenizer import load_tokenizer, special_token_ids, tokenizer_fingerprint
-from prepack.run.commit.checkpoint_files import read_checkpoint
+from prepack.run.bounded.replay import state_at
+from prepack.run.commit.atomic_files import sha256_hex
+from prepack.run.commit.checkpoint_files import checkpoint_digests, state_files, write_checkpoint
 from prepack.run.latents.stage import LatentsRestore
 from prepack.run.bounded.restorable import RestoreCheck
 from prepack.run.bounded.trim import positions_of, write_trimmed
 from prepack.run.commit.writer import ShardFormat, StreamWriter
 from schemas.compression import Compression
 from schemas.errors import DamagedFile, PackRefused, UsageError
-from schemas.layout import shard_file
+from schemas.layout import checkpoint_file, shard_file
 from schemas.manifest import ShardEntry, StreamIndex, TrimmedShards
 
 log = logging.getLogger(__name__)
 
 
-def _restore_shard(pack: Pack, index: StreamIndex, shard: ShardEntry, tokenizer, special, cfg) -> None:
-    """Pack ``shard`` again from its checkpoint into its file; DamagedFile (and no file) unless it is
-    byte for byte the one the index recorded."""
+def _restore_shard(pack: Pack, index: StreamIndex, shard: ShardEntry, cfg, tokenizer: tuple,
+                   start: StreamState) -> StreamState:
+    """Pack ``shard`` again from ``start`` (the state at its first record) into its file; the state
+    after it.  DamagedFile (and no file) unless it is byte for byte the one the index recorded."""
     loc, stream = pack.location, index.stream
+    tokenizer, special = tokenizer
     compression = Compression.parse(cfg.prepack.compression)
     pixels = PixelReuse((), frame_format=compression.frame_format)
     pixels.add_stream(loc, index)  # the stream's shards still there may hold the same pictures
     try:
-        with open_packer(cfg, stream, tokenizer, special, read_checkpoint(loc, index, shard.shard),
+        with open_packer(cfg, stream, tokenizer, special, start,
                          PackerOptions(reuse_pixel_table=True, pixels=pixels)) as packer, \
                 StreamWriter(loc, stream, ShardFormat(2**62, cfg.prepack.compression, pack.info.shard_metadata()),
                              start=(shard.shard, shard.first_record)) as writer:
@@ -53,6 +59,7 @@ def _restore_shard(pack: Pack, index: StreamIndex, shard: ShardEntry, tokenizer,
                 if made == len(shard.records):
                     break
             entry = writer.finish()
+            end = detached(packer.state())
     finally:
         pixels.close()
     if entry is None or (entry.nbytes, entry.xxh3) != (shard.nbytes, shard.xxh3) or made != len(shard.records):
@@ -62,6 +69,18 @@ def _restore_shard(pack: Pack, index: StreamIndex, shard: ShardEntry, tokenizer,
             pass
         raise DamagedFile(f"{loc.path(shard_file(stream, shard.shard))}: packed again from its checkpoint, it is not "
                           "the file the index recorded (the data or the packing code changed); not restored")
+    return end
+
+
+def _put_back(pack: Pack, index: StreamIndex, shard: int, state: StreamState) -> bool:
+    """Write ``ckpt-shard`` again from ``state`` when it has the digests the index recorded."""
+    files = state_files(state)
+    if tuple(sha256_hex(b) for b in files) != checkpoint_digests(index, shard):
+        log.warning("%s: the state a restore made is not the checkpoint a trim dropped; left dropped",
+                    checkpoint_file(index.stream, shard))
+        return False
+    write_checkpoint(pack.location, index.stream, shard, files)
+    return True
 
 
 def restore(out, spans: dict[int, tuple[int, int | None]], tokenizer=None,
@@ -95,13 +114,20 @@ def restore(out, spans: dict[int, tuple[int, int | None]], tokenizer=None,
     done: dict[int, list[int]] = {}
     for stream, shards in wanted.items():
         index = pack.index(stream)
-        listed = set(TrimmedShards.read(pack.location, stream).shards)
+        doc = TrimmedShards.read(pack.location, stream)
+        listed = set(doc.shards)
+        after: tuple[int, StreamState] | None = None  # the state after the shard restored last
         for sh in shards:
-            log.info("restoring %s from its checkpoint", shard_file(stream, sh.shard))
-            _restore_shard(pack, index, sh, tokenizer[0], tokenizer[1], cfg)
+            log.info("restoring %s", shard_file(stream, sh.shard))
+            start = after[1] if after is not None and after[0] == sh.first_record else \
+                state_at(pack.location, index, cfg, sh.first_record, tokenizer).state
+            after = (sh.first_record + len(sh.records), _restore_shard(pack, index, sh, cfg, tokenizer, start))
             latents.encode(pack, stream, sh)
             listed.discard(sh.shard)
-            write_trimmed(pack.location, stream, listed)  # after the checked file is in place
+            dropped = set(doc.checkpoints)
+            if sh.shard in dropped and _put_back(pack, index, sh.shard, start):  # a shard that is there keeps its own
+                dropped.discard(sh.shard)
+            write_trimmed(pack.location, stream, listed, dropped)  # after the checked files are in place
             done.setdefault(stream, []).append(sh.shard)
     return done
 

@@ -5,8 +5,10 @@ the pack's config re-pack shard k exactly (that is what ``audit`` checks).  So o
 reading the pack has checkpointed past a shard (its position in the oldest checkpoint it keeps is
 beyond the shard's last record), the file can go: ``trim`` lists the shard in the stream's
 ``trimmed.json`` first, then deletes ``shard-k.arrow`` (and its VAE latents); the index row (sizes,
-digests), the checkpoints, the pixel index and the lineage stay.  ``prepack.run.bounded.restore`` packs a
-trimmed shard again.  Which shards may go is ``prepack.run.bounded.trim_policy``'s to say.
+digests), the pixel index and the lineage stay, and so do the checkpoints on the ladder
+(``prepack.run.bounded.checkpoint_ladder``; ``drop_checkpoints`` deletes the others, listed first).
+``prepack.run.bounded.restore`` packs a trimmed shard again.  Which shards may go is
+``prepack.run.bounded.trim_policy``'s to say.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from loader.reader import Pack
 from loader.state import positions_in, read_state_file
 from prepack.run.commit.atomic_files import write_bytes_atomic
 from schemas.errors import PackRefused, UsageError
-from schemas.layout import shard_file, shard_latents_file, trimmed_file
+from prepack.run.bounded.checkpoint_ladder import to_drop
+from schemas.layout import checkpoint_file, shard_file, shard_latents_file, trimmed_file
 from schemas.location import PackLocation
 from schemas.manifest import ShardEntry, TrimmedShards
 
@@ -41,8 +44,9 @@ def read_states(paths: "list[str]") -> list:
         raise UsageError(f"--state {e}") from None
 
 
-def write_trimmed(loc: PackLocation, stream: int, shards: "set[int]") -> None:
-    write_bytes_atomic(loc, trimmed_file(stream), TrimmedShards(stream, sorted(shards)).to_json().encode())
+def write_trimmed(loc: PackLocation, stream: int, shards: "set[int]", checkpoints: "set[int]") -> None:
+    doc = TrimmedShards(stream, sorted(shards), sorted(checkpoints))
+    write_bytes_atomic(loc, trimmed_file(stream), doc.to_json().encode())
 
 
 def trim_shards(pack: Pack, stream: int, shards: "list[ShardEntry]") -> int:
@@ -50,8 +54,8 @@ def trim_shards(pack: Pack, stream: int, shards: "list[ShardEntry]") -> int:
     file may be absent; an unlisted one never is); the bytes freed.  Which shards may go is the trim
     policy's to say (``prepack.run.bounded.trim_policy``)."""
     loc = pack.location
-    listed = set(TrimmedShards.read(loc, stream).shards)
-    write_trimmed(loc, stream, listed | {sh.shard for sh in shards})
+    listed = TrimmedShards.read(loc, stream)
+    write_trimmed(loc, stream, set(listed.shards) | {sh.shard for sh in shards}, set(listed.checkpoints))
     freed = 0
     for sh in shards:
         try:
@@ -67,3 +71,28 @@ def trim_shards(pack: Pack, stream: int, shards: "list[ShardEntry]") -> int:
         except FileNotFoundError:
             pass
     return freed
+
+
+def drop_checkpoints(pack: Pack, stream: int) -> tuple[int, int]:
+    """Delete the checkpoints of ``stream``'s trimmed shards that are off the ladder
+    (``prepack.run.bounded.checkpoint_ladder``), listed in ``trimmed.json`` first; how many, and the
+    bytes freed."""
+    loc = pack.location
+    listed = TrimmedShards.read(loc, stream)
+    head = len(pack.index(stream).shards)
+    drop = to_drop(head, listed.shards, listed.checkpoints)
+    if not drop:
+        return 0, 0
+    write_trimmed(loc, stream, set(listed.shards), set(listed.checkpoints) | set(drop))
+    freed = 0
+    for k in drop:
+        for ext in ("arrow", "json"):
+            path = loc.path(checkpoint_file(stream, k, ext))
+            try:
+                size = loc.fs.get_file_info(path).size
+                loc.fs.delete_file(path)
+                freed += size or 0
+            except FileNotFoundError:
+                pass
+    log.debug("stream %d: dropped checkpoints %s (off the ladder behind the trainings)", stream, drop)
+    return len(drop), freed

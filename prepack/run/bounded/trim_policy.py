@@ -24,7 +24,7 @@ from loader.reader import Pack
 from prepack.engine.sources.ledger import SourceCheck
 from prepack.run.bounded.restorable import KeptShards, RestoreCheck
 from prepack.run.bounded.trainings import Trainings
-from prepack.run.bounded.trim import positions_of, trim_shards
+from prepack.run.bounded.trim import drop_checkpoints, positions_of, trim_shards
 from schemas.layout import shard_file
 from schemas.manifest import ShardEntry, TrimmedShards
 
@@ -35,12 +35,15 @@ log = logging.getLogger(__name__)
 class TrimResult:
     shards: dict[int, list[int]] = field(default_factory=dict)  # stream -> shards trimmed now
     freed_bytes: int = 0
+    checkpoints: int = 0  # checkpoints dropped now (off the ladder)
     kept: dict[tuple[int, int], str] = field(default_factory=dict)  # (stream, shard) -> why it could not go
 
     def lines(self) -> list[str]:
         n = sum(len(v) for v in self.shards.values())
-        out = [f"trimmed {n} shard(s) of {len(self.shards)} stream(s), {self.freed_bytes / 2**20:,.1f} MiB freed "
-               "(indexes, digests and checkpoints kept: prepack restore packs them again)"] if n else []
+        dropped = f", {self.checkpoints} checkpoint(s) off the ladder dropped" if self.checkpoints else ""
+        out = [f"trimmed {n} shard(s) of {len(self.shards)} stream(s){dropped}, {self.freed_bytes / 2**20:,.1f} MiB "
+               "freed (indexes, digests and a ladder of checkpoints kept: prepack restore packs them again)"] \
+            if n or self.checkpoints else []
         if self.kept:
             (stream, shard), why = min(self.kept.items())
             out.append(f"kept {len(self.kept)} shard(s) behind the trainings that could not be packed again now, "
@@ -106,6 +109,9 @@ class TrimPolicy:
             if shards:
                 result.shards[stream] = [sh.shard for sh in shards]
                 result.freed_bytes += trim_shards(self.pack, stream, shards)
+            dropped, freed = drop_checkpoints(self.pack, stream)  # the ladder thins as the head moves on, too
+            result.checkpoints += dropped
+            result.freed_bytes += freed
             if forget:
                 self.pack.forget(stream)
         return result

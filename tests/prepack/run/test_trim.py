@@ -19,13 +19,17 @@ from loader import PackedShardDataset, open_stream
 from loader.reader import Pack
 from prepack.cli import main
 from prepack.run.driver import RunOptions, run_pack
+from prepack.run.bounded.checkpoint_ladder import ladder_keeps, nearest_kept
+from prepack.run.bounded.replay import state_at
 from prepack.run.bounded.restore import restore
+from prepack.run.commit.checkpoint_files import state_files
 from prepack.run.bounded.trim_policy import trim_pack
 from prepack.tools.audit import audit_pack
 from prepack.tools.stats import compute_stats, format_stats
 from prepack.tools.verify import verify_pack
 from schemas.config_file import load_config
 from schemas.errors import PackRefused, ShardTrimmed
+from schemas.layout import checkpoint_file
 from schemas.manifest import TrimmedShards
 from tests.helpers.packs import small_dataset, pack_in_process
 
@@ -102,6 +106,45 @@ def test_trim_then_restore_gives_the_original_bytes(original, pack, tokenizer_an
         f"stream-0000{s}/trimmed.json": files(pack)[f"stream-0000{s}/trimmed.json"] for s in (0, 1)}
     assert all(not TrimmedShards.read(p.location, s).shards for s in (0, 1))
     assert ids(PackedShardDataset(pack, rank=0, world_size=1)) == whole
+
+
+def test_a_trim_drops_checkpoints_off_the_ladder_and_everything_replays_from_the_nearest_kept(
+        original, pack, tokenizer_and_special, monkeypatch):
+    trim_pack(pack, [state_after(pack, 16)])  # everything read: every shard trimmed
+    p, cfg = Pack.open(pack), Pack.open(pack).info.stored_config()
+    dropped_any = False
+    for s in (0, 1):
+        index, doc = p.index(s), TrimmedShards.read(p.location, s)
+        assert doc.checkpoints == [k for k in range(1, len(index.shards)) if not ladder_keeps(k, len(index.shards))]
+        dropped_any |= bool(doc.checkpoints)
+        for k in range(len(index.shards) + 1):
+            path = os.path.join(pack, checkpoint_file(s, k))
+            assert os.path.exists(path) == (k not in doc.checkpoints)
+        # the state at each dropped checkpoint, packed again from the nearest kept one, is that checkpoint
+        for k in doc.checkpoints:
+            got = state_at(p.location, index, cfg, index.shards[k].first_record, tokenizer_and_special)
+            assert got.checkpoint == nearest_kept(k, set(doc.checkpoints)) < k and got.replayed > 0
+            want = tuple(open(os.path.join(original["out"], checkpoint_file(s, k, ext)), "rb").read()
+                         for ext in ("json", "arrow"))
+            assert state_files(got.state) == want
+    assert dropped_any, "the pack needs a checkpoint off the ladder"
+    assert verify_pack(pack).ok
+    s, k = next((s, TrimmedShards.read(p.location, s).checkpoints[-1]) for s in (0, 1)
+                if TrimmedShards.read(p.location, s).checkpoints)
+    # audit re-packs a shard whose start and end checkpoints were dropped (the end checked by its digests)
+    assert audit_pack(pack, stream=s, shard=k, tokenizer=tokenizer_and_special).ok
+    # a restore of that one shard gives its file and its checkpoint back, and unlists both
+    index = p.index(s)
+    restore(pack, {s: (p.switch(s) + index.shards[k].first_record,) * 2}, tokenizer=tokenizer_and_special)
+    for rel in (index.shards[k].file, checkpoint_file(s, k, "json"), checkpoint_file(s, k, "arrow")):
+        assert files(pack)[rel] == files(original["out"])[rel]
+    doc = TrimmedShards.read(p.location, s)
+    assert k not in doc.shards and k not in doc.checkpoints
+    # a replay that does not give the pack's records back is refused, never continued from
+    k2 = doc.checkpoints[0]
+    monkeypatch.setattr(type(index), "record", lambda self, i: type(self.shards[0].records[0])("0" * 32, 0, 0))
+    with pytest.raises(PackRefused, match="does not give its record"):
+        state_at(p.location, index, cfg, index.shards[k2].first_record, tokenizer_and_special)
 
 
 def test_nothing_a_kept_state_may_read_is_trimmed(original, pack, tokenizer_and_special):

@@ -1,0 +1,95 @@
+"""A stream's state before any of its records: its nearest kept checkpoint, then its batches packed again.
+
+``ckpt-k`` is the state at the start of shard k; a trim drops those off the ladder
+(``prepack.run.bounded.checkpoint_ladder``).  The state before record n is read from the nearest
+checkpoint kept at or before the shard holding n and the batches between are packed again under the
+pack's config, their pictures taken from the stream's shards still there (the reuse path) or
+decoded.  Every batch packed again must have the digest its index row records, and a state that
+ends where a checkpoint was dropped must have that checkpoint's recorded sha256s, so a replay that
+would not give the pack back is refused, never continued from.  Used by a continuation
+(``prepack.run.chain``), a restore and an audit.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from prepack.engine.packer import PackerOptions, StreamState
+from prepack.engine.packers import open_packer
+from prepack.engine.reuse.earlier_pixels import PixelReuse
+from prepack.engine.state_codec import detached
+from prepack.run.bounded.checkpoint_ladder import nearest_kept
+from prepack.run.commit.atomic_files import sha256_hex
+from prepack.run.commit.checkpoint_files import checkpoint_digests, read_checkpoint, state_files
+from schemas.config import PrepackConfig
+from schemas.errors import PackRefused
+from schemas.location import PackLocation
+from schemas.manifest import StreamIndex, TrimmedShards
+from schemas.record import encode_record
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """The state before record ``record`` (stream-local), from ``ckpt-checkpoint`` and ``replayed`` batches."""
+
+    state: StreamState
+    record: int
+    checkpoint: int
+    replayed: int
+
+
+def shard_of(index: StreamIndex, record: int) -> int:
+    """The shard holding stream-local record ``record`` (the number of shards: after the last)."""
+    starts = [sh.first_record for sh in index.shards] + [index.num_records]
+    return max(i for i, b in enumerate(starts) if b <= record)
+
+
+def _replay(loc: PackLocation, index: StreamIndex, cfg: PrepackConfig, tokenizer: tuple, start: tuple[int, int],
+            todo: int) -> StreamState:
+    """Pack ``todo`` batches from ``ckpt-k`` (``start``: k and its first record), each checked against its index row."""
+    k, first = start
+    stream = index.stream
+    pixels = PixelReuse((), frame_format=None)
+    pixels.add_stream(loc, index)  # the replayed batches' pictures are in these shards, where not trimmed
+    try:
+        with open_packer(cfg, stream, tokenizer[0], tokenizer[1], read_checkpoint(loc, index, k),
+                         PackerOptions(pixels=pixels)) as packer:
+            done = 0
+            for batch in packer:
+                if encode_record(batch).digest != index.record(first + done).digest:
+                    raise PackRefused(f"{loc.base}: packing stream {stream} again from its checkpoint {k} does not "
+                                      f"give its record {first + done} back (the data or the packing code changed "
+                                      "since it was packed)")
+                done += 1
+                if done == todo:
+                    break
+            if done != todo:
+                raise PackRefused(f"{loc.base}: packing stream {stream} again from its checkpoint {k} ended after "
+                                  f"record {first + done - 1}, before record {first + todo - 1}")
+            return detached(packer.state())
+    finally:
+        pixels.close()
+
+
+def state_at(loc: PackLocation, index: StreamIndex, cfg: PrepackConfig, record: int, tokenizer: tuple) -> Replayed:
+    """The state of ``index``'s stream before its record ``record`` (stream-local; ``num_records``:
+    after the last), under ``cfg`` (the pack's stored config); ``tokenizer``: (tokenizer, special ids)."""
+    k = shard_of(index, record)
+    dropped = set(TrimmedShards.read(loc, index.stream).checkpoints)
+    j = nearest_kept(k, dropped)
+    first = index.shards[j].first_record if j < len(index.shards) else index.num_records
+    todo = record - first
+    if not todo:
+        return Replayed(read_checkpoint(loc, index, j), record, j, 0)
+    state = _replay(loc, index, cfg, tokenizer, (j, first), todo)
+    if k in dropped and record == index.shards[k].first_record:
+        text, arrow = state_files(state)
+        if (sha256_hex(text), sha256_hex(arrow)) != checkpoint_digests(index, k):
+            raise PackRefused(f"{loc.base}: packing stream {index.stream} again from its checkpoint {j} does not give "
+                              f"its dropped checkpoint {k} back (its digests differ from the stream index)")
+    log.info("stream %d: state before record %d from checkpoint %d, %d batch(es) packed again",
+             index.stream, record, j, todo)
+    return Replayed(state, record, j, todo)
