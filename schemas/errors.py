@@ -87,3 +87,8 @@ class FollowTimeout(PrepackError, TimeoutError):
 class MissingLatents(PrepackError, RuntimeError):
     """A loader asked for VAE latents (``vae_latents=True``) reached a shard whose latents were not
     written (``prepack latents``), or whose latents do not belong to it."""
+
+
+class DiskBudgetTooSmall(PrepackError, RuntimeError):
+    """A stream's share of ``--disk-budget`` cannot hold what no trim frees and its next shard's most:
+    it would wait for good; the message gives the smallest budget that works."""

@@ -26,7 +26,7 @@ from pyarrow.fs import FileSelector
 from loader.reader import Pack
 from prepack.engine.reuse.earlier_packs import open_old_packs, read_old_pack
 from prepack.engine.tokenizer import load_tokenizer, recorded_fingerprint, special_token_ids
-from prepack.run.bounded.ahead import JobStreams, WaitRule
+from prepack.run.bounded.ahead import JobStreams, WaitRule, share_of
 from prepack.run.ray_init import init_ray
 from prepack.run.commit.atomic_files import write_bytes_atomic
 from prepack.run.bounded.bound import BoundSpec
@@ -124,6 +124,8 @@ def run_pack(cfg: PrepackConfig, out: str, options: RunOptions = RunOptions(), t
     wanted = list(range(cfg.num_streams)) if options.streams is None else sorted(set(options.streams))
     for s in wanted:
         cfg.stream_rank_worker(s)  # range check with a clear message
+    if options.bound is not None and options.bound.disk_budget is not None:
+        share_of(cfg, options.bound.disk_budget)  # a budget too small for two shards: refused before any work
     loc = resolve_location(out)
     tokenizer_fp = recorded_fingerprint(tokenizer)  # once per job, and recorded: it hashes the whole vocabulary
     link, reuse = None, tuple(options.reuse)

@@ -31,6 +31,7 @@ from prepack.engine.packer import PackerOptions
 from prepack.engine.packers import open_packer
 from prepack.engine.reuse.earlier_packs import check_old_packs
 from prepack.engine.reuse.earlier_pixels import PixelReuse
+from prepack.run.bounded.ahead import PACK_FILES_RESERVE, SHARD_FILES_SLACK, shard_most
 from prepack.run.chain import Continue, check_continuation, open_parent, switch_at, switch_points
 from prepack.run.commit.lineage import lineage_table, parquet_bytes
 from prepack.tools.composition import Composition, packed_batch_counts
@@ -372,22 +373,29 @@ def _project(cfg: PrepackConfig, acc: _Sample, cores: int, times: "tuple[float, 
     )
     plan.warnings += _knob_warnings(cfg, plan, records_per_shard)
     if bounded:
-        plan.bounded = dict(bounded, peak_bytes=bounded_peak_bytes(
-            plan, records_per_stream, records_per_shard, max(cfg.num_workers, 1), bounded))
+        plan.bounded = dict(bounded, checkpoint_bytes=acc.checkpoint_bytes,
+                            reserve_bytes=shard_most(cfg) + SHARD_FILES_SLACK, pack_files_bytes=PACK_FILES_RESERVE,
+                            peak_bytes=bounded_peak_bytes(
+            plan, (records_per_stream, records_per_shard), max(cfg.num_workers, 1), acc.checkpoint_bytes, bounded))
     return plan
 
 
-def bounded_peak_bytes(plan: PackPlan, records_per_stream: int, records_per_shard: int, workers: int,
+def bounded_peak_bytes(plan: PackPlan, records: tuple[int, int], workers: int, checkpoint_bytes: int,
                        bounded: dict) -> int:
     """The most a bounded run (``bounded``: ``ahead``, ``keep_checkpoints``, ``checkpoint_every``) holds
     on disk at once: every stream's records from the earliest kept checkpoint (K checkpoints of C
     training steps, a stream advancing once per ``workers`` steps) to ``ahead`` past the reader, plus
-    the shard being finished past that and the shard the trim bound falls inside; the rest of the
-    pack (checkpoints, indexes, lineage) is never trimmed."""
+    the shard being finished past that and the shard the trim bound falls inside, with those shards'
+    checkpoints; behind them the checkpoint ladder (``prepack.run.bounded.checkpoint_ladder``: about
+    two per doubling of the distance) and every shard's indexes, sources and lineage, never trimmed.
+    ``records``: (per stream, per shard)."""
+    records_per_stream, records_per_shard = records
     ahead, keep, every = bounded["ahead"], bounded["keep_checkpoints"], bounded["checkpoint_every"]
-    held = ahead + keep * math.ceil(every / workers) + 2 * records_per_shard
-    records = plan.record_bytes * records_per_stream * plan.streams
-    return int(plan.output_bytes - records + plan.record_bytes * min(held, records_per_stream) * plan.streams)
+    held = min(ahead + keep * math.ceil(every / workers) + 2 * records_per_shard, records_per_stream)
+    shards = max(1, math.ceil(records_per_stream / records_per_shard))
+    ckpts = min(shards + 1, math.ceil(held / records_per_shard) + 2 * shards.bit_length() + 2)
+    everything = (plan.record_bytes * records_per_stream + (shards + 1) * checkpoint_bytes) * plan.streams
+    return int(plan.output_bytes - everything + (plan.record_bytes * held + ckpts * checkpoint_bytes) * plan.streams)
 
 
 def _knob_warnings(cfg: PrepackConfig, plan: PackPlan, records_per_shard: int) -> list[str]:

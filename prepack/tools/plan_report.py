@@ -86,10 +86,11 @@ class PackPlan:
             out.append(f"  bounded       disk peak ~{size_text(b['peak_bytes'])} of {size_text(self.output_bytes)} "
                        f"({b['peak_bytes'] / max(self.output_bytes, 1):.0%}): --ahead {b['ahead']}, "
                        f"{b['keep_checkpoints']} checkpoint(s) kept, one every {b['checkpoint_every']:,} steps")
-            # --disk-budget holds each stream to its share with a shard's reserve on top of what it holds
-            fits = b['peak_bytes'] + 2 * self.streams * self.shard_bytes
-            out.append(f"  disk budget   --disk-budget {size_text(fits)} holds that run (the peak plus two shards a "
-                       "stream); a smaller one makes the streams wait for the trims")
+            # --disk-budget holds each stream to its share with its next shard's most on top of what it holds
+            fits = b['peak_bytes'] + self.streams * b['reserve_bytes'] + b.get('pack_files_bytes', 0)
+            out.append(f"  disk budget   --disk-budget {size_text(fits)} holds that run (the peak plus a shard's most a "
+                       "stream: a record of max_num_tokens and a full buffer stored raw); a smaller one makes the "
+                       "streams wait for the trims")
         if self.continues:
             c = self.continues
             out.append(f"  continues     {c['from']} after {c['after']}; each group's data stands there at "

@@ -15,13 +15,14 @@ caught up.  What may be trimmed meanwhile is the trim policy's to say (``prepack
 from __future__ import annotations
 
 import logging
+import posixpath
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from loader.reader import Pack
-from schemas.errors import UsageError
-from schemas.layout import stream_dir
+from schemas.errors import DiskBudgetTooSmall, UsageError
+from schemas.layout import index_file, shard_latents_file, stream_dir
 from schemas.manifest import TrimmedShards
 from prepack.run.bounded import trainings as trainings_module
 from prepack.run.bounded.bound import BoundSpec
@@ -33,39 +34,76 @@ log = logging.getLogger(__name__)
 
 
 RECORD_BYTES_PER_TOKEN = 1024  # a record's most: every token an image patch of 16x16 RGB pixels, stored raw, + arrays
-SHARD_FILES_SLACK = 1 << 20  # a shard's checkpoint, pixel index, lineage and sources beyond its records, at first
+CKPT_BYTES_PER_TOKEN = 800  # a buffered sample's most in a checkpoint: a 16x16 RGB patch (768) or a token id in JSON
+CKPT_BASE_BYTES = 1 << 16  # a checkpoint's random states, source cursors and counters
+SHARD_FILES_SLACK = 1 << 20  # a shard's pixel index, lineage and sources, at least
+PACK_FILES_RESERVE = 1 << 20  # the pack's own files (pack.json, manifest.json), outside every stream's share
+
+
+def shard_most(cfg) -> int:
+    """The most one shard adds to its stream's folder, whatever its records: its records file (it ends
+    after the record that reaches ``shard_bytes``: at most ``shard_bytes`` plus one record of
+    ``max_num_tokens`` image tokens stored raw) and the checkpoint at its end (``max_buffer_size``
+    buffered samples of ``max_num_tokens_per_sample`` tokens, each a raw patch).  Its small files are
+    ``DiskShare``'s to add (they scale with what it holds)."""
+    k = cfg.knobs
+    records = cfg.prepack.shard_bytes + k.max_num_tokens * RECORD_BYTES_PER_TOKEN
+    return records + k.max_buffer_size * k.max_num_tokens_per_sample * CKPT_BYTES_PER_TOKEN + CKPT_BASE_BYTES
+
+
+def share_of(cfg, budget: int) -> int:
+    """A stream's share of ``--disk-budget``; UsageError, before any work, when it cannot hold one
+    shard the trainings read and the next one's most, naming the smallest budget that works."""
+    streams = cfg.num_streams
+    share = max(0, budget - PACK_FILES_RESERVE) // max(1, streams)
+    need = 2 * (shard_most(cfg) + SHARD_FILES_SLACK)  # less can never pack two shards
+    if share < need:
+        raise UsageError(f"--disk-budget {budget:,} bytes: each of the {streams} streams would get {share:,}, less than "
+                         f"one shard the trainings read and the next one's most ({need:,}: shard_bytes, a record of "
+                         "max_num_tokens and a checkpoint of max_buffer_size samples, stored raw); the smallest budget "
+                         f"that works is {need * streams + PACK_FILES_RESERVE:,} bytes (and the trainings' window on "
+                         "top: prepack plan --ahead N prints it); raise it, or lower prepack.shard_bytes")
+    return share
 
 
 class DiskShare:
-    """A stream's share of ``--disk-budget``: the budget over the pack's streams.  A stream may start a
-    shard while its directory plus that shard's most (``reserve``) fits in its share.  The reserve is
-    the stream's largest shard so far plus twice its files per shard (checkpoint, pixel index,
-    lineage, sources); before its first shard, ``shard_bytes`` plus the most one record can hold
-    (``max_num_tokens`` 16x16 image patches stored raw) and a checkpoint's slack."""
+    """A stream's share of ``--disk-budget``: the budget, less the pack's own files, over the pack's
+    streams.  A stream may start a shard while its folder plus that shard's most (``reserve``) fits
+    in its share.  The reserve is sound (``shard_most``: a record far larger than any before fits)
+    plus the shard's small files (twice the stream's mean so far, at least ``SHARD_FILES_SLACK``) and
+    the stream index's size (rewritten whole at the commit).  A share that cannot hold that and the
+    shard the trainings read is refused at the start; a stream whose files no trim can free
+    (checkpoints of the ladder, indexes, sources, lineage) leave no room for the reserve stops with
+    the smallest budget that works then (``DiskBudgetTooSmall``), instead of waiting for good."""
 
     def __init__(self, budget: int, pack: Pack):
         cfg = pack.info.stored_config()
         self.pack, self.budget = pack, budget
-        self.share = budget // max(1, pack.num_streams)
-        self.first_reserve = cfg.prepack.shard_bytes + cfg.knobs.max_num_tokens * RECORD_BYTES_PER_TOKEN \
-            + SHARD_FILES_SLACK
-        if self.share < self.first_reserve:
-            raise UsageError(f"--disk-budget {budget:,} bytes: each of the {pack.num_streams} streams would get "
-                             f"{self.share:,}, less than one shard and its files may take ({self.first_reserve:,}); "
-                             "raise it, or lower prepack.shard_bytes")
+        self.share = share_of(cfg, budget)
+        self.most = shard_most(cfg)
 
     def holding(self, stream: int) -> "str | None":
-        """Why ``stream`` may not start a shard within its share now (None: it may)."""
-        used = sum(i.size for i in self.pack.location.list(stream_dir(stream)) if i.size is not None)
+        """Why ``stream`` may not start a shard within its share now (None: it may).
+        DiskBudgetTooSmall when no trim could ever make that room."""
+        listing = [i for i in self.pack.location.list(stream_dir(stream)) if i.size is not None]
+        used = sum(i.size for i in listing)
         shards = self.pack.index(stream, refresh=True).shards
-        if shards:
-            trimmed = set(TrimmedShards.read(self.pack.location, stream).shards)
-            present = sum(sh.nbytes for sh in shards if sh.shard not in trimmed)
-            reserve = max(sh.nbytes for sh in shards) + 2 * (max(0, used - present) // len(shards))
-        else:
-            reserve = self.first_reserve
+        trimmed = set(TrimmedShards.read(self.pack.location, stream).shards)
+        present = sum(sh.nbytes for sh in shards if sh.shard not in trimmed)
+        names = {posixpath.basename(shard_latents_file(stream, sh.shard)) for sh in shards}
+        latents = sum(i.size for i in listing if posixpath.basename(i.path) in names)  # trimmed with their shard
+        index = next((i.size for i in listing if posixpath.basename(i.path) == posixpath.basename(index_file(stream))), 0)
+        small = max(SHARD_FILES_SLACK, 2 * (max(0, used - present - latents) // max(1, len(shards))))
+        reserve = self.most + small + index
         if used + reserve <= self.share:
             return None
+        kept = used - present - latents  # what no trim frees
+        if kept + reserve > self.share:
+            smallest = (kept + reserve + self.most) * self.pack.num_streams + PACK_FILES_RESERVE
+            raise DiskBudgetTooSmall(
+                f"stream {stream}: its share of --disk-budget ({self.share:,} bytes) cannot hold what no trim frees "
+                f"({kept:,} bytes: checkpoints on the ladder, indexes, sources, lineage) and its next shard's most "
+                f"({reserve:,}); no trim can make that room. The smallest budget that works now is {smallest:,} bytes")
         return f"{used:,} bytes on disk + {reserve:,} for its next shard > its share of --disk-budget ({self.share:,})"
 
 

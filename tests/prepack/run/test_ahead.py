@@ -14,12 +14,14 @@ import shutil
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from loader import PackedShardDataset
 from loader.reader import Pack
 from prepack.cli import main
 from prepack.run.bounded import trainings as trainings_module
+from prepack.run.bounded.ahead import PACK_FILES_RESERVE, JobStreams, share_of, SHARD_FILES_SLACK, shard_most
 from prepack.run.bounded.bound import BoundSpec
 from prepack.run.bounded.trainings import Trainings
 from prepack.run.bounded.trim_policy import TrimPolicy, trim_to_progress
@@ -27,11 +29,12 @@ from prepack.run.driver import RunOptions, run_pack
 from prepack.run.bounded.restore import restore
 from prepack.tools.verify import verify_pack
 from schemas.config_file import load_config
-from schemas.errors import UsageError
+from schemas.errors import DiskBudgetTooSmall, UsageError
 from schemas.layout import stream_dir
 from schemas.manifest import TrimmedShards
 from schemas.progress import ProgressFolder
-from tests.helpers.packs import make_dataset, pack_in_process, small_config, small_dataset
+from tests.helpers import datagen as dg
+from tests.helpers.packs import KNOBS, make_dataset, pack_in_process, small_config, small_dataset
 
 pytestmark = pytest.mark.slow
 
@@ -429,44 +432,98 @@ def _pack_bytes(out: str) -> int:
                if os.path.exists(os.path.join(d, n)))
 
 
+def _record_sizes(out: str, stream: int) -> list[int]:
+    """Each record's bytes in memory, in stream order."""
+    from loader.reader import read_shard
+
+    p = Pack.open(out)
+    return [rec.nbytes for sh in p.index(stream).shards for _, rec in read_shard(p, sh)]
+
+
+def _late_big_dataset(root: str, batches: int) -> str:
+    """t2i rows with long captions and tiny pictures, then (the last file, read after them) rows of
+    large pictures: records far larger than any before them."""
+    rs = np.random.RandomState(5)
+    ds = dg.Dataset(os.path.join(root, "data"))
+    os.makedirs(ds.root)
+
+    def rows(n: int, side: int, words: int) -> list[dict]:
+        return [{"image": dg.jpeg(dg.photo(i, rs, side, side + 1)),
+                 "captions": json.dumps({"c": dg.sentence(rs, words, words + 20)})} for i in range(n)]
+
+    dg.add_t2i(ds, [rows(480, 64, 250) + rows(8, 300, 4) for _ in range(2)], row_group_size=8)
+    return ds.config(knobs=dict(KNOBS, max_buffer_size=1), num_workers=2,
+                     prepack={"batches_per_stream": batches, "shard_bytes": 150_000})
+
+
 def test_a_disk_budget_is_never_exceeded_beside_two_trainings(tmp_path, tokenizer_and_special, monkeypatch):
     """``--disk-budget``: the pack (every file of it, checked after each shard commit) stays under the
-    budget while two trainings read it; the records are those of a pack made at once."""
+    budget while two trainings read it, though a record far larger than any before it comes late (the
+    reserve is the most a shard can add, not the largest so far); the records are those of a pack
+    made at once."""
     from prepack.run.commit.writer import StreamWriter
 
     root = str(tmp_path)
-    config = small_dataset(root, batches=60, shard_bytes=150_000)
+    config = _late_big_dataset(root, batches=220)
     whole = pack_in_process(config, os.path.join(root, "whole"), tokenizer_and_special)
     cfg = load_config(config)
-    first_reserve = 150_000 + cfg.knobs.max_num_tokens * 1024 + (1 << 20)
     w = Pack.open(whole)
-    # what a stream never trims (checkpoints, pixel indexes, lineage, sources) grows with it: a share has
-    # room for all of it, the first shard's reserve and two shards
-    kept = max(sum(os.path.getsize(os.path.join(whole, stream_dir(s), n)) for n in
-                   os.listdir(os.path.join(whole, stream_dir(s)))) - sum(sh.nbytes for sh in w.index(s).shards)
-               for s in range(cfg.num_streams))
-    biggest = max(sh.nbytes for s in range(cfg.num_streams) for sh in w.index(s).shards)
-    budget = cfg.num_streams * (kept + first_reserve + 2 * biggest)
+    sizes = [_record_sizes(whole, s) for s in range(cfg.num_streams)]
+    late = [(i, n / max(sz[:i])) for sz in sizes for i, n in enumerate(sz) if i >= 120]
+    assert max(r for _, r in late) >= 3, ("the data needs a late record far larger than those before it", sizes)
+    most = shard_most(cfg) + SHARD_FILES_SLACK
+    # a share: the smallest the run accepts (one shard read, the next one's most) and 0.5 MiB for what the
+    # stream never trims; the packer outruns the trainings, so it packs at the edge of its share when the
+    # large records come (a reserve of the largest shard so far would overshoot the budget there)
+    budget = PACK_FILES_RESERVE + cfg.num_streams * (2 * most + (1 << 19))
     assert _pack_bytes(whole) > 1.2 * budget, ("the budget must bind: the whole pack is larger", _pack_bytes(whole),
                                                budget)
     out, progress = str(tmp_path / "out"), str(tmp_path / "progress")
-    peak = [0]
+    peak, stream_peak = [0], [0]
     real_commit = StreamWriter._commit
 
     def measured_commit(self):
         entry = real_commit(self)
         peak[0] = max(peak[0], _pack_bytes(out))
+        stream_peak[0] = max(stream_peak[0], _pack_bytes(os.path.join(out, stream_dir(self.stream))))
         return entry
 
     monkeypatch.setattr(StreamWriter, "_commit", measured_commit)
+    monkeypatch.setattr(JobStreams, "TRIM_EVERY_S", 0.1)  # trims close behind the trainings: the packer at its edge
     bound = BoundSpec(None, (progress,), keep=2, disk_budget=budget)
     run_beside_trainings(
         lambda: run_pack(cfg, out, RunOptions(inline=True, bar=False, bound=bound), tokenizer=tokenizer_and_special),
-        out, lambda: [Trainer(out, r, 2, progress, every=3, pause_s=0.0 if r == 0 else 0.03, ahead=10**6,
-                              per_shard=0) for r in (0, 1)], timeout=600)
+        out, lambda: [Trainer(out, r, 2, progress, every=3, pause_s=0.05, ahead=10**6, per_shard=0) for r in (0, 1)],
+        timeout=600)
     assert digests(out) == digests(whole)
-    assert 0 < peak[0] <= budget, (peak[0], budget)
+    assert 0 < peak[0] <= budget and _pack_bytes(out) <= budget, (peak[0], budget)
+    assert stream_peak[0] <= share_of(cfg, budget), (stream_peak[0], share_of(cfg, budget))  # each stream its share
     assert any(TrimmedShards.read(Pack.open(out).location, s).shards for s in range(cfg.num_streams))
-    with pytest.raises(UsageError, match="less than one shard"):
+    # a budget whose share cannot hold the shard the trainings read and the next one's most: refused at the start,
+    # with the smallest budget that works
+    smallest = cfg.num_streams * 2 * most + PACK_FILES_RESERVE
+    with pytest.raises(UsageError, match=f"the smallest budget that works is {smallest:,} bytes"):
         run_pack(cfg, str(tmp_path / "small"), RunOptions(inline=True, bar=False, bound=BoundSpec(
-            None, (progress,), keep=2, disk_budget=first_reserve)), tokenizer=tokenizer_and_special)
+            None, (progress,), keep=2, disk_budget=smallest - 1)), tokenizer=tokenizer_and_special)
+    assert not os.path.exists(str(tmp_path / "small" / "pack.json"))
+
+
+def test_a_stream_never_waits_for_room_no_trim_frees(tmp_path, tokenizer_and_special):
+    """What no trim frees (checkpoints, indexes, sources, lineage) grows with a stream: once it and the
+    next shard's most pass the stream's share, the stream stops with the smallest budget that works
+    then (DiskBudgetTooSmall), instead of waiting for good; where trims could make the room, it waits."""
+    from prepack.run.bounded.ahead import DiskShare
+
+    config = small_dataset(str(tmp_path), batches=80, shard_bytes=150_000)
+    cfg = load_config(config)
+    out = pack_in_process(config, str(tmp_path / "out"), tokenizer_and_special)
+    budget = PACK_FILES_RESERVE + cfg.num_streams * 2 * (shard_most(cfg) + SHARD_FILES_SLACK)  # accepted
+    share = DiskShare(budget, Pack.open(out))
+    with pytest.raises(DiskBudgetTooSmall, match=r"stream 0: .* no trim can make that room\. The smallest budget "
+                       r"that works now is [0-9,]+ bytes"):
+        share.holding(0)  # every checkpoint of 80 batches kept: more than the share leaves beside the reserve
+    smallest = int(str(pytest.raises(DiskBudgetTooSmall, share.holding, 0).value).rsplit(" is ", 1)[1].split()[0]
+                   .replace(",", ""))
+    assert DiskShare(smallest, Pack.open(out)).holding(0) is not None  # that budget: room once trims free it
+    TrimPolicy(Pack.open(out), lambda s: 1 << 62).apply()  # everything read: shards and off-ladder checkpoints go
+    assert DiskShare(budget, Pack.open(out)).holding(0) is None  # the same budget now has room

@@ -193,10 +193,15 @@ def test_a_bounded_plan_reports_the_disk_high_water_mark(tmp_path, tokenizer_and
     plan = plan_pack(cfg, PlanOptions(sample_batches=2, sample_streams_n=1, bounded=bound), tokenizer=tokenizer_and_special)
     b = plan.bounded
     assert {k: b[k] for k in bound} == bound
-    kept_bytes = plan.output_bytes - plan.record_bytes * plan.records  # checkpoints, indexes, lineage
-    held = (b["peak_bytes"] - kept_bytes) / plan.record_bytes / plan.streams  # records a stream holds at most
+    shards, ckpt = plan.shards_per_stream, b["checkpoint_bytes"]
+    # indexes, sources, lineage: never trimmed
+    kept_bytes = plan.output_bytes - (plan.record_bytes * plan.records + (shards + 1) * ckpt * plan.streams)
     # 10 ahead, 2 checkpoints 6 steps apart over K=2 workers (3 records of a stream each), 2 shards of 1
-    assert round(held) == 10 + 2 * 3 + 2, held
+    want = 10 + 2 * 3 + 2
+    # their checkpoints, and the ladder behind them: about two per doubling of the distance
+    ladder = (want + 2 * shards.bit_length() + 2) * ckpt
+    held = (b["peak_bytes"] - kept_bytes - ladder * plan.streams) / plan.record_bytes / plan.streams
+    assert ckpt > 0 and round(held) == want, held
     assert kept_bytes < b["peak_bytes"] < plan.output_bytes / 2
     assert any(line.startswith("  bounded       disk peak") for line in plan.lines())
     more = plan_pack(cfg, PlanOptions(sample_batches=2, sample_streams_n=1, bounded=dict(bound, ahead=10_000)), tokenizer=tokenizer_and_special)
