@@ -85,13 +85,14 @@ class BalancedRun:
     cost: str  # ``Balance.fingerprint``: the cost model and the sync kind
     streams: tuple[int, ...]  # this rank's own reference streams
 
-    def state(self, start: StepStart, next_item: int, worker: int, workers: int) -> BalancedState:
-        """The state of DataLoader worker ``worker`` of ``workers`` whose next item is ``next_item``."""
+    def state(self, start: StepStart, next_item: int, split: tuple[int, int], tail: bool = False) -> BalancedState:
+        """The state of DataLoader worker ``split[0]`` of ``split[1]`` whose next item is ``next_item``
+        (``tail``: in the pack's tail, ``start`` its first step)."""
         return BalancedState(
             pack=self.pack, rank=self.rank, world_size=self.world_size, micro_batches=self.micro_batches,
-            cost=self.cost, worker=worker, num_workers=workers, step=start.step,
+            cost=self.cost, worker=split[0], num_workers=split[1], step=start.step,
             offset=next_item - start.step * self.micro_batches, streams=list(self.streams),
-            positions=list(start.positions), last=list(start.last))
+            positions=list(start.positions), last=list(start.last), tail=tail)
 
     def start_of(self, st: LoaderState, num_streams: int) -> tuple[StepStart, int]:
         """Where a loaded state starts this run: the step start and the rank's next item.  A merged
@@ -117,6 +118,22 @@ class BalancedRun:
         if len(st.positions) != num_streams:
             raise ValueError(f"balanced loader state holds {len(st.positions)} streams, the pack {num_streams}")
         return StepStart(st.step, tuple(st.positions), tuple(st.last)), st.next_item
+
+
+def refuse_a_filled_tail(order: Iterator[Placed], start: StepStart) -> Iterator[Placed]:
+    """``order`` resumed from a state taken inside the pack's tail (its steps from ``start`` read
+    unbalanced, each rank its own batches), refused where the step it resumes in is now whole (the
+    pack was extended): the balanced reading of that step would give some of its batches twice and
+    miss others."""
+    first = next(order, None)
+    if first is not None and first.after is not None:
+        raise ValueError(f"this balanced loader state was taken in the pack's last steps (from step {start.step}), "
+                         "read unbalanced for want of batches, which the pack has since been extended to fill: "
+                         f"resuming there would read some batches twice and miss others; resume from a checkpoint "
+                         f"taken before step {start.step}")
+    if first is not None:
+        yield first
+        yield from order
 
 
 def check_start(windows: StreamWindows, start: StepStart) -> None:

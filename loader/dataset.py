@@ -66,7 +66,8 @@ import pyarrow.fs as pafs
 import torch
 
 from loader.balance import Balance
-from loader.balanced import BalancedRun, StepStart, after, balanced_order, check_start, fresh_start, read_balanced
+from loader.balanced import (BalancedRun, StepStart, after, balanced_order, check_start, fresh_start, read_balanced,
+                             refuse_a_filled_tail)
 from loader.batch import SimpleCustomBatch
 from loader.index_window import StreamWindows
 from loader.latents import LatentsReader, latents_mode
@@ -160,6 +161,8 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         self._start: StepStart | None = None  # balanced: where the next iteration starts, and its first item
         self._first = 0
         self._at: tuple[StepStart, int] | None = None  # balanced: (step start, this worker's next item)
+        self._tail = False  # balanced: ``_at`` lies in the pack's tail (read unbalanced)
+        self._resumed_tail = False  # balanced: the state loaded was taken in the tail
 
     def set_epoch(self, epoch: int) -> None:
         """The pass over the pack: with ``vae_latents`` each record's latent noise is drawn anew
@@ -265,6 +268,8 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         self._at = (start, first)
         windows = self._windows()
         order = balanced_order(windows, self._rank_streams(), self.rank, self.balance, start, first)
+        if self._resumed_tail:
+            order, self._resumed_tail = refuse_a_filled_tail(order, start), False
         mine = (item for item in order if item.index % workers == worker)
         source = read_balanced(windows, mine, self.verify, self._latents())
         prefetcher = Prefetcher(source, self.prefetch, f"prefetch-rank{self.rank}-worker{worker}")
@@ -275,43 +280,52 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         worker, workers = self._split
         return self.streams[worker::workers]
 
+    def _needs(self, streams: list[int]) -> list[int]:
+        """What this worker publishes as read of ``streams``: their position at the current step's start
+        plus M, the most of a stream the step can need.  A balanced step needs every rank's batches of
+        it before any is dealt, so a packer holding back (``--ahead N``, any N >= 1) packs the whole
+        step; the checkpoints (what trims go by) keep the step start."""
+        return [self._at[0].positions[s] + self.micro_batches for s in streams]
+
     def _hand_out_balanced(self, prefetcher: Prefetcher) -> Iterator[SimpleCustomBatch]:
         workers, m = self._split[1], self.micro_batches
         live, mine = None, self._published_streams()
         if self.progress is not None:
             live = self.progress.live(self.fingerprint, self.world_size, self.rank, self._split[0], mine)
-            live.update([self._at[0].positions[s] for s in mine], now=True)
+            live.update(self._needs(mine), now=True)
         try:
             while True:
                 if live is not None and not prefetcher.ready():
-                    live.update([self._at[0].positions[s] for s in mine], now=True)
+                    live.update(self._needs(mine), now=True)
                 try:
                     item, batch = next(prefetcher)
                 except StopIteration:
                     break
-                self._at = after(item, workers, m)
+                self._at, self._tail = after(item, workers, m), item.after is None
                 if live is not None:
-                    live.update([self._at[0].positions[s] for s in mine])
+                    live.update(self._needs(mine))
                 yield batch
             if live is not None:
-                live.update([self._at[0].positions[s] for s in mine], now=True)
+                live.update(self._needs(mine), now=True)
         finally:
             prefetcher.close()
 
     def _balanced_state(self) -> BalancedState:
         worker, workers = self._split
         if self._at is not None:
-            start, nxt = self._at
+            (start, nxt), tail = self._at, self._tail
         else:  # not iterated yet: where the next iteration starts
-            start = self._start or fresh_start(self.pack.num_streams)
+            start, tail = self._start or fresh_start(self.pack.num_streams), self._resumed_tail
             nxt = self._first + (worker - self._first) % workers
-        return self._balanced_run.state(start, nxt, worker, workers)
+        return self._balanced_run.state(start, nxt, (worker, workers), tail)
 
     def _load_balanced(self, st: LoaderState) -> None:
         start, first = self._balanced_run.start_of(st, self.pack.num_streams)
         check_start(self._windows(), start)
         self._pending = st
         self._start, self._first, self._at = start, first, None
+        # taken inside the tail: this worker read some of it (its offset past its first item there)
+        self._resumed_tail = isinstance(st, BalancedState) and st.tail and st.offset >= st.num_workers
         if isinstance(st, BalancedState):
             self._split = (st.worker, st.num_workers)
 

@@ -139,16 +139,20 @@ class BalancedState:
     streams: list[int]  # the rank's own reference streams
     positions: list[int]  # every stream's next record at the start of ``step``
     last: list[str]  # every stream's digest of the record before that ("" at 0)
+    tail: bool = False  # taken in the pack's tail (``step`` and after read unbalanced: too few batches then)
 
     @property
     def next_item(self) -> int:
         return self.step * self.micro_batches + self.offset
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": STATE_VERSION, "kind": BALANCED, "pack": self.pack, "rank": self.rank,
-                "world_size": self.world_size, "micro_batches": self.micro_batches, "cost": self.cost,
-                "worker": self.worker, "num_workers": self.num_workers, "step": self.step, "offset": self.offset,
-                "streams": list(self.streams), "positions": list(self.positions), "last": list(self.last)}
+        d = {"version": STATE_VERSION, "kind": BALANCED, "pack": self.pack, "rank": self.rank,
+             "world_size": self.world_size, "micro_batches": self.micro_batches, "cost": self.cost,
+             "worker": self.worker, "num_workers": self.num_workers, "step": self.step, "offset": self.offset,
+             "streams": list(self.streams), "positions": list(self.positions), "last": list(self.last)}
+        if self.tail:  # only then: every other state keeps its bytes
+            d["tail"] = True
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "BalancedState":
@@ -157,7 +161,7 @@ class BalancedState:
                  micro_batches=int(d["micro_batches"]), cost=str(d["cost"]), worker=int(d["worker"]),
                  num_workers=int(d["num_workers"]), step=int(d["step"]), offset=int(d["offset"]),
                  streams=[int(s) for s in d["streams"]], positions=[int(p) for p in d["positions"]],
-                 last=[str(x) for x in d["last"]])
+                 last=[str(x) for x in d["last"]], tail=bool(d.get("tail", False)))
         if len(st.positions) != len(st.last) or st.micro_batches < 1 or st.offset < 0:
             raise ValueError("a damaged balanced loader state (positions and digests differ in number)")
         return st

@@ -93,8 +93,11 @@ class TrainingProgress:
     checkpoints: dict[int, list[Entry]] = field(default_factory=dict)  # stream -> checkpoint entries
 
     def reached(self, stream: int) -> int:
-        """The next record the training reads on ``stream`` (its newest entry; 0 before any)."""
-        entries = self.live.get(stream)
+        """The next record the training reads on ``stream``: its newest entry of a live file (0 before
+        any).  A checkpoint counts only where no live file covers the stream: a balanced loader's
+        checkpoint stands at its step start, behind the M batches its live file says the step needs."""
+        saved = {id(e) for e in self.checkpoints.get(stream, ())}
+        entries = [e for e in self.live.get(stream, ()) if id(e) not in saved] or self.live.get(stream)
         return max(entries, key=lambda e: e.time).positions[stream] if entries else 0
 
     def kept(self, stream: int, keep: int) -> "Entry | None":

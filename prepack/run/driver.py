@@ -179,7 +179,8 @@ def run_pack(cfg: PrepackConfig, out: str, options: RunOptions = RunOptions(), t
 
 def _run_balanced(cfg: PrepackConfig, out: str, options: RunOptions, tokenizer: tuple) -> RunSummary:
     """A balanced-samples pack (``prepack.run.sample_balance``): its reference packed into
-    ``OUT/reference`` as any pack, then, once every reference stream is done, the balanced streams."""
+    ``OUT/reference`` as any pack, then, once every reference stream is done, the balanced streams
+    (by the one job that leases them: a job finishing beside it leaves them to it)."""
     start = time.perf_counter()
     for given, what in ((options.continue_from, "--continue"), (options.bound, "--ahead / --disk-budget / --progress"),
                         (cfg.schedule, "prepack.schedule")):
@@ -205,7 +206,12 @@ def _run_balanced(cfg: PrepackConfig, out: str, options: RunOptions, tokenizer: 
     if any(reference.done(s) is None for s in range(cfg.num_streams)):
         log.info("balanced samples: written once every stream of %s is packed", redact_uri(ref_out))
         return ref
-    lease = acquire_streams(loc, list(range(cfg.num_streams)))
+    try:
+        lease = acquire_streams(loc, list(range(cfg.num_streams)))
+    except PackRefused as e:  # only a balancing job leases OUT's own streams: another job finishing at once
+        log.info("balanced samples: every reference stream is packed and another job writes the balanced ones "
+                 "(%s); this job's part is done", e)
+        return ref
     try:
         entries = write_balanced(cfg, loc, pack.metadata, reference)
         lease.check()

@@ -339,7 +339,8 @@ def test_follow_waits_for_every_batch_of_the_step(pack, where, tmp_path):
 def test_progress_counts_a_record_only_once_every_rank_has_passed_it(pack, where, tmp_path):
     """Every rank reads 2.5 steps (mid-step) and checkpoints; whatever any rank reads after resuming
     from its checkpoint lies at or after the published position of its stream (so trimming behind
-    the checkpoints is safe), and the positions are the reference's at the step start."""
+    the checkpoints is safe), and the positions are the reference's at the step start (the live
+    position M past it)."""
     folder = str(tmp_path / "progress")
     m, world_size = 2, 3
     states, reads_before = [], []
@@ -356,7 +357,8 @@ def test_progress_counts_a_record_only_once_every_rank_has_passed_it(pack, where
             start[s] = max(start[s], rec + 1)
     got = ProgressFolder(folder).read()
     assert {s: got.kept(s, 1).positions[s] for s in range(len(LENGTHS))} == start
-    assert {s: got.reached(s) for s in range(len(LENGTHS))} == start
+    # what a packer holding back counts from: the step start plus M, the most of a stream the step can need
+    assert {s: got.reached(s) for s in range(len(LENGTHS))} == {s: p + m for s, p in start.items()}
     later = []
     for r in range(world_size):
         ds = PackedShardDataset(pack, rank=r, world_size=world_size, balance=Balance(micro_batches=m))
@@ -422,3 +424,39 @@ def test_a_real_continuation_is_weighed_and_balanced_across_its_switch(tmp_path,
     for t in range(min(len(x) for x in ref) // 2):
         assert sorted(sum((x[2 * t:2 * t + 2] for x in bal), [])) == sorted(sum((x[2 * t:2 * t + 2] for x in ref), []))
     assert sorted(sum(bal, [])) == sorted(where.values())
+
+
+def test_a_state_taken_in_the_tail_is_refused_once_an_extension_fills_it(pack, where, tmp_path):
+    """extend x balanced batches: the pack's last steps, too short for M batches a rank, are read
+    unbalanced (each rank its own); a state taken inside them resumes there while the pack is as it
+    was, and is refused in one line once the pack grew to fill that step (a balanced reading of it
+    would give some batches twice and miss others).  A pack of the same streams' first records stands
+    for the old pack, the whole one for its extension."""
+    short = str(tmp_path / "short")
+    make_pack(short, world_size=3, num_workers=2, lengths=[n - 4 for n in LENGTHS], shard_bytes=40 * 1024)
+    setting = Balance(micro_batches=2)
+    state = None
+    for rank in range(3):  # the rank with the most batches reads some in the tail
+        ds = PackedShardDataset(short, rank=rank, world_size=3, balance=setting)
+        it = iter(ds)
+        for batch in it:
+            st = ds.state_dict()
+            if st.get("tail") and st["offset"] >= 1:
+                state = json.loads(json.dumps(st))
+                break
+        if state is not None:
+            break
+    assert state is not None, "the short pack must end in a tail with something read in it"
+    rest = places(it, where)
+    resumed = PackedShardDataset(short, rank=rank, world_size=3, balance=setting)
+    resumed.load_state_dict(state)
+    assert places(resumed, where) == rest  # the pack as it was: the tail goes on
+    grown = PackedShardDataset(pack, rank=rank, world_size=3, balance=setting)
+    grown.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"taken in the pack's last steps \(from step \d+\), read unbalanced .* "
+                       r"extended to fill: .* resume from a checkpoint taken before step \d+"):
+        next(iter(grown))
+    # a state taken outside the tail never says tail, and loads on the grown pack as before
+    ds = PackedShardDataset(short, rank=0, world_size=3, balance=setting)
+    next(iter(ds))
+    assert "tail" not in ds.state_dict()

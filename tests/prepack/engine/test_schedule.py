@@ -238,3 +238,30 @@ def test_a_continuation_may_itself_have_a_schedule_counted_in_its_own_batches(sc
         unstepped = oracle.reference_chain(configs[:3], [STEPS[0], 4], s, tok[0], 8)
         changed |= any(diff_batches(a, b) for a, b in zip(unstepped[6:], ref[6:]))
     assert changed
+
+
+def test_a_scheduled_pack_is_trimmed_and_restored_across_its_switches(sched, tokenizer_and_special, tmp_path):
+    """schedule x bounded: trimmed whole (checkpoints off the ladder dropped), each shard is packed
+    again from the nearest checkpoint kept, under the step that packed it, byte for byte; a shard
+    after a switch is audited from an earlier step's checkpoint."""
+    import shutil
+
+    from prepack.run.bounded.restore import restore
+    from prepack.run.bounded.trim_policy import TrimPolicy
+    from prepack.tools.verify import verify_pack
+    from schemas.manifest import TrimmedShards
+
+    out = str(tmp_path / "packed")
+    shutil.copytree(sched["out"], out)
+    TrimPolicy(Pack.open(out), lambda s: 1 << 62).apply()
+    p = Pack.open(out)
+    late = [(s, k) for s in (0, 1) for k in TrimmedShards.read(p.location, s).checkpoints
+            if p.index(s).shards[k].first_record >= STEPS[0]]
+    assert late, "a shard after the first switch must have lost its checkpoint"
+    s, k = late[-1]
+    assert audit_pack(out, stream=s, shard=k, tokenizer=tokenizer_and_special).ok
+    restore(out, {s: (0, None) for s in (0, 1)}, tokenizer=tokenizer_and_special)
+    for s in (0, 1):
+        for sh in p.index(s).shards:
+            assert open(os.path.join(out, sh.file), "rb").read() == open(os.path.join(sched["out"], sh.file), "rb").read()
+    assert verify_pack(out).ok

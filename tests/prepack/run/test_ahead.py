@@ -17,7 +17,8 @@ import time
 import numpy as np
 import pytest
 
-from loader import PackedShardDataset
+from loader import PackedShardDataset, open_stream
+from loader.balance import Balance
 from loader.reader import Pack
 from prepack.cli import main
 from prepack.run.bounded import trainings as trainings_module
@@ -80,17 +81,18 @@ class Trainer(threading.Thread):
     checkpoint (its loader state) every ``every`` batches, and checks the packer never ran further
     ahead of it than the bound allows."""
 
-    def __init__(self, out, rank, world_size, progress, *, every, pause_s, ahead, per_shard):
+    def __init__(self, out, rank, world_size, progress, *, every, pause_s, ahead, per_shard, micro_batches=0):
         super().__init__(daemon=True)
         self.args = (out, rank, world_size, progress)
         self.every, self.pause_s, self.ahead, self.per_shard = every, pause_s, ahead, per_shard
+        self.m = micro_batches  # > 0: balanced steps of M micro-batches (the packer may run M further)
         self.states, self.seen, self.error = [], [], None
 
     def run(self):
         try:
             out, rank, world_size, progress = self.args
             ds = PackedShardDataset(out, rank=rank, world_size=world_size, follow=True, progress=progress,
-                                    live_every_s=0)
+                                    live_every_s=0, balance=Balance(micro_batches=self.m) if self.m else None)
             for i, batch in enumerate(ds):
                 self.seen.append(batch)
                 pack = Pack.open(out)
@@ -98,7 +100,7 @@ class Trainer(threading.Thread):
                 # the packer starts a shard of a stream only while it is less than `ahead` past a
                 # position the trainer reported (never more than this one), and finishes the shard
                 # it started: over this rank's streams, at most that much past the batches read
-                slack = len(ds.streams) * (self.ahead + self.per_shard)
+                slack = len(ds.streams) * (self.ahead + self.per_shard + self.m)
                 assert committed <= i + 1 + slack, (ds.streams, i, committed)
                 if (i + 1) % self.every == 0:
                     self.states.append(json.loads(json.dumps(ds.state_dict())))
@@ -527,3 +529,20 @@ def test_a_stream_never_waits_for_room_no_trim_frees(tmp_path, tokenizer_and_spe
     assert DiskShare(smallest, Pack.open(out)).holding(0) is not None  # that budget: room once trims free it
     TrimPolicy(Pack.open(out), lambda s: 1 << 62).apply()  # everything read: shards and off-ladder checkpoints go
     assert DiskShare(budget, Pack.open(out)).holding(0) is None  # the same budget now has room
+
+
+def test_balanced_trainings_follow_a_pack_held_one_batch_ahead(unbounded, tmp_path, tokenizer_and_special):
+    """bounded x balanced batches: a balanced step needs every rank's M batches before any is dealt,
+    so with --ahead 1 < M the packer, counting from the step start, held back what the step waited
+    for (a stall).  A balanced rank publishes the step start plus M: every batch is read once, and the
+    packer ran at most M + 1 past the step start."""
+    cfg = load_config(unbounded["config"])
+    out, progress = str(tmp_path / "out"), str(tmp_path / "progress")
+    bound = BoundSpec(1, (progress,), keep=2)
+    trainers = run_beside_trainings(
+        lambda: run_pack(cfg, out, RunOptions(inline=True, bar=False, bound=bound), tokenizer=tokenizer_and_special),
+        out, lambda: [Trainer(out, r, 2, progress, every=3, pause_s=0.01, ahead=1, per_shard=1, micro_batches=3)
+                      for r in (0, 1)], timeout=120)
+    assert digests(out) == digests(unbounded["out"])
+    seen = sorted(ids(t.seen)[i] for t in trainers for i in range(len(t.seen)))
+    assert seen == sorted(x for s in range(cfg.num_streams) for x in ids(open_stream(unbounded["out"], s)))

@@ -425,3 +425,47 @@ def test_every_reader_reads_the_chain(base, tokenizer_and_special):
     assert len(plain) == 2 * (3 + 2)
     assert ids(build_dataloader(new, rank=0, world_size=1, num_workers=2, pin_memory=False)) == plain
     assert ids(PackedShardDataset(new, rank=0, world_size=1, follow=True, timeout_s=30)) == plain
+
+
+def _index_rows(out: str) -> dict:
+    p = Pack.open(out)
+    return {s: [(sh.nbytes, sh.xxh3, [r.digest for r in sh.records]) for sh in p.index(s).shards]
+            for s in range(p.num_streams)}
+
+
+def test_a_trimmed_old_is_continued_from_and_a_trimmed_new_restored(base, tokenizer_and_special, tmp_path):
+    """continue x bounded: OLD trimmed whole (its checkpoints off the ladder dropped) still gives the
+    state after record N, packed again from the nearest checkpoint kept; NEW, trimmed whole, is
+    restored byte for byte (its own records; OLD's are OLD's to restore)."""
+    from prepack.run.bounded.restore import restore
+    from prepack.run.bounded.trim_policy import TrimPolicy
+    from schemas.manifest import TrimmedShards
+
+    tok = tokenizer_and_special
+    raw_a = changed(base["raw_a"], prepack__shard_bytes=60_000)  # a shard every batch or two: a ladder to drop
+    cfg_a = write_config(str(tmp_path), "a", raw_a)
+    old, trimmed_old = str(tmp_path / "old"), str(tmp_path / "trimmed-old")
+    run_pack(load_config(cfg_a), old, RunOptions(inline=True, bar=False), tokenizer=tok)
+    run_pack(load_config(cfg_a), trimmed_old, RunOptions(inline=True, bar=False), tokenizer=tok)
+    TrimPolicy(Pack.open(trimmed_old), lambda s: 1 << 62).apply()
+    p = Pack.open(trimmed_old)
+    dropped = TrimmedShards.read(p.location, 0).checkpoints
+    assert dropped, "OLD must have dropped checkpoints"
+    after = p.index(0).shards[dropped[0]].first_record + 1  # stream 0's state there: from an earlier checkpoint
+    raw_b = changed(raw_a, t2i_pretrain__weight=2.0, prepack__batches_per_stream=AFTER)
+    cfg_b = write_config(str(tmp_path), "b", raw_b)
+    news = {}
+    for name, parent in (("new", old), ("new-of-trimmed", trimmed_old)):
+        news[name] = str(tmp_path / name)
+        run_pack(load_config(cfg_b), news[name],
+                 RunOptions(inline=True, bar=False, continue_from=Continue(parent, after)), tokenizer=tok)
+    assert _index_rows(news["new"]) == _index_rows(news["new-of-trimmed"])
+    new = news["new-of-trimmed"]
+    TrimPolicy(Pack.open(new), lambda s: 1 << 62).apply()
+    n = Pack.open(new)
+    assert all(TrimmedShards.read(n.location, s).shards for s in (0, 1))
+    restore(new, {s: (0, None) for s in (0, 1)}, tokenizer=tok)
+    assert verify_pack(new).ok and _index_rows(new) == _index_rows(news["new"])
+    for s in (0, 1):
+        for sh in n.index(s).shards:
+            assert open(os.path.join(new, sh.file), "rb").read() == open(os.path.join(news["new"], sh.file), "rb").read()

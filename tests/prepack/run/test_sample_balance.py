@@ -280,3 +280,31 @@ def test_training_on_balanced_samples_equals_training_on_the_reference(packs, tm
           f"difference {weight_diff:.3g}")
     assert loss_diff <= LOSS_RTOL
     assert weight_diff <= WEIGHT_ATOL
+
+
+def test_a_second_job_finishing_beside_the_balancing_one_leaves_it_the_balanced_streams(packs, tmp_path,
+                                                                                       tokenizer_and_special):
+    """bal-samples x many jobs: two jobs packing disjoint reference streams may both find every reference
+    stream done; the one that leases OUT's streams writes the balanced ones, the other returns (exit 0)
+    instead of failing on the lease; the pack is the one a single job makes."""
+    from prepack.run.lease import acquire_streams
+
+    out = str(tmp_path / "out")
+    shutil.copytree(packs["out"], out)
+    loc = resolve_location(out)
+    for s in range(W * K):  # the balanced streams not written yet: every reference stream is done
+        shutil.rmtree(os.path.join(out, stream_dir(s)))
+    os.remove(os.path.join(out, MANIFEST_NAME))
+    other = acquire_streams(loc, list(range(W * K)))  # the other job, balancing now
+    try:
+        summary = run_pack(load_config(packs["config"]), out, RunOptions(inline=True, bar=False, streams=[0, 1]),
+                           tokenizer=tokenizer_and_special)
+        assert summary.out.endswith(REFERENCE_DIR) and not os.path.exists(os.path.join(out, MANIFEST_NAME))
+        assert not os.path.exists(os.path.join(out, index_file(0)))
+    finally:
+        other.release()
+    assert run_pack(load_config(packs["config"]), out, RunOptions(inline=True, bar=False),
+                    tokenizer=tokenizer_and_special).manifest_written  # the balancing job's part, done once it may
+    for s in range(W * K):
+        assert _shards(out, s) == _shards(packs["out"], s)
+    assert verify_pack(out).ok
