@@ -364,7 +364,9 @@ def read_shard(
     """Yield ``(stream record index, record)`` of one committed shard from its record ``first`` on.
 
     ``verify``: False reads as is; True checks size, schema metadata and every record's digest;
-    ``"file"`` also the whole file's XXH3-128 digest (reading the file whole first).  ``columns`` reads only
+    ``"file"`` also the whole file's XXH3-128 digest (reading the file whole first); ``"bytes"`` the
+    file's digest and its structure but no record's digest (every byte is as written, and no pixel
+    table is decompressed to prove it: what a re-split passing frames through reads).  ``columns`` reads only
     those (a projected read: the other buffers are not read); record digests need every column,
     so a projection checks the file's size, identity and record count only.
     """
@@ -391,7 +393,7 @@ def read_shard(
         size = source.size()
         if verify and size != shard.nbytes:
             raise fail(first, f"shard file is {size} bytes, the stream index says {shard.nbytes} (truncated or replaced)")
-        if verify == "file":
+        if verify in ("file", "bytes"):
             data = source.read_buffer()
             if xxhash.xxh3_128(memoryview(data)).hexdigest() != shard.xxh3:
                 raise fail(first, "shard file digest (XXH3-128) differs from the stream index")

@@ -393,6 +393,46 @@ def record_to_batch(record: pa.RecordBatch) -> PackedBatch:
     return PackedBatch(**kwargs)
 
 
+def record_to_framed_batch(record: pa.RecordBatch, known: "dict[int, int]", frame_format: str) -> PackedBatch:
+    """A record as ``record_to_batch`` gives it, but each image ``known`` names (image -> its
+    ``image_digest``, from the shard's pixel index) left as its compressed frame (a ``StoredImage``
+    in ``image_stored``, its slot of ``image_pixels`` unwritten), so a writer of frames of the same
+    ``frame_format`` passes it through without decompressing or compressing it; the other images
+    are decompressed into their slots.  The record's bytes must be checked already (its shard's
+    file digest): nothing here decompresses what it passes through."""
+    from schemas.compression import decompress_frame
+    from schemas.pixel_table import StoredImage
+
+    if record.num_rows != 1:
+        raise ValueError(f"a packed-batch record has exactly one row, got {record.num_rows}")
+    codec, data, frames = stored_pixel_frames(record)
+    if codec == "none" or not known:
+        return record_to_batch(record)
+    kwargs = {n: record.column(n)[0].as_py() for n, _ in _SCALAR_COLUMNS}
+    arrays = record_arrays(record)
+    offsets = arrays["image_offsets"]
+    pixels = np.empty(int(offsets[-1]) if len(offsets) else 0, np.uint8)  # a frame's slot stays unwritten
+    view = memoryview(data)
+    stored: list = []
+    heights, widths = arrays["image_heights"], arrays["image_widths"]
+    for i in range(len(offsets) - 1):
+        frame = view[int(frames[i]):int(frames[i + 1])]
+        a, b = int(offsets[i]), int(offsets[i + 1])
+        if i in known:
+            stored.append(StoredImage(int(widths[i]), int(heights[i]), int(known[i]), frame=frame,
+                                      frame_format=frame_format))
+            continue
+        pixels[a:b] = np.frombuffer(decompress_frame(frame_format, frame, b - a), np.uint8)
+        stored.append(None)
+    arrays["image_pixels"] = pixels
+    arrays["image_norm"] = arrays["image_norm"].reshape(-1, 6)
+    arrays["vae_latent_shapes"] = arrays["vae_latent_shapes"].reshape(-1, 2)
+    kwargs.update(arrays)
+    origin_lists = [record.column(n)[0].as_py() for n, _ in _ORIGIN_COLUMNS]
+    kwargs["origins"] = [SampleOrigin(**dict(zip(_ORIGIN_ATTRS, vals))) for vals in zip(*origin_lists)]
+    return PackedBatch(**kwargs, image_stored=stored)
+
+
 def _digest(record: pa.RecordBatch, image_digests: np.ndarray, arrays: dict[str, np.ndarray] | None = None) -> str:
     """``arrays``: the record's array columns but ``image_pixels`` (``record_arrays``), if at hand."""
     h = xxhash.xxh3_128()

@@ -28,6 +28,7 @@ from prepack.engine.resplit import balance_samples, samples_of
 from schemas.cost import CostModel
 from schemas.anatomy import (BATCH, FIELD_KINDS, IMAGE, IMAGE_IDS, LENGTH, OFFSETS, PIXELS, POSITIONS, VALUE,
                              batch_anatomy)
+from schemas.pixel_table import StoredImage
 from schemas.record import ARRAY_DTYPES, PackedBatch, SampleOrigin
 
 # the fields a sample owns rows of, and those of the image table a picture takes along (``FIELD_KINDS``)
@@ -40,8 +41,14 @@ class SampleImage:
     """One picture a sample uses: its row of each per-image field, its coded pixels (``PackedBatch.coded_image``)."""
 
     rows: dict[str, np.ndarray]  # per field of ``_IMAGE_FIELDS``: its one row
-    coded: np.ndarray
+    coded: "np.ndarray | StoredImage"  # its coded pixels, or its compressed frame to pass through
     key: tuple[int, int]  # (the batch it came from, its id there): one picture used twice stays one
+
+    def digest(self) -> bytes:
+        """XXH3-64 of its coded pixels (big-endian), known without decompressing a frame."""
+        if isinstance(self.coded, StoredImage):
+            return int(self.coded.digest).to_bytes(8, "big")
+        return xxhash.xxh3_64_digest(np.ascontiguousarray(self.coded).data)
 
 
 @dataclass(frozen=True)
@@ -80,7 +87,7 @@ class BatchSample:
             for name, a in img.rows.items():
                 h.update(name.encode())
                 h.update(np.ascontiguousarray(a).view(np.uint8).data)
-            h.update(xxhash.xxh3_64_digest(np.ascontiguousarray(img.coded).data))
+            h.update(img.digest())
         return h.hexdigest()
 
 
@@ -107,9 +114,34 @@ def split_batch(batch: PackedBatch, tag: int = 0) -> list[BatchSample]:
                 a = local[a]
             rows[name] = a.astype(ARRAY_DTYPES[name], copy=False)
         images = tuple(SampleImage({name: np.asarray(getattr(batch, name)[img:img + 1]) for name in _IMAGE_FIELDS},
-                                   np.asarray(batch.coded_image(img)), (tag, img)) for img in pictures.tolist())
+                                   _coded(batch, img), (tag, img)) for img in pictures.tolist())
         out.append(BatchSample(rows, images))
     return out
+
+
+def _coded(batch: PackedBatch, img: int) -> "np.ndarray | StoredImage":
+    """Image ``img``'s coded pixels, or its frame where the batch holds it as one (passed through)."""
+    stored = batch.image_stored[img] if img < len(batch.image_stored) else None
+    if stored is not None and stored.frame is not None:
+        return stored
+    return np.asarray(batch.coded_image(img))
+
+
+def _pixel_table(pictures: "list[SampleImage]") -> tuple[np.ndarray, list]:
+    """The pictures' coded pixels one after the other, and ``image_stored``: a frame passed through
+    leaves its slot unwritten (``PackedBatch.image_stored``)."""
+    sizes = [p.coded.size for p in pictures]
+    table = np.empty(sum(sizes), np.uint8)
+    stored: list = []
+    at = 0
+    for p, n in zip(pictures, sizes):
+        if isinstance(p.coded, StoredImage):
+            stored.append(p.coded)
+        else:
+            table[at:at + n] = p.coded.reshape(-1)
+            stored.append(None)
+        at += n
+    return table, stored if any(x is not None for x in stored) else []
 
 
 _EMPTY = {f.name: f.default_factory() for f in fields(PackedBatch) if f.name in ARRAY_DTYPES}  # shaped (0, ...)
@@ -147,7 +179,7 @@ def join_samples(samples: Sequence[BatchSample], like: PackedBatch) -> PackedBat
         elif kind.values == VALUE:
             out[name] = _cat(name, [p.rows[name] for p in pictures])
         elif kind.values == PIXELS:
-            out[name] = _cat(name, [p.coded.reshape(-1) for p in pictures])
+            out[name], out["image_stored"] = _pixel_table(pictures)
         elif kind.values == OFFSETS:
             out[name] = np.concatenate([[0], np.cumsum([p.coded.size for p in pictures])]).astype(np.int64)
     return PackedBatch(**out)  # the fields not stored keep their empty defaults

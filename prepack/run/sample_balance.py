@@ -33,7 +33,9 @@ from schemas.layout import stream_lineage_file
 from schemas.lineage import read_lineage
 from schemas.location import PackLocation
 from schemas.manifest import StreamIndex, StreamSummary
-from schemas.record import PackedBatch, record_to_batch
+from schemas.compression import Compression
+from schemas.pixel_index import read_committed_pixel_index
+from schemas.record import PackedBatch, record_to_framed_batch
 from schemas.streams import stream_of, workers_per_rank
 
 log = logging.getLogger(__name__)
@@ -46,12 +48,41 @@ def step_streams(cfg: PrepackConfig) -> list[list[int]]:
     return [[stream_of(r, w, cfg.num_workers) for r in range(cfg.world_size)] for w in workers]
 
 
+class _Frames:
+    """Per reference stream, the ``image_digest`` of each picture its pixel index lists, shard by
+    shard as its records are read: those pictures pass through a re-split as their frames."""
+
+    def __init__(self, reference: Pack, stream: int, frame_format: str):
+        self.reference, self.stream, self.frame_format = reference, stream, frame_format
+        self._shard: int | None = None
+        self._known: dict[int, dict[int, int]] = {}
+
+    def batch(self, j: int, record) -> PackedBatch:
+        """Record ``j`` of the stream (checked with its shard's file digest) with its frames kept."""
+        index = self.reference.index(self.stream)
+        shard = index.shard_of(j - self.reference.switch(self.stream))
+        if shard.shard != self._shard:
+            self._shard, self._known = shard.shard, {}
+            table, _ = read_committed_pixel_index(self.reference.location, self.stream, shard.shard,
+                                                  shard.pixels_sha256)
+            for rec, img, digest, codec in zip(*(table.column(c).to_pylist()
+                                                  for c in ("record", "image", "digest", "codec"))):
+                if codec == self.frame_format:
+                    self._known.setdefault(rec, {})[img] = digest
+        known = self._known.get(j - self.reference.switch(self.stream) - shard.first_record, {})
+        return record_to_framed_batch(record, known, self.frame_format)
+
+
 def balanced_records(reference: Pack, streams: list[int], model: CostModel,
                      start: int = 0) -> "Callable[[], tuple[int, dict[int, PackedBatch]] | None]":
     """A call giving, step after step from record ``start``, ``(j, {stream: balanced batch j})``
-    (only the streams that have a record j), then None."""
+    (only the streams that have a record j), then None.  The reference's records are read with
+    their shard files' digests checked, and every picture its pixel index lists passes through as
+    its compressed frame (no decompressing, no compressing: a re-split copies few bytes)."""
     lengths = {s: reference.num_records(s) for s in streams}
-    its = {s: iter_records(reference, s, start) for s in streams if lengths[s] > start}
+    fmt = Compression.parse(reference.info.stored_config().prepack.compression).frame_format
+    frames = {s: _Frames(reference, s, fmt) for s in streams}
+    its = {s: iter_records(reference, s, start, verify="bytes") for s in streams if lengths[s] > start}
     steps = min(lengths.values()) if lengths else 0
     j = start
 
@@ -64,7 +95,7 @@ def balanced_records(reference: Pack, streams: list[int], model: CostModel,
         for s in live:
             at, record = next(its[s])
             assert at == j, (s, at, j)
-            batches[s] = record_to_batch(record)
+            batches[s] = frames[s].batch(j, record)
         if j < steps and len(streams) > 1:
             batches = dict(zip(live, split_step([batches[s] for s in live], model)))
         j += 1

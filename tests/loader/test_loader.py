@@ -269,7 +269,7 @@ def test_swapped_shards_are_caught(tmp_path):
         _read_all(path, 0)
 
 
-def test_file_level_verification_catches_corruption_outside_records(pack_dir, tmp_path):
+def test_file_level_verification_catches_corruption_outside_records(pack_dir, tmp_path, monkeypatch):
     path = _copy_pack(pack_dir, tmp_path / "p")
     shard = os.path.join(path, "stream-00003", "shard-00000.arrow")
     data = bytearray(open(shard, "rb").read())
@@ -279,6 +279,19 @@ def test_file_level_verification_catches_corruption_outside_records(pack_dir, tm
     assert len(_read_all(path, 3)) == 3  # content is intact: default verification passes
     with pytest.raises(PackIntegrityError, match="XXH3-128"):
         [b for b in open_stream(path, 3, verify="file")]
+    # "bytes": the file's digest too, and no record's (no pixel table is decompressed to check one)
+    from loader import reader as reader_module
+    from loader.reader import Pack, read_shard
+
+    p = Pack.open(path)
+    with pytest.raises(PackIntegrityError, match="XXH3-128"):
+        list(read_shard(p, p.index(3).shards[0], verify="bytes"))
+    open(shard, "wb").write(open(os.path.join(pack_dir, "stream-00003", "shard-00000.arrow"), "rb").read())
+    calls = []
+    real = reader_module.record_digest
+    monkeypatch.setattr(reader_module, "record_digest", lambda r: calls.append(1) or real(r))
+    assert len(list(read_shard(p, p.index(3).shards[0], verify="bytes"))) == 3 and not calls
+    assert len(list(read_shard(p, p.index(3).shards[0], verify="file"))) == 3 and len(calls) == 3
 
 
 def test_dataset_same_world_size_is_dataloader_order(pack_dir):

@@ -124,3 +124,31 @@ def test_batch_costs_add_up_over_samples():
     for b in split_step(step, MODEL):
         samples, fixed = samples_of(b, MODEL)
         assert fixed + sum(s.cost for s in samples) == pytest.approx(float(MODEL.estimate(terms_of(b))), rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_re_split_of_framed_records_passes_their_frames_through_and_writes_the_same_bytes(seed, monkeypatch):
+    """Balancing reads the reference's records with every picture its pixel index lists left as its
+    compressed frame (``record_to_framed_batch``): the re-split moves frames, never decompresses or
+    compresses them, and writes the records (digests and bytes) the decoded path writes."""
+    from schemas import compression as compression_module
+    from schemas.compression import Compression
+    from schemas.pixel_table import image_digest
+    from schemas.record import record_to_batch, record_to_framed_batch
+
+    comp = Compression.parse("zstd:1")
+    step = step_of(seed)
+    records = [encode_record(b, comp) for b in step]
+    decoded = [record_to_batch(r.record) for r in records]
+    # the pixel index lists every picture but the first of each batch: that one is decompressed
+    framed = [record_to_framed_batch(r.record, {i: image_digest(b.coded_image(i)) for i in range(1, len(b.image_heights))},
+                                     comp.frame_format) for r, b in zip(records, decoded)]
+    assert all(f.image_stored[i].frame is not None for f in framed for i in range(1, len(f.image_heights)))
+    want = [encode_record(b, comp) for b in split_step(decoded, MODEL)]
+    calls = []
+    real = compression_module.decompress
+    monkeypatch.setattr(compression_module, "decompress", lambda *a: calls.append(1) or real(*a))
+    got = [encode_record(b, comp) for b in split_step(framed, MODEL)]
+    assert not calls, "a frame passed through was decompressed"
+    assert [g.digest for g in got] == [w.digest for w in want]
+    assert all(g.record.equals(w.record) for g, w in zip(got, want))
