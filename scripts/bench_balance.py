@@ -249,6 +249,11 @@ def samples_figure(pack_dirs_: list[str], model: CostModel, args) -> float | Non
 PACKED_W = 4  # the W of the packed balanced-samples pack (its data has 4 files per parquet group)
 
 
+def tree_bytes(path: str) -> int:
+    """Bytes of every file under ``path``."""
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(path) for n in names)
+
+
 def packed_samples(out: str, batches: int, seed: int) -> str:
     """A real ``prepack: balance: samples`` pack (``make_cost_pack``'s data and knobs, the default mix,
     W=4, K=1): its reference packed first by the product's command as a plain pack of the same config
@@ -274,6 +279,7 @@ def packed_samples(out: str, batches: int, seed: int) -> str:
                     "--no-ray", "--no-progress"], cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": ROOT},
                    stdout=sys.stderr)
     packing_s = time.perf_counter() - t0
+    plain_bytes = tree_bytes(os.path.join(dest, "reference"))  # an ordinary pack of the same config, whole
     from prepack.engine.tokenizer import load_tokenizer, special_token_ids
     from prepack.run.driver import RunOptions, run_pack
     from schemas.config_file import load_config
@@ -295,7 +301,8 @@ def packed_samples(out: str, batches: int, seed: int) -> str:
     return (f"balanced samples, packed (W={PACKED_W}, K=1, {steps} steps, the default mix): step time "
             f"{slowest[1] / slowest[0]:.3f} of the reference by the model; balancing {balancing_s:.1f} s wall, "
             f"{balancing_cpu:.1f} s CPU for {records} records ({1e3 * balancing_cpu / records:.0f} ms CPU each; "
-            f"packing them: {packing_s:.1f} s, a process)")
+            f"packing them: {packing_s:.1f} s, a process); disk {tree_bytes(dest) / plain_bytes:.3f} of the "
+            "ordinary pack's (its reference trimmed once balanced)")
 
 
 def read_h200(path: str) -> tuple[list[dict], np.ndarray, np.ndarray] | None:

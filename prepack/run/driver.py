@@ -213,7 +213,7 @@ def _run_balanced(cfg: PrepackConfig, out: str, options: RunOptions, tokenizer: 
                  "(%s); this job's part is done", e)
         return ref
     try:
-        entries = write_balanced(cfg, loc, pack.metadata, reference)
+        entries = write_balanced(cfg, loc, pack.metadata, reference, tokenizer)
         lease.check()
         written, _ = finalize(loc, cfg)
     finally:

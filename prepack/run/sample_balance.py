@@ -2,7 +2,8 @@
 
 Such a pack is two packs in one place.  ``OUT/reference/`` is the ordinary pack of the same config
 without ``balance`` (every stream the reference's, stream for stream: its checkpoints, audits,
-restores).  ``OUT``'s own streams hold the balanced batches: for each optimizer step at M = 1 (step
+restores); once a worker class's balanced streams are done, its reference shards are trimmed
+(``trim_reference``: what packs them again stays), so the finished pack holds no second copy.  ``OUT``'s own streams hold the balanced batches: for each optimizer step at M = 1 (step
 t of worker class w is record j = t // K of streams r*K + w, r < W), the W reference batches' samples
 re-split among them (``prepack.engine.step_split``).  A trainer reads ``OUT`` like any pack.
 
@@ -20,22 +21,26 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from loader.reader import Pack, iter_records
 from prepack.engine.step_split import split_step
+from prepack.engine.tokenizer import recorded_fingerprint
+from prepack.run.bounded.replay import packed_again
+from prepack.run.bounded.trim_policy import TrimPolicy
 from prepack.run.commit.recovery import recover_stream
 from prepack.run.commit.writer import Committing, ShardFormat, StreamWriter, write_done
 from schemas.config import PrepackConfig
 from schemas.cost import CostModel
+from schemas.errors import PackRefused
 from schemas.layout import stream_lineage_file
 from schemas.lineage import read_lineage
 from schemas.location import PackLocation
 from schemas.manifest import StreamIndex, StreamSummary
 from schemas.compression import Compression
 from schemas.pixel_index import read_committed_pixel_index
-from schemas.record import PackedBatch, record_to_framed_batch
+from schemas.record import PackedBatch, batch_to_record, record_to_batch, record_to_framed_batch
 from schemas.streams import stream_of, workers_per_rank
 
 log = logging.getLogger(__name__)
@@ -73,16 +78,39 @@ class _Frames:
         return record_to_framed_batch(record, known, self.frame_format)
 
 
-def balanced_records(reference: Pack, streams: list[int], model: CostModel,
-                     start: int = 0) -> "Callable[[], tuple[int, dict[int, PackedBatch]] | None]":
+def reference_batches(reference: Pack, stream: int, start: int, tokenizer: "tuple | None") -> "Iterator[tuple[int, PackedBatch]]":
+    """The reference stream's batches from record ``start``: read from its shards (their files'
+    digests checked, listed pictures kept as frames: ``_Frames``), or, where a shard was trimmed
+    once balanced, packed again from the nearest checkpoint kept (``tokenizer``: needed then)."""
+    fmt = Compression.parse(reference.info.stored_config().prepack.compression).frame_format
+    frames = _Frames(reference, stream, fmt)
+    index, trimmed = reference.index(stream), reference.trimmed(stream)
+    for sh in index.shards:
+        end = sh.first_record + len(sh.records)
+        if end <= start:
+            continue
+        first, start = max(start, sh.first_record), end
+        if sh.shard not in trimmed:
+            for j, record in iter_records(reference, stream, first, verify="bytes", stop=end):
+                yield j, frames.batch(j, record)
+            continue
+        if tokenizer is None:
+            raise PackRefused(f"{reference.location.path(sh.file)}: the reference shard was trimmed once balanced; "
+                              "packing it again needs the tokenizer")
+        for j, batch in packed_again(reference.location, index, reference.info.stored_config(), tokenizer,
+                                     (first, end)):
+            yield j, record_to_batch(batch_to_record(batch))  # as read back: no packer-side fields
+
+
+def balanced_records(reference: Pack, streams: list[int], model: CostModel, start: int = 0,
+                     tokenizer: "tuple | None" = None) -> "Callable[[], tuple[int, dict[int, PackedBatch]] | None]":
     """A call giving, step after step from record ``start``, ``(j, {stream: balanced batch j})``
     (only the streams that have a record j), then None.  The reference's records are read with
     their shard files' digests checked, and every picture its pixel index lists passes through as
-    its compressed frame (no decompressing, no compressing: a re-split copies few bytes)."""
+    its compressed frame (no decompressing, no compressing: a re-split copies few bytes); a
+    reference shard trimmed once balanced is packed again (``reference_batches``)."""
     lengths = {s: reference.num_records(s) for s in streams}
-    fmt = Compression.parse(reference.info.stored_config().prepack.compression).frame_format
-    frames = {s: _Frames(reference, s, fmt) for s in streams}
-    its = {s: iter_records(reference, s, start, verify="bytes") for s in streams if lengths[s] > start}
+    its = {s: reference_batches(reference, s, start, tokenizer) for s in streams if lengths[s] > start}
     steps = min(lengths.values()) if lengths else 0
     j = start
 
@@ -93,9 +121,8 @@ def balanced_records(reference: Pack, streams: list[int], model: CostModel,
             return None
         batches = {}
         for s in live:
-            at, record = next(its[s])
+            at, batches[s] = next(its[s])
             assert at == j, (s, at, j)
-            batches[s] = frames[s].batch(j, record)
         if j < steps and len(streams) > 1:
             batches = dict(zip(live, split_step([batches[s] for s in live], model)))
         j += 1
@@ -125,16 +152,17 @@ class _Out:
 
 
 def balance_class(reference: Pack, loc: PackLocation, streams: list[int], fmt: ShardFormat,
-                  model: CostModel) -> None:
+                  model: CostModel, tokenizer: "tuple | None" = None) -> None:
     """Write ``streams`` (one worker class of the pack) from the reference, resuming after their
-    committed shards; their ``done.json`` is the caller's."""
+    committed shards (a reference shard trimmed since is packed again: ``tokenizer``); their
+    ``done.json`` is the caller's."""
     outs = []
     for s in streams:
         index = recover_stream(loc, s)
         ends = [(sh.first_record, len(sh.records)) for sh in reference.index(s).shards]
         outs.append(_Out(s, index, ends))
     start = min(o.start for o in outs)
-    step = balanced_records(reference, streams, model, start)
+    step = balanced_records(reference, streams, model, start, tokenizer)
     last = time.monotonic()
     while (got := step()) is not None:
         j, batches = got
@@ -174,21 +202,30 @@ def reference_config(cfg: PrepackConfig) -> PrepackConfig:
     return replace(cfg, prepack=replace(cfg.prepack, balance="none", cost_model=None))
 
 
-def write_balanced(cfg: PrepackConfig, loc: PackLocation, metadata: dict[str, str],
-                   reference: Pack) -> list[StreamSummary]:
+def trim_reference(reference: Pack, streams: list[int], tokenizer: tuple) -> None:
+    """Trim the reference shards of ``streams``, whose every record is balanced and committed: no
+    second copy of the pack stays, only what packs them again (a ladder of checkpoints, the
+    sources each read; ``prepack.run.bounded``).  A shard whose sources changed since is kept."""
+    policy = TrimPolicy(reference, lambda s: 1 << 62 if s in streams else 0, recorded_fingerprint(tokenizer[0]))
+    for line in policy.apply(streams).lines():
+        log.info("balanced samples: the reference of streams %s: %s", streams, line)
+
+
+def write_balanced(cfg: PrepackConfig, loc: PackLocation, metadata: dict[str, str], reference: Pack,
+                   tokenizer: tuple) -> list[StreamSummary]:
     """Write (or finish) every balanced stream of ``loc`` from the finished ``reference``; their
-    ``done.json`` once written.  A stream already done at this budget is kept as it is."""
+    ``done.json`` once written, and then their reference shards trimmed (``trim_reference``).  A
+    stream already done at this budget is kept as it is."""
     model = CostModel.of(cfg)
     fmt = ShardFormat(_NEVER, cfg.prepack.compression, metadata)
     budget = cfg.prepack.budget()
     out = {}
     for streams in step_streams(cfg):
         todo = [s for s in streams if (d := StreamSummary.read(loc, s)) is None or d.budget != budget]
-        if not todo:
-            out.update({s: StreamSummary.read(loc, s) for s in streams})
-            continue
-        log.info("balanced samples: writing streams %s from the reference", streams)
-        balance_class(reference, loc, streams, fmt, model)
+        if todo:
+            log.info("balanced samples: writing streams %s from the reference", streams)
+            balance_class(reference, loc, streams, fmt, model, tokenizer)
         for s in streams:
             out[s] = finish_balanced(cfg, loc, reference, s) if s in todo else StreamSummary.read(loc, s)
+        trim_reference(reference, streams, tokenizer)  # also where an earlier run stopped before it
     return [out[s] for s in sorted(out)]

@@ -334,7 +334,7 @@ def _audit_balanced(ctx: AuditContext, ids: list[int], shard: int | None, progre
     for s in ids:
         for sh in ctx.pack.index(s).shards:
             if shard is None or sh.shard == shard:
-                audit_balanced_shard(ctx.pack, reference, cfg, sh, rep)
+                audit_balanced_shard(ctx.pack, reference, cfg, sh, rep, (ctx.tokenizer, ctx.special))
                 bar.update(len(sh.records))
     bar.close()
     if not rep.rows:

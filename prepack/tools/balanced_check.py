@@ -2,7 +2,9 @@
 
 ``verify`` proves the pack's contract step by step: each step's W balanced batches hold exactly
 the samples of the reference step (a multiset of per-sample digests: every tensor of a sample,
-not where it lies), and a step some stream lacks is the reference's records unchanged.
+not where it lies), and a step some stream lacks is the reference's records unchanged.  Once the
+reference's shards are trimmed (a finished pack keeps no second copy), by their lineage: which
+source row each sample is, and its tokens.
 ``audit`` re-splits each shard's steps from the reference records and compares record digests:
 the balanced records are what the code makes of the reference.  The reference itself
 (``OUT/reference``) is an ordinary pack: verify and audit it as one.
@@ -19,7 +21,8 @@ from prepack.tools.report import CheckReport
 from schemas.cost import CostModel
 from schemas.config import PrepackConfig
 from schemas.errors import PrepackError
-from schemas.layout import REFERENCE_DIR
+from schemas.layout import REFERENCE_DIR, stream_lineage_file
+from schemas.lineage import read_lineage
 from schemas.location import PackLocation
 from schemas.manifest import ShardEntry
 from schemas.record import encode_record, record_to_batch
@@ -48,7 +51,41 @@ def check_balanced_steps(pack: Pack, rep: CheckReport) -> None:
         rep.add("balanced steps", where, *_steps_agree(pack, reference, streams))
 
 
+_SAMPLE = ("group", "dataset", "worker_id", "data_indexes", "source_file", "source_row_group", "source_row",
+           "num_tokens")
+
+
+def _lineage_steps(pack: Pack, streams: list[int]) -> dict[int, Counter]:
+    """Per record j, the samples that records j of ``streams`` packed (their lineage rows)."""
+    steps: dict[int, Counter] = {}
+    for s in streams:
+        rows = read_lineage(pack.location.read_bytes(stream_lineage_file(s)))
+        cols = [rows.column(c).to_pylist() for c in ("record", *_SAMPLE)]
+        for record, *sample in zip(*cols):
+            steps.setdefault(record, Counter())[tuple(tuple(x) if isinstance(x, list) else x for x in sample)] += 1
+    return steps
+
+
+def _steps_agree_by_lineage(pack: Pack, reference: Pack, streams: list[int]) -> tuple[bool, str]:
+    """A reference whose shards were trimmed once balanced: each step's samples by what each is
+    (its source row and tokens, from both packs' lineage); its tensors are ``audit``'s to prove,
+    packing the reference again from its checkpoints."""
+    try:
+        ours, theirs = _lineage_steps(pack, streams), _lineage_steps(reference, streams)
+    except (OSError, ValueError) as e:
+        return False, f"the lineage cannot be read: {e}"
+    for j in sorted(set(ours) | set(theirs)):
+        if ours.get(j) != theirs.get(j):
+            a, b = ours.get(j, Counter()), theirs.get(j, Counter())
+            return False, (f"step {j}: {sum((b - a).values())} reference samples missing, "
+                           f"{sum((a - b).values())} not in the reference step (by their lineage)")
+    return True, (f"{len(ours)} steps: each holds its reference step's samples, by their lineage (the reference's "
+                  "shards are trimmed: audit packs them again and compares tensors)")
+
+
 def _steps_agree(pack: Pack, reference: Pack, streams: list[int]) -> tuple[bool, str]:
+    if any(reference.trimmed(s) for s in streams):
+        return _steps_agree_by_lineage(pack, reference, streams)
     n = {s: pack.num_records(s) for s in streams}
     ref_n = {s: reference.num_records(s) for s in streams}
     if any(n[s] > ref_n[s] for s in streams):
@@ -74,10 +111,11 @@ def _steps_agree(pack: Pack, reference: Pack, streams: list[int]) -> tuple[bool,
 
 
 def audit_balanced_shard(pack: Pack, reference: Pack, cfg: PrepackConfig, shard: ShardEntry,
-                         rep: CheckReport) -> None:
-    """Re-split shard ``shard``'s steps from the reference and compare each record's digest."""
+                         rep: CheckReport, tokenizer: tuple) -> None:
+    """Re-split shard ``shard``'s steps from the reference (its records, or where they were trimmed
+    once balanced, packed again from its checkpoints) and compare each record's digest."""
     streams = next(c for c in step_streams(cfg) if shard.stream in c)
-    step = balanced_records(reference, streams, CostModel.of(cfg), shard.first_record)
+    step = balanced_records(reference, streams, CostModel.of(cfg), shard.first_record, tokenizer)
     bad = []
     for i, entry in enumerate(shard.records):
         got = step()

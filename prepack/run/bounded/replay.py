@@ -13,6 +13,7 @@ would not give the pack back is refused, never continued from.  Used by a contin
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from prepack.engine.packer import PackerOptions, StreamState
@@ -26,7 +27,7 @@ from schemas.config import PrepackConfig
 from schemas.errors import PackRefused
 from schemas.location import PackLocation
 from schemas.manifest import StreamIndex, TrimmedShards
-from schemas.record import encode_record
+from schemas.record import PackedBatch, encode_record
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,34 @@ def shard_of(index: StreamIndex, record: int) -> int:
     """The shard holding stream-local record ``record`` (the number of shards: after the last)."""
     starts = [sh.first_record for sh in index.shards] + [index.num_records]
     return max(i for i, b in enumerate(starts) if b <= record)
+
+
+def packed_again(loc: PackLocation, index: StreamIndex, cfg: PrepackConfig, tokenizer: tuple,
+                 records: tuple[int, int]) -> "Iterator[tuple[int, PackedBatch]]":
+    """The stream's records ``records`` (first, stop: stream-local) packed again from the nearest
+    checkpoint kept, each checked against its index row's digest: ``(record, batch)``.  For a reader
+    of records whose shard was trimmed (a balanced-samples pack's reference)."""
+    first, stop = records
+    start = state_at(loc, index, cfg, first, tokenizer).state
+    stream = index.stream
+    pixels = PixelReuse((), frame_format=None)
+    pixels.add_stream(loc, index)
+    try:
+        with open_packer(cfg, stream, tokenizer[0], tokenizer[1], start, PackerOptions(pixels=pixels)) as packer:
+            at = first
+            for batch in packer if at < stop else ():
+                if encode_record(batch).digest != index.record(at).digest:
+                    raise PackRefused(f"{loc.base}: packing stream {stream} again does not give its record {at} "
+                                      "back (the data or the packing code changed since it was packed)")
+                yield at, batch
+                at += 1
+                if at >= stop:
+                    break
+            if at < stop:
+                raise PackRefused(f"{loc.base}: packing stream {stream} again ended after record {at - 1}, "
+                                  f"before record {stop - 1}")
+    finally:
+        pixels.close()
 
 
 def _replay(loc: PackLocation, index: StreamIndex, cfg: PrepackConfig, tokenizer: tuple, start: tuple[int, int],

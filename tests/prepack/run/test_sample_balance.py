@@ -21,6 +21,7 @@ from loader.batch import SimpleCustomBatch
 from loader.reader import Pack, iter_records
 from prepack.run.bounded.bound import BoundSpec
 from prepack.run.chain import Continue
+from prepack.run.bounded.trim_policy import TrimPolicy
 from prepack.run.driver import RunOptions, run_pack
 from prepack.run.commit.writer import write_index
 from prepack.tools.audit import audit_pack
@@ -136,6 +137,28 @@ def test_verify_and_audit_pass_and_catch_a_reference_that_is_not_its_own(packs, 
     bad = [r for r in rep.rows if r.check == "balanced steps" and not r.ok]
     assert bad and "step 0" in bad[0].detail
     assert not audit_pack(other, tokenizer=tokenizer_and_special).ok
+    # that reference trimmed too: verify compares by lineage, audit packs it again: both still catch it
+    TrimPolicy(Pack.open(os.path.join(other, REFERENCE_DIR)), lambda s: 1 << 62).apply()
+    bad = [r for r in verify_pack(other).rows if r.check == "balanced steps" and not r.ok]
+    assert bad and "step 0" in bad[0].detail and "by their lineage" in bad[0].detail
+    assert not audit_pack(other, tokenizer=tokenizer_and_special).ok
+
+
+def _bytes(out: str, skip: str = "") -> int:
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(out) for n in names
+               if not (skip and os.path.join(d, n).startswith(skip)))
+
+
+def test_no_second_copy_stays_once_balanced(packs):
+    """Once a worker class's balanced streams are written, their reference shards are trimmed (what
+    packs them again stays: a ladder of checkpoints, the sources each read): the balanced pack's disk
+    is within 10% of the ordinary pack's; verify checks its steps by lineage, audit (above) by
+    packing the reference again."""
+    ref = Pack.open(os.path.join(packs["out"], REFERENCE_DIR))
+    assert all(ref.trimmed(s) == {sh.shard for sh in ref.index(s).shards} for s in range(W * K))
+    assert _bytes(packs["out"]) <= 1.1 * _bytes(packs["plain"]), (_bytes(packs["out"]), _bytes(packs["plain"]))
+    rep = verify_pack(packs["out"])
+    assert rep.ok and all("by their lineage" in r.detail for r in rep.rows if r.check == "balanced steps")
 
 
 def test_a_crashed_balancing_resumes_to_the_same_bytes(packs, tokenizer_and_special, tmp_path):
@@ -265,7 +288,7 @@ def test_training_on_balanced_samples_equals_training_on_the_reference(packs, tm
         mp.spawn(spawn_target, args=(W, packed_dir, False, 1, steps, init, out), nprocs=W, join=True)
         return [torch.load(f"{out}{r}", weights_only=True) for r in range(W)]
 
-    ref = train(os.path.join(packs["out"], REFERENCE_DIR), "reference")
+    ref = train(packs["plain"], "reference")  # OUT/reference is trimmed once balanced: its twin, packed plain
     bal = train(packs["out"], "balanced")
 
     def samples(run: list[dict], t: int) -> list[str]:  # step t's samples, by their batch_data_indexes entry
@@ -307,4 +330,23 @@ def test_a_second_job_finishing_beside_the_balancing_one_leaves_it_the_balanced_
                     tokenizer=tokenizer_and_special).manifest_written  # the balancing job's part, done once it may
     for s in range(W * K):
         assert _shards(out, s) == _shards(packs["out"], s)
+    assert verify_pack(out).ok
+
+
+def test_extending_a_trimmed_balanced_pack_equals_packing_it_at_once(packs, tmp_path, tokenizer_and_special):
+    """extend x bal-samples under batches_per_stream: the reference streams go on from their newest
+    checkpoints (kept by the trim), the new steps are balanced, their reference shards trimmed; the
+    pack is the one packed at the larger budget at once."""
+    out = str(tmp_path / "out")
+    shutil.copytree(packs["out"], out)
+    more = _config(packs["ds"], "more.yaml", balance="samples", batches_per_stream=BATCHES + 2)
+    assert run_pack(load_config(more), out, RunOptions(inline=True, bar=False),
+                    tokenizer=tokenizer_and_special).manifest_written
+    fresh = str(tmp_path / "fresh")
+    run_pack(load_config(more), fresh, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
+    for s in range(W * K):
+        assert [r.digest for sh in Pack.open(out).index(s).shards for r in sh.records] == \
+            [r.digest for sh in Pack.open(fresh).index(s).shards for r in sh.records]
+    ref = Pack.open(os.path.join(out, REFERENCE_DIR))
+    assert all(ref.trimmed(s) == {sh.shard for sh in ref.index(s).shards} for s in range(W * K))
     assert verify_pack(out).ok
