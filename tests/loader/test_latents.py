@@ -216,6 +216,25 @@ def test_resume_and_balance_with_latents(pack):
     for x, y in zip(head + tail, full):
         if "padded_latent" in y.to_dict():
             assert torch.equal(x.padded_latent, y.padded_latent)  # the same noise after a resume
+    # latents x world-size change: every rank's state merged, resumed by one rank: each record's noise is
+    # its digest's and the epoch's, not the rank's, so every latent is the one the two ranks would draw
+    states = []
+    by_record = {}
+    for r in range(2):
+        ds = PackedShardDataset(pack, rank=r, world_size=2, vae_latents=True)
+        it = iter(ds)
+        next(it)
+        states.append(ds.state_dict())
+        for b in PackedShardDataset(pack, rank=r, world_size=2, vae_latents=True):
+            by_record[json.dumps(b.batch_data_indexes, sort_keys=True)] = b
+    one = PackedShardDataset(pack, rank=0, world_size=1, vae_latents=True)
+    one.load_state_dict(PackedShardDataset.merge_states(states))
+    rest = list(one)
+    assert rest and len(rest) == len(by_record) - 2
+    for b in rest:
+        want = by_record[json.dumps(b.batch_data_indexes, sort_keys=True)]
+        if "padded_latent" in want.to_dict():
+            assert torch.equal(b.padded_latent, want.padded_latent)
     bal = PackedShardDataset(pack, rank=0, world_size=2, vae_latents=True, balance=Balance(micro_batches=2))
     assert bal.balance.cost_model == CostModel.default().without("vae")  # the encode is not the training's
     both = [b for r in range(2) for b in PackedShardDataset(pack, rank=r, world_size=2, vae_latents=True,

@@ -6,6 +6,7 @@ a pack that another process is writing.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -59,6 +60,15 @@ def test_extend_6_to_12_equals_a_fresh_12_pack(data, fresh12, tmp_path, tokenize
                      (small_config(data, shard_bytes=300_000, batches_per_stream=12), "config differs")):
         with pytest.raises(PackRefused, match=why):
             run_pack(cfg, out, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
+    # loader states taken on the 6-batch pack by 2 ranks, merged (extend x world-size change)
+    states = []
+    for rank in (0, 1):
+        ds = PackedShardDataset(out, rank=rank, world_size=2)
+        it = iter(ds)
+        for _ in range(4):
+            next(it)
+        states.append(json.loads(json.dumps(ds.state_dict())))
+    merged = PackedShardDataset.merge_states(states)
     s12 = run_pack(small_config(data, shard_bytes=400_000, batches_per_stream=12), out, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
     assert s12.manifest_written and s12.packed_now[0] == 12
     assert digests(out) == digests(fresh12) and all(len(d) == 12 for d in digests(out).values())
@@ -66,7 +76,14 @@ def test_extend_6_to_12_equals_a_fresh_12_pack(data, fresh12, tmp_path, tokenize
     assert verify_pack(out).ok
     for s in (0, 1):
         assert read_ids(open_stream(out, s)) == read_ids(open_stream(fresh12, s))
-    # a loader state taken on the 6-batch pack still applies to the extended one
+    # the merged state, taken on the 6-batch pack, applies to the extended one at another world size: one
+    # rank reads the rest of both streams, as from the pack packed at 12 at once
+    rest = []
+    for pack in (out, fresh12):
+        ds = PackedShardDataset(pack, rank=0, world_size=1)
+        ds.load_state_dict(merged)
+        rest.append(read_ids(ds))
+    assert rest[0] == rest[1] and len(rest[0]) == 24 - 8
     again = run_pack(small_config(data, shard_bytes=400_000, batches_per_stream=12), out, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
     assert again.already_done
 

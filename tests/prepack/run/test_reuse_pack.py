@@ -430,3 +430,52 @@ def test_a_re_pack_reads_old_once_per_job(old, catalog, tmp_path, tokenizer_and_
     built_from = [r for r in reads if r.endswith(".pixels.arrow")]  # each shard's pixel index, to build it
     assert sorted(r for r in reads if r not in built_from) == sorted(wanted), reads
     assert len(set(built_from)) == len(built_from) and bool(built_from) != catalog
+
+
+def test_reuse_from_a_partly_trimmed_old_is_the_fresh_pack(old, tmp_path, tokenizer_and_special, monkeypatch):
+    """reuse x bounded: OLD with some shards trimmed (a bounded pack behind its trainings): their
+    pictures are decoded again, the rest are taken from OLD; the pack is the fresh one byte for byte."""
+    import shutil
+
+    from loader.reader import Pack
+    from prepack.run.bounded.trim_policy import TrimPolicy
+
+    monkeypatch.setenv(OWN_SETTING, "0")
+    trimmed = str(tmp_path / "old")
+    shutil.copytree(old["out"], trimmed)
+    TrimPolicy(Pack.open(trimmed), lambda s: Pack.open(trimmed).num_records(s) // 2).apply()  # half of each stream
+    p = Pack.open(trimmed)
+    assert all(p.trimmed(s) and len(p.trimmed(s)) < len(p.index(s).shards) for s in range(p.num_streams))
+    config = _config(old["ds"], str(tmp_path / "new.yaml"), seed=7)
+    fresh = _pack(config, str(tmp_path / "fresh"), tokenizer_and_special)
+    reused = _pack(config, str(tmp_path / "reused"), tokenizer_and_special, reuse=[trimmed])
+    assert _files(str(tmp_path / "reused")) == _files(str(tmp_path / "fresh"))
+    whole = _pack(config, str(tmp_path / "reused-whole"), tokenizer_and_special, reuse=[old["out"]])
+    assert 0 < _reuse(reused)[1] < _reuse(whole)[1]  # fewer pictures taken from OLD: the trimmed ones decoded
+
+
+def test_an_extension_packed_with_reuse_is_the_fresh_pack(old, tmp_path, tokenizer_and_special, monkeypatch):
+    """reuse x extend: a pack extended with ``--reuse OLD`` (its new records' pictures from OLD) is, record
+    for record, the pack packed at the larger budget at once (an extension starts a new shard where the
+    smaller budget ended one: shard files differ, records do not) and the extension without reuse,
+    byte for byte."""
+    monkeypatch.setenv(OWN_SETTING, "0")
+    small = _config(old["ds"], str(tmp_path / "small.yaml"), seed=7, prepack={"batches_per_stream": 3})
+    big = _config(old["ds"], str(tmp_path / "big.yaml"), seed=7, prepack={"batches_per_stream": 6})
+    extended = str(tmp_path / "extended")
+    _pack(small, extended, tokenizer_and_special)
+    summary = _pack(big, extended, tokenizer_and_special, reuse=[old["out"]])
+    fresh, plain = str(tmp_path / "fresh"), str(tmp_path / "plain")
+    _pack(big, fresh, tokenizer_and_special)
+    _pack(small, plain, tokenizer_and_special)
+    _pack(big, plain, tokenizer_and_special)
+    assert _reuse(summary)[1] > 0
+    assert _files(extended) == _files(plain)
+
+    def records(out: str) -> list[list[str]]:
+        from loader.reader import Pack
+
+        p = Pack.open(out)
+        return [[r.digest for sh in p.index(s).shards for r in sh.records] for s in range(p.num_streams)]
+
+    assert records(extended) == records(fresh)
