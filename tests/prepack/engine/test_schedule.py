@@ -11,6 +11,7 @@ group added (edit, absent before): so every switch changes something the referen
 from __future__ import annotations
 
 import json
+import time
 import os
 
 import pytest
@@ -265,3 +266,52 @@ def test_a_scheduled_pack_is_trimmed_and_restored_across_its_switches(sched, tok
         for sh in p.index(s).shards:
             assert open(os.path.join(out, sh.file), "rb").read() == open(os.path.join(sched["out"], sh.file), "rb").read()
     assert verify_pack(out).ok
+
+
+def test_a_scheduled_pack_is_followed_balanced_and_resumed_at_another_world_size(sched, tokenizer_and_special,
+                                                                                  tmp_path):
+    """schedule x follow: a follower reading the pack while it is packed reads what the finished pack
+    holds; schedule x balanced batches: every step holds the reference's batches; schedule x world-size
+    change: two ranks' states merged resume on one rank with the rest."""
+    import threading
+
+    from loader import PackedShardDataset
+    from loader.balance import Balance
+
+    def key(b) -> str:
+        return json.dumps(b.batch_data_indexes, sort_keys=True) + str(b.sequence_length)
+
+    out = str(tmp_path / "packed")
+    packer = threading.Thread(target=run_pack, args=(load_config(sched["cfg"]), out, RunOptions(inline=True, bar=False)),
+                              kwargs={"tokenizer": tokenizer_and_special}, daemon=True)
+    packer.start()
+    for _ in range(600):
+        if os.path.exists(os.path.join(out, "pack.json")):
+            break
+        time.sleep(0.05)
+    followed = [key(b) for b in PackedShardDataset(out, rank=0, world_size=1, follow=True, poll_s=0.05, timeout_s=300)]
+    packer.join(timeout=300)
+    whole = [key(b) for b in PackedShardDataset(sched["out"], rank=0, world_size=1)]
+    assert followed == whole and len(whole) == 2 * TOTAL
+    # balanced steps of M=2 over 2 ranks: each step's batches are the reference's
+    m = 2
+    ref = [[key(b) for b in PackedShardDataset(sched["out"], rank=r, world_size=2)] for r in range(2)]
+    bal = [[key(b) for b in PackedShardDataset(sched["out"], rank=r, world_size=2, balance=Balance(micro_batches=m))]
+           for r in range(2)]
+    steps = min(len(x) for x in ref) // m
+    for t in range(steps):
+        assert sorted(x for r in range(2) for x in bal[r][t * m:(t + 1) * m]) == \
+            sorted(x for r in range(2) for x in ref[r][t * m:(t + 1) * m])
+    assert sorted(sum(bal, [])) == sorted(sum(ref, []))
+    # two ranks' states merged, resumed by one rank
+    states = []
+    for r in range(2):
+        ds = PackedShardDataset(sched["out"], rank=r, world_size=2)
+        it = iter(ds)
+        for _ in range(STEPS[0] + 1):  # past the first switch
+            next(it)
+        states.append(ds.state_dict())
+    one = PackedShardDataset(sched["out"], rank=0, world_size=1)
+    one.load_state_dict(PackedShardDataset.merge_states(states))
+    rest = [key(b) for b in one]
+    assert sorted(rest) == sorted(set(whole) - {x for r in range(2) for x in ref[r][:STEPS[0] + 1]})
