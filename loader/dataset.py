@@ -57,6 +57,7 @@ costs a warning, never a step; None (the default) publishes nothing.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import replace
@@ -79,6 +80,8 @@ from loader.stream import interleaved_batches
 from schemas.errors import UsageError
 from schemas.progress import ProgressFolder
 from schemas.streams import rank_streams, workers_per_rank
+
+log = logging.getLogger(__name__)
 
 
 def streams_for_rank(
@@ -139,6 +142,11 @@ class PackedShardDataset(torch.utils.data.IterableDataset):
         self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else int(world_size)
         p = self.pack
         self.streams = streams_for_rank(p.num_streams, p.world_size, p.num_workers, self.rank, self.world_size)
+        if p.info.balances_samples() and self.world_size != p.world_size and self.rank == 0:
+            log.warning("%s balances each step's samples among %d ranks; read by %d ranks its steps are not "
+                        "steps any more: every batch is read once, but the balancing is lost (pack it again "
+                        "at this world size, or balance whole batches: balance=Balance(...))",
+                        p.location.base, p.world_size, self.world_size)
         self.verify = verify
         self.prefetch = prefetch
         self.follow = Follow(poll_s, timeout_s) if follow else None

@@ -147,6 +147,11 @@ class PackInfo(Document):
         """What a batch of this pack costs: its config's ``prepack.cost_model``, else the default."""
         return CostModel.of(self.config or {})
 
+    def balances_samples(self) -> bool:
+        """Whether each step's samples were re-split among its batches at pack time (``prepack: balance:
+        samples``): the steps are those of the pack's world size."""
+        return ((self.config or {}).get("prepack") or {}).get("balance") == "samples"
+
     def stored_config(self) -> "PrepackConfig":
         """The ``PrepackConfig`` the pack was made with, rebuilt from the stored one (not re-read from a
         YAML that may have changed or moved since).  Callers that must trust it compare its

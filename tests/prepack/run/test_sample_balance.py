@@ -350,3 +350,36 @@ def test_extending_a_trimmed_balanced_pack_equals_packing_it_at_once(packs, tmp_
     ref = Pack.open(os.path.join(out, REFERENCE_DIR))
     assert all(ref.trimmed(s) == {sh.shard for sh in ref.index(s).shards} for s in range(W * K))
     assert verify_pack(out).ok
+
+
+def test_read_at_another_world_size_it_says_the_balancing_is_lost(packs, caplog):
+    """bal-samples x world-size change: every batch is still read once, and the loader says once, on
+    rank 0, that the steps it balanced are not this world size's steps."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="loader.dataset"):
+        one = [b for b in PackedShardDataset(packs["out"], rank=0, world_size=1)]
+        both = [b for r in range(W) for b in PackedShardDataset(packs["out"], rank=r, world_size=W)]
+    said = [r.getMessage() for r in caplog.records if "the balancing is lost" in r.getMessage()]
+    assert len(said) == 1 and f"among {W} ranks; read by 1 ranks" in said[0]
+    assert sorted(repr(b.batch_data_indexes) for b in one) == sorted(repr(b.batch_data_indexes) for b in both)
+
+
+def test_a_follower_reads_the_balanced_streams_once_they_are_written(packs, tmp_path, tokenizer_and_special):
+    """bal-samples x follow: the balanced streams are written once every reference stream is done; a
+    follower started with the job waits for them, then reads what the finished pack holds."""
+    import threading
+    import time
+
+    out = str(tmp_path / "out")
+    job = threading.Thread(target=run_pack, args=(load_config(packs["config"]), out, RunOptions(inline=True, bar=False)),
+                           kwargs={"tokenizer": tokenizer_and_special}, daemon=True)
+    job.start()
+    for _ in range(600):
+        if os.path.exists(os.path.join(out, "pack.json")):
+            break
+        time.sleep(0.05)
+    got = [repr(b.batch_data_indexes) for b in PackedShardDataset(out, rank=0, world_size=W, follow=True, poll_s=0.05,
+                                                                  timeout_s=300)]
+    job.join(timeout=300)
+    assert got == [repr(b.batch_data_indexes) for b in PackedShardDataset(packs["out"], rank=0, world_size=W)]
