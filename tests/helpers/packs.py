@@ -75,3 +75,19 @@ def make_video_dataset(root: str) -> dg.Dataset:
         {"from": "human", "value": "<video>\nAnd here?"}, {"from": "gpt", "value": dg.sentence(rs, 8, 20)}]}))
     dg.add_sft(ds, lines, files, frames={"max_num_frames": 5, "min_num_frames": 3, "sample": "middle"})
     return ds
+
+
+def pack_in_background(config: str, out: str, tokenizer_and_special) -> "threading.Thread":
+    """``config`` packing into ``out`` in a thread of this process, returned once ``out/pack.json`` exists
+    (a reader may open the pack); join it to wait for the end."""
+    import threading
+    import time
+
+    job = threading.Thread(target=run_pack, args=(load_config(config), out, RunOptions(inline=True, bar=False)),
+                           kwargs={"tokenizer": tokenizer_and_special}, daemon=True)
+    job.start()
+    for _ in range(600):
+        if os.path.exists(os.path.join(out, "pack.json")) or not job.is_alive():
+            break
+        time.sleep(0.05)
+    return job

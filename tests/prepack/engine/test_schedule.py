@@ -11,7 +11,6 @@ group added (edit, absent before): so every switch changes something the referen
 from __future__ import annotations
 
 import json
-import time
 import os
 
 import pytest
@@ -273,22 +272,15 @@ def test_a_scheduled_pack_is_followed_balanced_and_resumed_at_another_world_size
     """schedule x follow: a follower reading the pack while it is packed reads what the finished pack
     holds; schedule x balanced batches: every step holds the reference's batches; schedule x world-size
     change: two ranks' states merged resume on one rank with the rest."""
-    import threading
-
     from loader import PackedShardDataset
     from loader.balance import Balance
+    from tests.helpers.packs import pack_in_background
 
     def key(b) -> str:
         return json.dumps(b.batch_data_indexes, sort_keys=True) + str(b.sequence_length)
 
     out = str(tmp_path / "packed")
-    packer = threading.Thread(target=run_pack, args=(load_config(sched["cfg"]), out, RunOptions(inline=True, bar=False)),
-                              kwargs={"tokenizer": tokenizer_and_special}, daemon=True)
-    packer.start()
-    for _ in range(600):
-        if os.path.exists(os.path.join(out, "pack.json")):
-            break
-        time.sleep(0.05)
+    packer = pack_in_background(sched["cfg"], out, tokenizer_and_special)
     followed = [key(b) for b in PackedShardDataset(out, rank=0, world_size=1, follow=True, poll_s=0.05, timeout_s=300)]
     packer.join(timeout=300)
     whole = [key(b) for b in PackedShardDataset(sched["out"], rank=0, world_size=1)]

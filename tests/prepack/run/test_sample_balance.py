@@ -368,17 +368,10 @@ def test_read_at_another_world_size_it_says_the_balancing_is_lost(packs, caplog)
 def test_a_follower_reads_the_balanced_streams_once_they_are_written(packs, tmp_path, tokenizer_and_special):
     """bal-samples x follow: the balanced streams are written once every reference stream is done; a
     follower started with the job waits for them, then reads what the finished pack holds."""
-    import threading
-    import time
+    from tests.helpers.packs import pack_in_background
 
     out = str(tmp_path / "out")
-    job = threading.Thread(target=run_pack, args=(load_config(packs["config"]), out, RunOptions(inline=True, bar=False)),
-                           kwargs={"tokenizer": tokenizer_and_special}, daemon=True)
-    job.start()
-    for _ in range(600):
-        if os.path.exists(os.path.join(out, "pack.json")):
-            break
-        time.sleep(0.05)
+    job = pack_in_background(packs["config"], out, tokenizer_and_special)
     got = [repr(b.batch_data_indexes) for b in PackedShardDataset(out, rank=0, world_size=W, follow=True, poll_s=0.05,
                                                                   timeout_s=300)]
     job.join(timeout=300)
