@@ -32,7 +32,8 @@ from prepack.tools.verify import verify_pack
 from schemas.config_file import load_config
 from schemas.errors import DiskBudgetTooSmall, UsageError
 from schemas.layout import stream_dir
-from schemas.manifest import TrimmedShards
+from schemas.location import resolve_location
+from schemas.manifest import PackSummary, TrimmedShards
 from schemas.progress import ProgressFolder
 from tests.helpers import datagen as dg
 from tests.helpers.packs import KNOBS, make_dataset, pack_in_process, small_config, small_dataset
@@ -546,3 +547,39 @@ def test_balanced_trainings_follow_a_pack_held_one_batch_ahead(unbounded, tmp_pa
     assert digests(out) == digests(unbounded["out"])
     seen = sorted(ids(t.seen)[i] for t in trainers for i in range(len(t.seen)))
     assert seen == sorted(x for s in range(cfg.num_streams) for x in ids(open_stream(unbounded["out"], s)))
+
+
+def test_two_jobs_pack_disjoint_streams_ahead_and_each_trims_its_own(unbounded, tmp_path, tokenizer_and_special):
+    """bounded x many jobs: two jobs, one per stream (``--streams``), each packing ahead of the
+    training reading its stream and trimming behind it (a job trims the streams it packs); the pack
+    is the one made at once, and each stream was trimmed behind its training by its job."""
+    cfg = load_config(unbounded["config"])
+    out, progress = str(tmp_path / "out"), str(tmp_path / "progress")
+    bound = BoundSpec(2, (progress,), keep=1)
+    trimmed_by: dict[int, set] = {}
+
+    def both_jobs():
+        errors = []
+
+        def job(stream):
+            try:
+                run_pack(cfg, out, RunOptions(inline=True, bar=False, bound=bound, streams=[stream]),
+                         tokenizer=tokenizer_and_special)
+                trimmed_by[stream] = Pack.open(out).trimmed(stream)
+            except BaseException as e:  # noqa: BLE001 (re-raised below)
+                errors.append(e)
+
+        jobs = [threading.Thread(target=job, args=(s,), daemon=True) for s in (0, 1)]
+        for j in jobs:
+            j.start()
+        for j in jobs:
+            j.join()
+        if errors:
+            raise errors[0]
+
+    run_beside_trainings(both_jobs, out, lambda: [Trainer(out, r, 2, progress, every=2, pause_s=0.02, ahead=2,
+                                                         per_shard=1) for r in (0, 1)], timeout=300)
+    assert digests(out) == digests(unbounded["out"])
+    assert PackSummary.written(resolve_location(out))  # the job finishing last wrote the manifest
+    assert all(trimmed_by.get(s) for s in (0, 1)), trimmed_by  # each job trimmed its stream behind its training
+    assert verify_pack(out).ok
