@@ -42,8 +42,8 @@ import numpy as np
 import pyarrow as pa
 import xxhash
 
-from schemas.compression import Compression, decompress_frames
-from schemas.pixel_table import decode_rows, image_digest, image_digests
+from schemas.compression import Compression, decompress_frame, decompress_frames
+from schemas.pixel_table import StoredImage, decode_rows, image_digest, image_digests
 
 # 2: the pixel table is compressed by the record encoder (codec in ``image_pixels_codec``),
 #    the Arrow IPC buffers are not.
@@ -379,18 +379,24 @@ _decoded = _DecodedPixels()
 def record_to_batch(record: pa.RecordBatch) -> PackedBatch:
     """Decode a record written by ``encode_record``/``batch_to_record``; arrays are zero-copy
     read-only views (the pixel table is decompressed once, or taken from ``record_digest``)."""
+    pixels = _decoded.take(record)
+    return _batch_of(record, record_pixels(record) if pixels is None else pixels)
+
+
+def _batch_of(record: pa.RecordBatch, pixels: np.ndarray, stored: "list | None" = None) -> PackedBatch:
+    """A one-row record's PackedBatch with ``pixels`` as its pixel table (and ``stored``: its
+    ``image_stored``); every other field a zero-copy view of the record's columns."""
     if record.num_rows != 1:
         raise ValueError(f"a packed-batch record has exactly one row, got {record.num_rows}")
     kwargs = {n: record.column(n)[0].as_py() for n, _ in _SCALAR_COLUMNS}
     arrays = record_arrays(record)
-    pixels = _decoded.take(record)
-    arrays["image_pixels"] = record_pixels(record) if pixels is None else pixels
+    arrays["image_pixels"] = pixels
     arrays["image_norm"] = arrays["image_norm"].reshape(-1, 6)
     arrays["vae_latent_shapes"] = arrays["vae_latent_shapes"].reshape(-1, 2)
     kwargs.update(arrays)
     origin_lists = [record.column(n)[0].as_py() for n, _ in _ORIGIN_COLUMNS]
     kwargs["origins"] = [SampleOrigin(**dict(zip(_ORIGIN_ATTRS, vals))) for vals in zip(*origin_lists)]
-    return PackedBatch(**kwargs)
+    return PackedBatch(**kwargs, image_stored=stored or [])
 
 
 def record_to_framed_batch(record: pa.RecordBatch, known: "dict[int, int]", frame_format: str) -> PackedBatch:
@@ -400,21 +406,15 @@ def record_to_framed_batch(record: pa.RecordBatch, known: "dict[int, int]", fram
     ``frame_format`` passes it through without decompressing or compressing it; the other images
     are decompressed into their slots.  The record's bytes must be checked already (its shard's
     file digest): nothing here decompresses what it passes through."""
-    from schemas.compression import decompress_frame
-    from schemas.pixel_table import StoredImage
-
-    if record.num_rows != 1:
-        raise ValueError(f"a packed-batch record has exactly one row, got {record.num_rows}")
     codec, data, frames = stored_pixel_frames(record)
     if codec == "none" or not known:
         return record_to_batch(record)
-    kwargs = {n: record.column(n)[0].as_py() for n, _ in _SCALAR_COLUMNS}
-    arrays = record_arrays(record)
-    offsets = arrays["image_offsets"]
+    offsets = record.column("image_offsets").flatten().to_numpy(zero_copy_only=True)
+    heights = record.column("image_heights").flatten().to_numpy(zero_copy_only=True)
+    widths = record.column("image_widths").flatten().to_numpy(zero_copy_only=True)
     pixels = np.empty(int(offsets[-1]) if len(offsets) else 0, np.uint8)  # a frame's slot stays unwritten
     view = memoryview(data)
     stored: list = []
-    heights, widths = arrays["image_heights"], arrays["image_widths"]
     for i in range(len(offsets) - 1):
         frame = view[int(frames[i]):int(frames[i + 1])]
         a, b = int(offsets[i]), int(offsets[i + 1])
@@ -424,13 +424,7 @@ def record_to_framed_batch(record: pa.RecordBatch, known: "dict[int, int]", fram
             continue
         pixels[a:b] = np.frombuffer(decompress_frame(frame_format, frame, b - a), np.uint8)
         stored.append(None)
-    arrays["image_pixels"] = pixels
-    arrays["image_norm"] = arrays["image_norm"].reshape(-1, 6)
-    arrays["vae_latent_shapes"] = arrays["vae_latent_shapes"].reshape(-1, 2)
-    kwargs.update(arrays)
-    origin_lists = [record.column(n)[0].as_py() for n, _ in _ORIGIN_COLUMNS]
-    kwargs["origins"] = [SampleOrigin(**dict(zip(_ORIGIN_ATTRS, vals))) for vals in zip(*origin_lists)]
-    return PackedBatch(**kwargs, image_stored=stored)
+    return _batch_of(record, pixels, stored)
 
 
 def _digest(record: pa.RecordBatch, image_digests: np.ndarray, arrays: dict[str, np.ndarray] | None = None) -> str:

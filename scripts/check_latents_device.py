@@ -39,7 +39,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "helpers")]
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -48,6 +48,7 @@ from loader.batch import SimpleCustomBatch, VaeMoments  # noqa: E402
 from loader.reader import Pack, iter_records  # noqa: E402
 from schemas.latents import crop_shape  # noqa: E402
 from schemas.record import record_to_batch  # noqa: E402
+from recipe_noise import randn_like_from  # noqa: E402
 
 NEMO_AUTOENCODER = "nemo_automodel.components.models.bagel.autoencoder"
 
@@ -160,21 +161,9 @@ def main(argv: "list[str] | None" = None) -> int:
             generator = torch.Generator(device=device).manual_seed(seed)
             eps = [torch.randn((z, *crop_shape(sh)), dtype=kept[0].dtype, device=device, generator=generator)
                    for sh in shapes]
-            real = torch.randn_like
-
-            def same_noise(mean, **kw):
-                out = torch.zeros_like(mean)
-                for k, e in enumerate(eps):
-                    out[k, :, : e.shape[1], : e.shape[2]] = e
-                return out
-
-            torch.randn_like = same_noise
-            try:
-                with torch.no_grad(), torch.amp.autocast(device.type, enabled=device.type == "cuda",
-                                                         dtype=torch.bfloat16):
-                    recipe = ae.encode(canvas)
-            finally:
-                torch.randn_like = real
+            with randn_like_from(eps), torch.no_grad(), torch.amp.autocast(
+                    device.type, enabled=device.type == "cuda", dtype=torch.bfloat16):
+                recipe = ae.encode(canvas)
             draws_equal += all(torch.equal(a.float(), b.float()) for a, b in zip(crops(drawn, shapes),
                                                                                    crops(recipe, shapes)))
             # 4. time: the recipe's encode against the loader's draw

@@ -29,6 +29,7 @@ from schemas.record import record_to_batch
 from tests.helpers.fakepack import make_pack
 from tests.helpers.plain_loop import FORWARD_KEYS
 from tests.helpers.tiny_bagel import TinyBagel
+from tests.helpers.recipe_noise import randn_like_from
 
 Z = 16  # BAGEL's latent channels
 
@@ -84,22 +85,12 @@ def _recipe_latent(ae, padded_images: torch.Tensor, moments_dtype: torch.dtype, 
     each image's latent rows: what the recipe computes when its noise is the loader's."""
     generator = torch.Generator().manual_seed(seed)
     eps = [torch.randn((Z, *crop_shape(s)), dtype=moments_dtype, generator=generator) for s in shapes]
-    real = torch.randn_like
-
-    def same_noise(mean, **kw):
-        out = torch.zeros_like(mean)
-        for k, e in enumerate(eps):
-            out[k, :, : e.shape[1], : e.shape[2]] = e
-        return out
-
-    torch.randn_like = same_noise
     threads = torch.get_num_threads()
     torch.set_num_threads(CPU_THREADS)  # the stage's: float32 convolutions' last bits follow the thread count
     try:
-        with torch.no_grad():
+        with randn_like_from(eps), torch.no_grad():
             return ae.encode(padded_images)
     finally:
-        torch.randn_like = real
         torch.set_num_threads(threads)
 
 

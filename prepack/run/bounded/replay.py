@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from prepack.engine.packer import PackerOptions, StreamState
@@ -48,59 +49,56 @@ def shard_of(index: StreamIndex, record: int) -> int:
     return max(i for i, b in enumerate(starts) if b <= record)
 
 
+@contextmanager
+def _packer_from(loc: PackLocation, index: StreamIndex, cfg: PrepackConfig, tokenizer: tuple, state: StreamState):
+    """A packer of the stream going on from ``state``, its pictures taken from the stream's shards
+    still there (the reuse path), else decoded."""
+    pixels = PixelReuse((), frame_format=None)
+    pixels.add_stream(loc, index)
+    try:
+        with open_packer(cfg, index.stream, tokenizer[0], tokenizer[1], state, PackerOptions(pixels=pixels)) as packer:
+            yield packer
+    finally:
+        pixels.close()
+
+
+def _checked(loc: PackLocation, index: StreamIndex, packer, records: tuple[int, int]) -> "Iterator[tuple[int, PackedBatch]]":
+    """``packer``'s batches as the stream's records ``records`` (first, stop), each checked against its
+    index row's digest; PackRefused where one differs or the packer ends first."""
+    first, stop = records
+    at = first
+    for batch in packer if at < stop else ():
+        if encode_record(batch).digest != index.record(at).digest:
+            raise PackRefused(f"{loc.base}: packing stream {index.stream} again does not give its record {at} back "
+                              "(the data or the packing code changed since it was packed)")
+        yield at, batch
+        at += 1
+        if at >= stop:
+            break
+    if at < stop:
+        raise PackRefused(f"{loc.base}: packing stream {index.stream} again ended after record {at - 1}, before "
+                          f"record {stop - 1}")
+
+
 def packed_again(loc: PackLocation, index: StreamIndex, cfg: PrepackConfig, tokenizer: tuple,
                  records: tuple[int, int]) -> "Iterator[tuple[int, PackedBatch]]":
     """The stream's records ``records`` (first, stop: stream-local) packed again from the nearest
     checkpoint kept, each checked against its index row's digest: ``(record, batch)``.  For a reader
     of records whose shard was trimmed (a balanced-samples pack's reference)."""
-    first, stop = records
-    start = state_at(loc, index, cfg, first, tokenizer).state
-    stream = index.stream
-    pixels = PixelReuse((), frame_format=None)
-    pixels.add_stream(loc, index)
-    try:
-        with open_packer(cfg, stream, tokenizer[0], tokenizer[1], start, PackerOptions(pixels=pixels)) as packer:
-            at = first
-            for batch in packer if at < stop else ():
-                if encode_record(batch).digest != index.record(at).digest:
-                    raise PackRefused(f"{loc.base}: packing stream {stream} again does not give its record {at} "
-                                      "back (the data or the packing code changed since it was packed)")
-                yield at, batch
-                at += 1
-                if at >= stop:
-                    break
-            if at < stop:
-                raise PackRefused(f"{loc.base}: packing stream {stream} again ended after record {at - 1}, "
-                                  f"before record {stop - 1}")
-    finally:
-        pixels.close()
+    start = state_at(loc, index, cfg, records[0], tokenizer).state
+    with _packer_from(loc, index, cfg, tokenizer, start) as packer:
+        yield from _checked(loc, index, packer, records)
 
 
 def _replay(loc: PackLocation, index: StreamIndex, cfg: PrepackConfig, tokenizer: tuple, start: tuple[int, int],
             todo: int) -> StreamState:
-    """Pack ``todo`` batches from ``ckpt-k`` (``start``: k and its first record), each checked against its index row."""
+    """Pack ``todo`` batches from ``ckpt-k`` (``start``: k and its first record), each checked against its
+    index row; the state after them."""
     k, first = start
-    stream = index.stream
-    pixels = PixelReuse((), frame_format=None)
-    pixels.add_stream(loc, index)  # the replayed batches' pictures are in these shards, where not trimmed
-    try:
-        with open_packer(cfg, stream, tokenizer[0], tokenizer[1], read_checkpoint(loc, index, k),
-                         PackerOptions(pixels=pixels)) as packer:
-            done = 0
-            for batch in packer:
-                if encode_record(batch).digest != index.record(first + done).digest:
-                    raise PackRefused(f"{loc.base}: packing stream {stream} again from its checkpoint {k} does not "
-                                      f"give its record {first + done} back (the data or the packing code changed "
-                                      "since it was packed)")
-                done += 1
-                if done == todo:
-                    break
-            if done != todo:
-                raise PackRefused(f"{loc.base}: packing stream {stream} again from its checkpoint {k} ended after "
-                                  f"record {first + done - 1}, before record {first + todo - 1}")
-            return detached(packer.state())
-    finally:
-        pixels.close()
+    with _packer_from(loc, index, cfg, tokenizer, read_checkpoint(loc, index, k)) as packer:
+        for _ in _checked(loc, index, packer, (first, first + todo)):
+            pass
+        return detached(packer.state())
 
 
 def state_at(loc: PackLocation, index: StreamIndex, cfg: PrepackConfig, record: int, tokenizer: tuple) -> Replayed:
