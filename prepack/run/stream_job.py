@@ -144,6 +144,11 @@ class Paused:
     records: int
 
 
+def paused_at(result: "StreamSummary | Paused") -> int | None:
+    """A stream task's result as its job counts it: the chain records of a paused stream, None when done."""
+    return result.records if isinstance(result, Paused) else None
+
+
 def pack_one_stream(job: StreamJob, stream: int, tokenizer, special,
                     report: Callable[[StreamProgress], None] | None = None,
                     wait: WaitRule = WaitRule()) -> "StreamSummary | Paused":
