@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import threading
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -32,16 +33,23 @@ class ImagePolicy:
     strict: bool = False
 
 
+# PIL's settings are process-wide: two decodes in threads of one process (two packers in threads,
+# a packer beside a thread that audits) must not interleave their save and restore, or the settings
+# stay changed for the rest of the process (and whatever else decodes there sees them).
+_PIL_SETTINGS = threading.Lock()
+
+
 @contextlib.contextmanager
 def _pil_scope(load_truncated: bool) -> Iterator[None]:
-    saved = (Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES, PngImagePlugin.MAX_TEXT_CHUNK)
-    Image.MAX_IMAGE_PIXELS = None  # our own limit is checked from the header instead
-    ImageFile.LOAD_TRUNCATED_IMAGES = load_truncated
-    PngImagePlugin.MAX_TEXT_CHUNK = 1024 * 2**20
-    try:
-        yield
-    finally:
-        Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES, PngImagePlugin.MAX_TEXT_CHUNK = saved
+    with _PIL_SETTINGS:
+        saved = (Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES, PngImagePlugin.MAX_TEXT_CHUNK)
+        Image.MAX_IMAGE_PIXELS = None  # our own limit is checked from the header instead
+        ImageFile.LOAD_TRUNCATED_IMAGES = load_truncated
+        PngImagePlugin.MAX_TEXT_CHUNK = 1024 * 2**20
+        try:
+            yield
+        finally:
+            Image.MAX_IMAGE_PIXELS, ImageFile.LOAD_TRUNCATED_IMAGES, PngImagePlugin.MAX_TEXT_CHUNK = saved
 
 
 def _open(source: bytes | str, policy: ImagePolicy, load_truncated: bool) -> Image.Image:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import threading
+import time
 from types import SimpleNamespace
 from unittest import mock
 
@@ -408,6 +410,39 @@ def test_pil_globals_unchanged_by_a_decode(inputs, kind):
         else:
             assert kind not in ("bomb", "not_an_image")
             np.testing.assert_array_equal(np.asarray(img), reference_rgb(data))
+        assert _pil_settings() == SENTINELS
+
+
+def test_decodes_in_two_threads_leave_the_pil_globals_as_they_were(inputs, monkeypatch):
+    """Two packers in threads of one process (a test's two jobs, a user's threads): their decodes'
+    saves and restores of PIL's process-wide settings must not interleave, or the settings stay
+    changed for the rest of the process.  Each open is slowed so that, unguarded, the two overlap."""
+    real_open, inside, most = Image.open, [0], [0]
+    count = threading.Lock()
+
+    def slow_open(*args, **kwargs):
+        with count:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        try:
+            time.sleep(0.02)
+            return real_open(*args, **kwargs)
+        finally:
+            with count:
+                inside[0] -= 1
+
+    monkeypatch.setattr(Image, "open", slow_open)
+    with _pil_settings_as(SENTINELS):
+        def decode_many():
+            for _ in range(8):
+                decode_rgb(inputs["truncated_jpeg"], DEFAULT, _Warnings())
+
+        threads = [threading.Thread(target=decode_many) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert most[0] == 1  # one decode at a time inside PIL's settings
         assert _pil_settings() == SENTINELS
 
 
