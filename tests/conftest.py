@@ -21,3 +21,14 @@ def tokenizer_and_special():
 
 # the real S3 server (SeaweedFS) and its per-test environment; defined in tests/helpers
 from tests.helpers.s3server import s3, s3_server  # noqa: E402,F401
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Files with the most slow tests first, each file's tests together and in order: the two
+    workers (``--dist loadfile``) take files as they free up, so the long ones start early and the
+    run ends on short files, not with one worker idle behind the last long one."""
+    slow: dict[str, int] = {}
+    for item in items:
+        slow[item.location[0]] = slow.get(item.location[0], 0) + (item.get_closest_marker("slow") is not None)
+    first = {f: i for i, f in enumerate(dict.fromkeys(item.location[0] for item in items))}
+    items.sort(key=lambda item: (-slow[item.location[0]], first[item.location[0]]))

@@ -22,10 +22,10 @@ _LAST = re.compile(r"bounded: disk peak (\d+\.\d) MiB of (\d+\.\d) MiB \(ratio (
 @pytest.mark.slow  # a bounded pack, two trainings and restarts through the script
 def test_bench_bounded_tiny_ends_with_the_headline_line(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
-    # 10 batches a stream, a shard each; a checkpoint every 2 steps, the newest kept: the restarted
+    # 6 batches a stream, a shard each; a checkpoint every 2 steps, the newest kept: the restarted
     # packer trims the first shards before it packs the last ones, so the peak is below the whole
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_bounded.py"), "--batches", "10",
-                           "--ahead", "1", "--checkpoint-every", "2", "--keep-checkpoints", "1", "--step-ms", "400",
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_bounded.py"), "--batches", "6",
+                           "--ahead", "1", "--checkpoint-every", "2", "--keep-checkpoints", "1", "--step-ms", "200",
                            "--timeout", "240", "--tmp", str(tmp_path)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
