@@ -178,11 +178,9 @@ def _run_balanced(cfg: PrepackConfig, out: str, options: RunOptions, tokenizer: 
     ``OUT/reference`` as any pack, then, once every reference stream is done, the balanced streams
     (by the one job that leases them: a job finishing beside it leaves them to it)."""
     start = time.perf_counter()
-    for given, what in ((options.continue_from, "--continue"), (options.bound, "--ahead / --disk-budget / --progress"),
-                        (cfg.schedule, "prepack.schedule")):
-        if given:
-            raise UsageError(f"prepack.balance: samples is not supported with {what} yet; pack without it, "
-                             "or balance whole batches in the loader (balance=Balance(micro_batches=M))")
+    if options.bound:
+        raise UsageError("prepack.balance: samples is not supported with --ahead / --disk-budget / --progress yet; "
+                         "pack without it, or balance whole batches in the loader (balance=Balance(micro_batches=M))")
     if "batches_per_stream" not in cfg.prepack.budget():  # streams that end unevenly leave their last steps whole
         existing = PackInfo.read(resolve_location(out))
         if existing is not None and existing.budget != cfg.prepack.budget():
@@ -193,9 +191,13 @@ def _run_balanced(cfg: PrepackConfig, out: str, options: RunOptions, tokenizer: 
         loc.fs.create_dir(loc.base, recursive=True)
     except OSError as e:
         raise PackRefused(f"cannot write to {redact_uri(out)}: {str(e).strip().splitlines()[0]}") from None
-    # this config's identity first: another config over OUT is refused before anything is packed
-    pack = settle_identity(loc, cfg, recorded_fingerprint(tokenizer[0]), tokenizer[1],
-                           other_jobs=lambda: live_leases(loc))
+    # this config's identity first: another config over OUT is refused before anything is packed; a
+    # continuation links OUT and its reference to the same parent, so both count records over its chain
+    tokenizer_fp = recorded_fingerprint(tokenizer[0])
+    link = None
+    if options.continue_from is not None:
+        link, _ = _settle_parent(options.continue_from, cfg, loc, tokenizer_fp)
+    pack = settle_identity(loc, cfg, tokenizer_fp, tokenizer[1], other_jobs=lambda: live_leases(loc), parent=link)
     ref_out = out.rstrip("/") + "/" + REFERENCE_DIR
     ref = run_pack(reference_config(cfg), ref_out, options, tokenizer)
     reference = Pack.open(ref_out)

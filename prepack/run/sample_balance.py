@@ -79,19 +79,22 @@ class _Frames:
 
 
 def reference_batches(reference: Pack, stream: int, start: int, tokenizer: "tuple | None") -> "Iterator[tuple[int, PackedBatch]]":
-    """The reference stream's batches from record ``start``: read from its shards (their files'
-    digests checked, listed pictures kept as frames: ``_Frames``), or, where a shard was trimmed
-    once balanced, packed again from the nearest checkpoint kept (``tokenizer``: needed then)."""
+    """The reference stream's own batches from record ``start`` (counted over a continuation's chain,
+    as yielded): read from its shards (their files' digests checked, listed pictures kept as frames:
+    ``_Frames``), or, where a shard was trimmed once balanced, packed again from the nearest
+    checkpoint kept (``tokenizer``: needed then)."""
     fmt = Compression.parse(reference.info.stored_config().prepack.compression).frame_format
     frames = _Frames(reference, stream, fmt)
     index, trimmed = reference.index(stream), reference.trimmed(stream)
+    n = reference.switch(stream)
+    start = max(0, start - n)  # stream-local from here
     for sh in index.shards:
         end = sh.first_record + len(sh.records)
         if end <= start:
             continue
         first, start = max(start, sh.first_record), end
         if sh.shard not in trimmed:
-            for j, record in iter_records(reference, stream, first, verify="bytes", stop=end):
+            for j, record in iter_records(reference, stream, n + first, verify="bytes", stop=n + end):
                 yield j, frames.batch(j, record)
             continue
         if tokenizer is None:
@@ -99,31 +102,38 @@ def reference_batches(reference: Pack, stream: int, start: int, tokenizer: "tupl
                               "packing it again needs the tokenizer")
         for j, batch in packed_again(reference.location, index, reference.info.stored_config(), tokenizer,
                                      (first, end)):
-            yield j, record_to_batch(batch_to_record(batch))  # as read back: no packer-side fields
+            yield n + j, record_to_batch(batch_to_record(batch))  # as read back: no packer-side fields
 
 
 def balanced_records(reference: Pack, streams: list[int], model: CostModel, start: int = 0,
                      tokenizer: "tuple | None" = None) -> "Callable[[], tuple[int, dict[int, PackedBatch]] | None]":
-    """A call giving, step after step from record ``start``, ``(j, {stream: balanced batch j})``
-    (only the streams that have a record j), then None.  The reference's records are read with
-    their shard files' digests checked, and every picture its pixel index lists passes through as
-    its compressed frame (no decompressing, no compressing: a re-split copies few bytes); a
-    reference shard trimmed once balanced is packed again (``reference_batches``)."""
+    """A call giving, step after step from record ``start`` (counted over a continuation's chain),
+    ``(j, {stream: balanced batch j})`` (only the streams with a record j of their own: a
+    continuation's records before its switch are its parent's), then None.  A step is split only
+    where every stream has its own record j; the others are the reference's unchanged.  The
+    reference's records are read with their shard files' digests checked, and every picture its
+    pixel index lists passes through as its compressed frame (no decompressing, no compressing: a
+    re-split copies few bytes); a reference shard trimmed once balanced is packed again
+    (``reference_batches``)."""
     lengths = {s: reference.num_records(s) for s in streams}
-    its = {s: reference_batches(reference, s, start, tokenizer) for s in streams if lengths[s] > start}
-    steps = min(lengths.values()) if lengths else 0
+    firsts = {s: max(start, reference.switch(s)) for s in streams}
+    its = {s: reference_batches(reference, s, firsts[s], tokenizer) for s in streams if lengths[s] > firsts[s]}
     j = start
 
     def step() -> "tuple[int, dict[int, PackedBatch]] | None":
         nonlocal j
-        live = [s for s in streams if j < lengths[s]]
-        if not live:
-            return None
+        while True:
+            if all(j >= lengths[s] for s in streams):
+                return None
+            live = [s for s in streams if firsts[s] <= j < lengths[s]]
+            if live:
+                break
+            j += 1  # before every stream's switch: the parent's records
         batches = {}
         for s in live:
             at, batches[s] = next(its[s])
             assert at == j, (s, at, j)
-        if j < steps and len(streams) > 1:
+        if len(live) == len(streams) > 1:
             batches = dict(zip(live, split_step([batches[s] for s in live], model)))
         j += 1
         return j - 1, batches
@@ -137,14 +147,15 @@ class _Out:
 
     stream: int
     index: StreamIndex
-    ends: list[tuple[int, int]]  # per reference shard: (first record, records)
+    ends: list[tuple[int, int]]  # per reference shard: (first record over the chain, records)
+    switch: int  # records before the first of its own (a continuation's parent's)
     writer: StreamWriter | None = None
 
     @property
     def start(self) -> int:
-        """The first record this run writes (after the committed shards)."""
+        """The first record this run writes (after the committed shards), over the chain."""
         k = len(self.index.shards)
-        return self.ends[k][0] if k < len(self.ends) else sum(n for _, n in self.ends)
+        return self.ends[k][0] if k < len(self.ends) else self.switch + sum(n for _, n in self.ends)
 
     def shard_end(self, j: int) -> bool:
         k = len(self.index.shards)
@@ -158,9 +169,9 @@ def balance_class(reference: Pack, loc: PackLocation, streams: list[int], fmt: S
     ``done.json`` is the caller's."""
     outs = []
     for s in streams:
-        index = recover_stream(loc, s)
-        ends = [(sh.first_record, len(sh.records)) for sh in reference.index(s).shards]
-        outs.append(_Out(s, index, ends))
+        index, n = recover_stream(loc, s), reference.switch(s)
+        ends = [(n + sh.first_record, len(sh.records)) for sh in reference.index(s).shards]
+        outs.append(_Out(s, index, ends, n))
     start = min(o.start for o in outs)
     step = balanced_records(reference, streams, model, start, tokenizer)
     last = time.monotonic()

@@ -56,13 +56,15 @@ _SAMPLE = ("group", "dataset", "worker_id", "data_indexes", "source_file", "sour
 
 
 def _lineage_steps(pack: Pack, streams: list[int]) -> dict[int, Counter]:
-    """Per record j, the samples that records j of ``streams`` packed (their lineage rows)."""
+    """Per record j (over a continuation's chain), the samples that records j of ``streams`` packed
+    (their lineage rows: the pack's own records)."""
     steps: dict[int, Counter] = {}
     for s in streams:
         rows = read_lineage(pack.location.read_bytes(stream_lineage_file(s)))
         cols = [rows.column(c).to_pylist() for c in ("record", *_SAMPLE)]
+        n = pack.switch(s)
         for record, *sample in zip(*cols):
-            steps.setdefault(record, Counter())[tuple(tuple(x) if isinstance(x, list) else x for x in sample)] += 1
+            steps.setdefault(n + record, Counter())[tuple(tuple(x) if isinstance(x, list) else x for x in sample)] += 1
     return steps
 
 
@@ -115,7 +117,8 @@ def audit_balanced_shard(pack: Pack, reference: Pack, cfg: PrepackConfig, shard:
     """Re-split shard ``shard``'s steps from the reference (its records, or where they were trimmed
     once balanced, packed again from its checkpoints) and compare each record's digest."""
     streams = next(c for c in step_streams(cfg) if shard.stream in c)
-    step = balanced_records(reference, streams, CostModel.of(cfg), shard.first_record, tokenizer)
+    step = balanced_records(reference, streams, CostModel.of(cfg), pack.switch(shard.stream) + shard.first_record,
+                            tokenizer)
     bad = []
     for i, entry in enumerate(shard.records):
         got = step()

@@ -201,15 +201,75 @@ def test_refused_where_it_does_not_apply(packs, tmp_path, tokenizer_and_special)
         run_pack(load_config(packs["config"]), str(tmp_path / "bounded"),
                  RunOptions(inline=True, bar=False, bound=BoundSpec(ahead=2, progress=(str(tmp_path / "p"),))),
                  tokenizer=tokenizer_and_special)
-    with pytest.raises(UsageError, match="not supported with --continue yet"):
-        run_pack(load_config(packs["config"]), str(tmp_path / "continued"),
-                 RunOptions(inline=True, bar=False, continue_from=Continue(packs["plain"], 2, None)),
-                 tokenizer=tokenizer_and_special)
+
+
+def test_a_continuation_is_balanced_from_its_switch_on(packs, tmp_path, tokenizer_and_special):
+    """``--continue OLD --after 2`` under another mix, balanced: OUT and its reference both go on from
+    OLD's records (the chain); each step from the switch on holds the samples of the same
+    continuation packed without balance, the steps before are OLD's own; verify and audit pass,
+    and a follower reads the chain."""
+    raw = yaml.safe_load(open(packs["config"]))
+    raw["dataset"]["grouped_datasets"]["t2i_pretrain"]["weight"] = 3.0
+    balanced = _beside(packs["config"], raw, "continued-balanced.yaml")
+    raw["prepack"]["balance"] = "none"
+    plain = _beside(packs["config"], raw, "continued-plain.yaml")
+    out, ref = str(tmp_path / "continued"), str(tmp_path / "continued-plain")
+    for config, where in ((balanced, out), (plain, ref)):
+        opts = RunOptions(inline=True, bar=False, continue_from=Continue(packs["plain"], 2, None))
+        assert run_pack(load_config(config), where, opts, tokenizer=tokenizer_and_special).manifest_written
+    assert Pack.open(out).switch(0) == Pack.open(os.path.join(out, REFERENCE_DIR)).switch(0) == 2
+    moved = 0
+    for w in range(K):
+        streams = [r * K + w for r in range(W)]
+        ours, theirs = _step_samples(out, streams), _step_samples(ref, streams)
+        assert len(ours) == 2 + BATCHES and ours == theirs
+        keys, plain_keys = _batch_keys(out, streams), _batch_keys(ref, streams)
+        assert keys[:2] == _batch_keys(packs["plain"], streams)[:2]  # OLD's, as it was
+        moved += keys[2:] != plain_keys[2:]
+    assert moved, "no step moved a sample"
+    rep = verify_pack(out)
+    assert rep.ok and sum(r.check == "balanced steps" and r.ok for r in rep.rows) == K, \
+        [r for r in rep.rows if not r.ok]
+    assert audit_pack(out, tokenizer=tokenizer_and_special).ok
+    got = list(PackedShardDataset(out, rank=1, world_size=W))
+    assert len(got) == K * (2 + BATCHES)
+
+
+def _batch_keys(out: str, streams: list[int]) -> list[list[list]]:
+    return [[keys_of(d) for d in step] for step in _steps(out, streams)]
+
+
+def _step_samples(out: str, streams: list[int]) -> list[Counter]:
+    return [Counter(k for d in step for k in keys_of(d)) for step in _steps(out, streams)]
+
+
+def test_a_scheduled_mix_is_balanced_step_for_step(packs, tmp_path, tokenizer_and_special):
+    """``prepack.schedule`` with balanced samples: its reference is the scheduled pack, each step holds
+    that pack's step's samples (the mix changes mid-pack), verify and audit pass, and the reference
+    is trimmed once balanced."""
     raw = yaml.safe_load(open(packs["config"]))
     raw["prepack"]["schedule"] = [{"after": 2, "set": {"dataset.grouped_datasets.t2i_pretrain.weight": 3.0}}]
-    with pytest.raises(UsageError, match="not supported with prepack.schedule yet"):
-        run_pack(load_config(_beside(packs["config"], raw, "scheduled.yaml")), str(tmp_path / "scheduled"),
-                 RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
+    balanced = _beside(packs["config"], raw, "scheduled-balanced.yaml")
+    raw["prepack"]["balance"] = "none"
+    plain = _beside(packs["config"], raw, "scheduled-plain.yaml")
+    out, ref = str(tmp_path / "scheduled"), str(tmp_path / "scheduled-plain")
+    opts = RunOptions(inline=True, bar=False)
+    assert run_pack(load_config(balanced), out, opts, tokenizer=tokenizer_and_special).manifest_written
+    assert run_pack(load_config(plain), ref, opts, tokenizer=tokenizer_and_special).manifest_written
+    moved = 0
+    for w in range(K):
+        streams = [r * K + w for r in range(W)]
+        ours, theirs = _step_samples(out, streams), _step_samples(ref, streams)
+        assert len(ours) == BATCHES and ours == theirs
+        moved += _batch_keys(out, streams) != _batch_keys(ref, streams)
+    assert moved, "no step moved a sample"
+    assert _batch_keys(ref, [0, 2]) != _batch_keys(packs["plain"], [0, 2]), "the schedule changed nothing"
+    rep = verify_pack(out)
+    assert rep.ok and sum(r.check == "balanced steps" and r.ok for r in rep.rows) == K, \
+        [r for r in rep.rows if not r.ok]
+    assert audit_pack(out, tokenizer=tokenizer_and_special).ok  # packs the trimmed reference again, schedule and all
+    reference = Pack.open(os.path.join(out, REFERENCE_DIR))
+    assert all(reference.trimmed(s) == {sh.shard for sh in reference.index(s).shards} for s in range(W * K))
 
 
 def _beside(config: str, raw: dict, name: str) -> str:
