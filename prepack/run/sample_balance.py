@@ -209,8 +209,12 @@ def finish_balanced(cfg: PrepackConfig, loc: PackLocation, reference: Pack, stre
 
 
 def reference_config(cfg: PrepackConfig) -> PrepackConfig:
-    """The config of a balanced-samples pack's reference: the same without ``balance`` and ``cost_model``."""
-    return replace(cfg, prepack=replace(cfg.prepack, balance="none", cost_model=None))
+    """The config of a balanced-samples pack's reference: the same without ``balance`` and ``cost_model``,
+    its schedule's steps too (so its identity is the ordinary pack's)."""
+    def plain(c: PrepackConfig) -> PrepackConfig:
+        return replace(c, prepack=replace(c.prepack, balance="none", cost_model=None))
+
+    return replace(plain(cfg), schedule=tuple(replace(st, config=plain(st.config)) for st in cfg.schedule))
 
 
 def trim_reference(reference: Pack, streams: list[int], tokenizer: tuple) -> None:

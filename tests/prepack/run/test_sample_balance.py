@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import yaml
 
-from loader import PackedShardDataset, open_stream
+from loader import Balance, PackedShardDataset, open_stream
 from loader.batch import SimpleCustomBatch
 from loader.reader import Pack, iter_records
 from prepack.run.bounded.bound import BoundSpec
@@ -235,41 +235,53 @@ def test_a_continuation_is_balanced_from_its_switch_on(packs, tmp_path, tokenize
     assert len(got) == K * (2 + BATCHES)
 
 
+def test_with_reuse_a_schedule_and_an_s3_output(packs, s3, tmp_path, tokenizer_and_special):
+    """Balanced samples under a schedule, packed onto S3 (SeaweedFS) with ``--reuse`` of a local pack:
+    the reference is the local scheduled pack byte for byte (reuse changes no byte) and took the old
+    pack's pictures; each step holds that pack's step's samples; verify and audit (packing the
+    trimmed reference again from the store) pass; the loader reads it balanced (M=2) and followed,
+    every batch once."""
+    raw = yaml.safe_load(open(packs["config"]))
+    raw["prepack"]["schedule"] = [{"after": 2, "set": {"dataset.grouped_datasets.t2i_pretrain.weight": 3.0}}]
+    balanced = _beside(packs["config"], raw, "s3-balanced.yaml")
+    raw["prepack"]["balance"] = "none"
+    plain = _beside(packs["config"], raw, "s3-plain.yaml")
+    uri, local = s3.new_prefix("balanced-samples"), str(tmp_path / "plain")
+    assert run_pack(load_config(balanced), uri, RunOptions(inline=True, bar=False, reuse=(packs["plain"],)),
+                    tokenizer=tokenizer_and_special).manifest_written
+    assert run_pack(load_config(plain), local, RunOptions(inline=True, bar=False),
+                    tokenizer=tokenizer_and_special).manifest_written
+    reference = Pack.open(f"{uri}/{REFERENCE_DIR}")
+    for s in range(W * K):
+        assert _shards(f"{uri}/{REFERENCE_DIR}", s) == _shards(local, s)
+        assert reference.trimmed(s) == {sh.shard for sh in reference.index(s).shards}
+    assert sum(int(reference.done(s).reuse.get("reused", 0)) for s in range(W * K)) > 0
+    moved = 0
+    for w in range(K):
+        streams = [r * K + w for r in range(W)]
+        assert _step_samples(uri, streams) == _step_samples(local, streams)
+        moved += _batch_keys(uri, streams) != _batch_keys(local, streams)
+    assert moved, "no step moved a sample"
+    assert _batch_keys(local, [0, 2]) != _batch_keys(packs["plain"], [0, 2]), "the schedule changed nothing"
+    rep = verify_pack(uri)
+    assert rep.ok and sum(r.check == "balanced steps" and r.ok for r in rep.rows) == K, \
+        [r for r in rep.rows if not r.ok]
+    assert audit_pack(uri, tokenizer=tokenizer_and_special).ok
+    read = Counter()
+    for r in range(W):
+        for b in PackedShardDataset(uri, rank=r, world_size=W, balance=Balance(micro_batches=2), follow=True,
+                                    timeout_s=60):
+            read.update(keys_of(b.to_dict()))
+    everything = Counter(k for s in range(W * K) for b in open_stream(local, s) for k in keys_of(b.to_dict()))
+    assert read == everything
+
+
 def _batch_keys(out: str, streams: list[int]) -> list[list[list]]:
     return [[keys_of(d) for d in step] for step in _steps(out, streams)]
 
 
 def _step_samples(out: str, streams: list[int]) -> list[Counter]:
     return [Counter(k for d in step for k in keys_of(d)) for step in _steps(out, streams)]
-
-
-def test_a_scheduled_mix_is_balanced_step_for_step(packs, tmp_path, tokenizer_and_special):
-    """``prepack.schedule`` with balanced samples: its reference is the scheduled pack, each step holds
-    that pack's step's samples (the mix changes mid-pack), verify and audit pass, and the reference
-    is trimmed once balanced."""
-    raw = yaml.safe_load(open(packs["config"]))
-    raw["prepack"]["schedule"] = [{"after": 2, "set": {"dataset.grouped_datasets.t2i_pretrain.weight": 3.0}}]
-    balanced = _beside(packs["config"], raw, "scheduled-balanced.yaml")
-    raw["prepack"]["balance"] = "none"
-    plain = _beside(packs["config"], raw, "scheduled-plain.yaml")
-    out, ref = str(tmp_path / "scheduled"), str(tmp_path / "scheduled-plain")
-    opts = RunOptions(inline=True, bar=False)
-    assert run_pack(load_config(balanced), out, opts, tokenizer=tokenizer_and_special).manifest_written
-    assert run_pack(load_config(plain), ref, opts, tokenizer=tokenizer_and_special).manifest_written
-    moved = 0
-    for w in range(K):
-        streams = [r * K + w for r in range(W)]
-        ours, theirs = _step_samples(out, streams), _step_samples(ref, streams)
-        assert len(ours) == BATCHES and ours == theirs
-        moved += _batch_keys(out, streams) != _batch_keys(ref, streams)
-    assert moved, "no step moved a sample"
-    assert _batch_keys(ref, [0, 2]) != _batch_keys(packs["plain"], [0, 2]), "the schedule changed nothing"
-    rep = verify_pack(out)
-    assert rep.ok and sum(r.check == "balanced steps" and r.ok for r in rep.rows) == K, \
-        [r for r in rep.rows if not r.ok]
-    assert audit_pack(out, tokenizer=tokenizer_and_special).ok  # packs the trimmed reference again, schedule and all
-    reference = Pack.open(os.path.join(out, REFERENCE_DIR))
-    assert all(reference.trimmed(s) == {sh.shard for sh in reference.index(s).shards} for s in range(W * K))
 
 
 def _beside(config: str, raw: dict, name: str) -> str:
