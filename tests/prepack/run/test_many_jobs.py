@@ -16,10 +16,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 
 import pytest
 
-from loader import open_stream
+from loader import Balance, PackedShardDataset, open_stream
 from prepack.run.lease import LEASE_DIR
 from prepack.tools.verify import verify_pack
 from schemas.layout import MANIFEST_NAME
@@ -135,6 +136,22 @@ def test_two_jobs_fill_one_local_output_and_an_overlapping_one_is_refused(datase
     assert verify_pack(out).ok
     assert os.listdir(os.path.join(out, LEASE_DIR)) == []  # every lease released
     assert followed == reference_batches(ref)
+    # what two jobs made reads as any pack: balanced (M=2) on both ranks for a step, their states
+    # merged onto one rank, which reads the rest: every batch once
+    read, states = [], []
+    for r in range(2):
+        ds = PackedShardDataset(out, rank=r, world_size=2, balance=Balance(micro_batches=2))
+        it = iter(ds)
+        read += [_key(next(it)) for _ in range(2)]
+        states.append(ds.state_dict())
+    rest = PackedShardDataset(out, rank=0, world_size=1)
+    rest.load_state_dict(PackedShardDataset.merge_states(states))
+    read += [_key(b) for b in rest]
+    assert Counter(read) == Counter(tuple(x) for batches in followed.values() for x in batches)
+
+
+def _key(batch) -> tuple:
+    return tuple(batch.to_dict()["packed_text_ids"].tolist())
 
 
 @pytest.mark.slow  # packing jobs as subprocesses, one killed and rerun
