@@ -492,3 +492,39 @@ def test_on_ray_gives_the_same_bytes_as_in_process(fresh, encoded, weights, tmp_
     total = sum(encoded["written"].values())
     assert r.stdout.strip().splitlines()[-1] == f"latents: {total} shard(s) encoded in 2 stream(s)", r.stdout
     assert_same_bytes(latents_bytes(out), encoded["bytes"])
+
+
+def _store_latents(uri: str) -> "dict[str, bytes]":
+    """``latents_bytes`` of a pack on a store: relpath -> bytes."""
+    import pyarrow.fs as pafs
+
+    loc = resolve_location(uri)
+    infos = loc.fs.get_file_info(pafs.FileSelector(loc.base, recursive=True))
+    return {i.path[len(loc.base) + 1:]: loc.read_bytes(i.path[len(loc.base) + 1:]) for i in infos
+            if i.type == pafs.FileType.File and (i.base_name.endswith(".latents.arrow") or i.base_name == "latents.json")}
+
+
+def test_on_s3_with_reuse_and_an_extension(real, weights, s3, tmp_path, tokenizer_and_special):
+    """The real pack packed again onto S3 (SeaweedFS) with ``--reuse`` of the local one, encoded there:
+    its latents are the local pack's byte for byte; both extended by a batch and encoded again, only
+    the new shard is encoded, and still the same bytes; ``vae_latents=True`` reads the same latents
+    from the store as from disk."""
+    from dataclasses import replace
+
+    from loader import PackedShardDataset
+    from prepack.run.driver import RunOptions, run_pack
+
+    local, uri = copy_pack(real["out"], tmp_path, "local"), s3.new_prefix("latents-reuse")
+    run_pack(real["cfg"], uri, RunOptions(inline=True, bar=False, reuse=(local,)), tokenizer=tokenizer_and_special)
+    run_latents(uri, options(weights)), run_latents(local, options(weights))  # (the local one may be encoded already)
+    assert _store_latents(uri) == latents_bytes(local) != {}
+    cfg = replace(real["cfg"], prepack=replace(real["cfg"].prepack, batches_per_stream=4))
+    before = len(Pack.open(local).index(0).shards)
+    for where in (uri, local):
+        run_pack(cfg, where, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
+    written = run_latents(uri, options(weights))
+    assert written == run_latents(local, options(weights)) and 0 < written[0] <= len(Pack.open(local).index(0).shards) - before
+    assert _store_latents(uri) == latents_bytes(local)
+    got = [b.to_dict()["padded_latent"] for b in PackedShardDataset(uri, rank=0, world_size=1, vae_latents=True)]
+    want = [b.to_dict()["padded_latent"] for b in PackedShardDataset(local, rank=0, world_size=1, vae_latents=True)]
+    assert len(got) == len(want) == 4 and all(torch.equal(a, b) for a, b in zip(got, want))
