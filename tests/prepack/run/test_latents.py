@@ -508,7 +508,8 @@ def test_on_s3_with_reuse_and_an_extension(real, weights, s3, tmp_path, tokenize
     """The real pack packed again onto S3 (SeaweedFS) with ``--reuse`` of the local one, encoded there:
     its latents are the local pack's byte for byte; both extended by a batch and encoded again, only
     the new shard is encoded, and still the same bytes; ``vae_latents=True`` reads the same latents
-    from the store as from disk."""
+    from the store as from disk, and over a continuation of the local pack (its parent's latents, then
+    its own)."""
     from dataclasses import replace
 
     from loader import PackedShardDataset
@@ -528,3 +529,13 @@ def test_on_s3_with_reuse_and_an_extension(real, weights, s3, tmp_path, tokenize
     got = [b.to_dict()["padded_latent"] for b in PackedShardDataset(uri, rank=0, world_size=1, vae_latents=True)]
     want = [b.to_dict()["padded_latent"] for b in PackedShardDataset(local, rank=0, world_size=1, vae_latents=True)]
     assert len(got) == len(want) == 4 and all(torch.equal(a, b) for a, b in zip(got, want))
+    # a continuation of the local pack after 2 batches (the same config: the same records), encoded on its
+    # own: the loader reads the parent's latents before the switch and its own after
+    from prepack.run.chain import Continue
+
+    cont = str(tmp_path / "continued")
+    run_pack(replace(cfg, prepack=replace(cfg.prepack, batches_per_stream=2)), cont,
+             RunOptions(inline=True, bar=False, continue_from=Continue(local, 2, None)), tokenizer=tokenizer_and_special)
+    assert run_latents(cont, options(weights))[0] > 0
+    chained = [b.to_dict()["padded_latent"] for b in PackedShardDataset(cont, rank=0, world_size=1, vae_latents=True)]
+    assert len(chained) == 4 and all(torch.equal(a, b) for a, b in zip(chained, want))

@@ -239,8 +239,8 @@ def test_with_reuse_a_schedule_and_an_s3_output(packs, s3, tmp_path, tokenizer_a
     """Balanced samples under a schedule, packed onto S3 (SeaweedFS) with ``--reuse`` of a local pack:
     the reference is the local scheduled pack byte for byte (reuse changes no byte) and took the old
     pack's pictures; each step holds that pack's step's samples; verify and audit (packing the
-    trimmed reference again from the store) pass; the loader reads it balanced (M=2) and followed,
-    every batch once."""
+    trimmed reference again from the store) pass; the loader follows it balanced (M=2) on both ranks
+    for a step, then on one rank from their merged states: every batch once."""
     raw = yaml.safe_load(open(packs["config"]))
     raw["prepack"]["schedule"] = [{"after": 2, "set": {"dataset.grouped_datasets.t2i_pretrain.weight": 3.0}}]
     balanced = _beside(packs["config"], raw, "s3-balanced.yaml")
@@ -267,11 +267,19 @@ def test_with_reuse_a_schedule_and_an_s3_output(packs, s3, tmp_path, tokenizer_a
     assert rep.ok and sum(r.check == "balanced steps" and r.ok for r in rep.rows) == K, \
         [r for r in rep.rows if not r.ok]
     assert audit_pack(uri, tokenizer=tokenizer_and_special).ok
-    read = Counter()
+    # followed from the store: a step on both ranks, balanced; their states merged onto one rank, which
+    # follows the rest
+    read, states = Counter(), []
     for r in range(W):
-        for b in PackedShardDataset(uri, rank=r, world_size=W, balance=Balance(micro_batches=2), follow=True,
-                                    timeout_s=60):
-            read.update(keys_of(b.to_dict()))
+        ds = PackedShardDataset(uri, rank=r, world_size=W, balance=Balance(micro_batches=2), follow=True, timeout_s=60)
+        it = iter(ds)
+        for _ in range(2):
+            read.update(keys_of(next(it).to_dict()))
+        states.append(ds.state_dict())
+    rest = PackedShardDataset(uri, rank=0, world_size=1, follow=True, timeout_s=60)
+    rest.load_state_dict(PackedShardDataset.merge_states(states))
+    for b in rest:
+        read.update(keys_of(b.to_dict()))
     everything = Counter(k for s in range(W * K) for b in open_stream(local, s) for k in keys_of(b.to_dict()))
     assert read == everything
 
