@@ -19,8 +19,10 @@ import time
 from collections import Counter
 
 import pytest
+import yaml
 
 from loader import Balance, PackedShardDataset, open_stream
+from loader.reader import Pack
 from prepack.run.lease import LEASE_DIR
 from prepack.tools.verify import verify_pack
 from schemas.layout import MANIFEST_NAME
@@ -60,9 +62,9 @@ def files_of(root: str) -> dict[str, bytes]:
     return out
 
 
-def job(config: str, out: str, streams: str, env: dict | None = None) -> subprocess.Popen:
+def job(config: str, out: str, streams: str, env: dict | None = None, extra: tuple = ()) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "prepack.cli", "run", config, "--out", out, "--streams", streams,
-                             "--no-ray"], cwd=REPO, env={**os.environ, **(env or {})},
+                             "--no-ray", *extra], cwd=REPO, env={**os.environ, **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -217,3 +219,27 @@ def test_extending_is_refused_while_another_job_packs(dataset, tmp_path, tokeniz
     finally:
         other.release()
     assert same_pack_objects(files_of(out), files_of(ref)) == []  # nothing was touched
+
+
+@pytest.mark.slow  # three packing jobs as subprocesses
+def test_two_jobs_pack_a_scheduled_continuation_with_reuse_as_one_job_does(dataset, tmp_path):
+    """Many jobs with what a job reads before it packs: ``--continue`` (each job settles the same
+    parent link), a schedule (stored in pack.json), ``--reuse`` (each job reads OLD and may build its
+    catalog beside the other): two jobs of disjoint streams make one job's pack, byte for byte."""
+    config, ref = dataset
+    raw = yaml.safe_load(open(config))
+    raw["prepack"]["batches_per_stream"] = 3
+    raw["prepack"]["schedule"] = [{"after": 1, "set": {"dataset.grouped_datasets.t2i_pretrain.weight": 3.0}}]
+    scheduled = os.path.join(os.path.dirname(config), "scheduled.yaml")
+    with open(scheduled, "w") as f:
+        yaml.safe_dump(raw, f, sort_keys=False)
+    extra = ("--continue", ref, "--after", "3", "--reuse", ref)
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    rc, _, err = finish(job(scheduled, one, "0-3", extra=extra))
+    assert rc == 0, err[-2000:]
+    for rc, _, err in [finish(p) for p in (job(scheduled, two, "0,1", extra=extra), job(scheduled, two, "2,3", extra=extra))]:
+        assert rc == 0, err[-2000:]
+    assert same_pack_objects(files_of(two), files_of(one)) == []
+    assert verify_pack(two).ok
+    pack = Pack.open(two)
+    assert pack.switch(0) == 3 and pack.info.stored_config().schedule  # a scheduled continuation indeed
