@@ -134,7 +134,7 @@ _WRITER = textwrap.dedent("""
         time.sleep(0.3)
         slow(loc, index)
     writer.write_index = paced
-    run_pack(load_config({config!r}), {out!r}, RunOptions(inline=True, bar=False))
+    run_pack(load_config({config!r}), {out!r}, RunOptions(inline=True, bar=False, reuse={reuse!r}))
 """)
 
 
@@ -142,7 +142,7 @@ _WRITER = textwrap.dedent("""
 def test_follow_a_pack_while_another_process_writes_it(data, fresh12, tmp_path):
     out = str(tmp_path / "out")
     cfg = small_config(data, shard_bytes=400_000, batches_per_stream=12)
-    writer = subprocess.Popen([sys.executable, "-c", _WRITER.format(repo=REPO, config=cfg.config_path, out=out)],
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER.format(repo=REPO, config=cfg.config_path, out=out, reuse=())],
                               stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -157,6 +157,33 @@ def test_follow_a_pack_while_another_process_writes_it(data, fresh12, tmp_path):
         writer.kill()
     assert got == read_ids(PackedShardDataset(fresh12, rank=0, world_size=1))
     assert digests(out) == digests(fresh12)
+
+
+@pytest.mark.slow  # packs, then extends in another process while a follower reads
+def test_follow_an_extension_packed_with_reuse(data, fresh12, tmp_path, tokenizer_and_special):
+    """A pack of 6 batches a stream extended to 12 by another process (with ``--reuse`` of the fresh
+    12-batch pack: its pictures taken from there), followed from the moment pack.json says 12: the
+    follower reads on to the new end, the fresh pack's batches."""
+    out = str(tmp_path / "out")
+    run_pack(small_config(data, shard_bytes=400_000, batches_per_stream=6), out, RunOptions(inline=True, bar=False),
+             tokenizer=tokenizer_and_special)
+    cfg = small_config(data, shard_bytes=400_000, batches_per_stream=12)
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER.format(repo=REPO, config=cfg.config_path, out=out,
+                                                                   reuse=(fresh12,))], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while json.load(open(os.path.join(out, "pack.json")))["budget"] != {"batches_per_stream": 12}:
+            assert writer.poll() is None, writer.stderr.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        got = read_ids(PackedShardDataset(out, rank=0, world_size=1, follow=True, poll_s=0.05, timeout_s=60))
+        assert writer.wait(timeout=120) == 0, writer.stderr.read()
+    finally:
+        writer.kill()
+    assert got == read_ids(PackedShardDataset(fresh12, rank=0, world_size=1))
+    assert digests(out) == digests(fresh12)
+    pack = Pack.open(out)
+    assert sum(int(pack.done(s).reuse.get("reused", 0)) for s in range(pack.num_streams)) > 0
 
 
 @pytest.mark.slow  # waits out the follow timeout
