@@ -539,3 +539,43 @@ def test_on_s3_with_reuse_and_an_extension(real, weights, s3, tmp_path, tokenize
     assert run_latents(cont, options(weights))[0] > 0
     chained = [b.to_dict()["padded_latent"] for b in PackedShardDataset(cont, rank=0, world_size=1, vae_latents=True)]
     assert len(chained) == 4 and all(torch.equal(a, b) for a, b in zip(chained, want))
+
+
+def test_a_balanced_scheduled_pack_encoded_by_two_runs_at_once(weights, tmp_path, tokenizer_and_special):
+    """Latents of a balanced-samples pack under a schedule (W=2 ranks): encoded by two runs of disjoint
+    ``--streams`` at once, the bytes one run makes; verify passes; ``vae_latents=True`` reads each
+    balanced batch's latents on both ranks."""
+    from loader import PackedShardDataset
+    from prepack.run.driver import RunOptions, run_pack
+    from prepack.tools.verify import verify_pack
+    from schemas.config_file import load_config
+    from tests.helpers import datagen as dg
+
+    os.makedirs(tmp_path / "data")
+    rs = np.random.RandomState(1)
+    ds = dg.Dataset(str(tmp_path / "data"))
+    dg.add_t2i(ds, [[{"image": dg.jpeg(dg.photo(4 * i + j, rs, 24, 72)), "captions": json.dumps({"c": dg.sentence(rs)})}
+                     for j in range(4)] for i in range(4)], row_group_size=2)
+    ds.groups["t2i_pretrain"]["image_transform_args"] = {"image_stride": 16, "max_image_size": 64, "min_image_size": 32}
+    lines, files = dg.good_sft(rs, 8)
+    dg.add_sft(ds, lines, files)
+    knobs = dict(expected_num_tokens=120, max_num_tokens=200, max_num_tokens_per_sample=150, prefer_buffer_before=80,
+                 max_buffer_size=3, use_flex=True)
+    schedule = [{"after": 1, "set": {"dataset.grouped_datasets.vlm_sft.weight": 3.0}}]
+    cfg = load_config(ds.config(knobs=knobs, num_workers=1, prepack={
+        "batches_per_stream": 3, "shard_bytes": 20_000, "world_size": 2, "balance": "samples", "schedule": schedule}))
+    out = str(tmp_path / "out")
+    run_pack(cfg, out, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
+    one = copy_pack(out, tmp_path, "one")
+    run_latents(one, options(weights))
+    runs = [threading.Thread(target=run_latents, args=(out, options(weights, streams=[s]))) for s in (0, 1)]
+    for t in runs:
+        t.start()
+    for t in runs:
+        t.join()
+    assert latents_bytes(out) == latents_bytes(one) != {}
+    rep = verify_pack(out)
+    assert rep.ok, [r for r in rep.rows if not r.ok]
+    latents = [b.to_dict().get("padded_latent") for r in range(2)
+               for b in PackedShardDataset(out, rank=r, world_size=2, vae_latents=True)]
+    assert len(latents) == 6 and sum(x is not None for x in latents) >= 4
