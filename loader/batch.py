@@ -31,7 +31,7 @@ import torch
 
 from loader.masks import dense_mask, row_bounds
 from loader.normalize import CHANNELS, LEVELS, TABLE_SIZE, norm_key, stacked_tables
-from schemas.record import ATTN_MODES, PackedBatch
+from schemas.packed_batch import ATTN_MODES, PackedBatch
 
 # Reference construction of each light tensor field: "list" = torch.tensor(python list),
 # "cat" = torch.cat of int64 position-id tensors.

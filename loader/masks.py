@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from schemas.record import ATTN_MODE_CODES
+from schemas.packed_batch import ATTN_MODE_CODES
 
 _CAUSAL = ATTN_MODE_CODES["causal"]
 _NOISE = ATTN_MODE_CODES["noise"]

@@ -1,7 +1,7 @@
 """A packed batch's anatomy: every field's kind, and which sample owns each row (issue 50).
 
 Why its own module: ``prepack.engine.step_split`` cuts samples out of a batch and joins them into
-another by this table alone, so no field of ``schemas.record.PackedBatch`` can be left out of a
+another by this table alone, so no field of ``schemas.packed_batch.PackedBatch`` can be left out of a
 balanced pack unsaid: a field without a kind fails here, at import (``check_field_kinds``).  The
 record (its fields, their storage) stays ``schemas.record``'s.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from schemas.errors import PackingError
-from schemas.record import PackedBatch
+from schemas.packed_batch import PackedBatch
 
 # Every field's kind, in one place: what one entry of it is one of (its rows) and what the entries
 # hold (its values).  ``prepack.engine.step_split`` cuts samples out of a batch and joins them into

@@ -156,7 +156,7 @@ def canvas_terms(heights: np.ndarray, widths: np.ndarray) -> tuple[int, int]:
 
 
 def record_terms(batch) -> dict[str, int]:
-    """Every quantity in ``RECORD_TERMS`` of one batch (a ``schemas.record.PackedBatch``, or any
+    """Every quantity in ``RECORD_TERMS`` of one batch (a ``schemas.packed_batch.PackedBatch``, or any
     object with its fields named in ``TERM_COLUMNS``): the cost terms and what describes them."""
     sl = np.asarray(batch.sample_lens, np.int64)
     vit = np.asarray(batch.vit_token_seqlens, np.int64)

@@ -73,7 +73,8 @@ from loader.balance import (assign_lockstep, assign_step, ideal_spread, lockstep
 from loader.reader import Pack, read_shard  # noqa: E402
 from prepack.engine.resplit import balance_samples, samples_of  # noqa: E402
 from schemas.cost import COST_TERMS, SEGMENTS, TERM_COLUMNS, CostModel  # noqa: E402
-from schemas.record import RECORD_SCHEMA, PackedBatch  # noqa: E402
+from schemas.packed_batch import PackedBatch
+from schemas.record import RECORD_SCHEMA
 
 log = logging.getLogger("bench_balance")
 

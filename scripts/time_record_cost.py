@@ -161,7 +161,7 @@ class Shape:
     sequence_length: int
     sample_lens: np.ndarray
     split_lens: np.ndarray
-    attn_modes: np.ndarray  # codes of schemas.record.ATTN_MODES
+    attn_modes: np.ndarray  # codes of schemas.packed_batch.ATTN_MODES
     sample_num_splits: np.ndarray
     packed_text_ids: np.ndarray
     packed_text_indexes: np.ndarray
@@ -543,7 +543,7 @@ def split_ids(sh: Shape, pad: int) -> dict[str, np.ndarray]:
 
 
 def _attn_modes():
-    from schemas.record import ATTN_MODES
+    from schemas.packed_batch import ATTN_MODES
 
     return ATTN_MODES
 

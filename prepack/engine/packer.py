@@ -29,7 +29,7 @@ from prepack.engine.sources.ledger import NoLedger, SourceLedger
 from prepack.engine.sources.readahead import IOPool, ReadAheadSettings
 from schemas.config import PrepackConfig
 from schemas.mix_change import group_matches
-from schemas.record import PackedBatch
+from schemas.packed_batch import PackedBatch
 
 log = logging.getLogger(__name__)
 

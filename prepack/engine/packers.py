@@ -18,7 +18,7 @@ from prepack.engine.reuse.source_pictures import PictureStore
 from prepack.engine.schedule import ScheduledPacker
 from prepack.engine.sources import Source
 from schemas.config import PrepackConfig
-from schemas.record import PackedBatch
+from schemas.packed_batch import PackedBatch
 
 
 class Packer(Protocol):

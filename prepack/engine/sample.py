@@ -21,7 +21,7 @@ from prepack.engine.resize import resize_coded, resize_pixels
 from schemas.config import TransformArgs
 from schemas.pixel_index import PictureSource
 from schemas.pixel_table import StoredImage, decode_rows, encode_rows
-from schemas.record import SampleOrigin
+from schemas.packed_batch import SampleOrigin
 
 
 @dataclass

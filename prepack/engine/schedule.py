@@ -26,7 +26,7 @@ from prepack.engine.reuse.source_pictures import PictureStore
 from prepack.engine.sources import Source
 from prepack.engine.state_codec import detached
 from schemas.config import PrepackConfig
-from schemas.record import PackedBatch
+from schemas.packed_batch import PackedBatch
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from prepack.engine.sample import Sample, SampleImage
 from schemas.config import PackingKnobs
 from schemas.errors import PackingError
 from schemas.pixel_table import image_table
-from schemas.record import ATTN_MODE_CODES, PackedBatch, SampleOrigin
+from schemas.packed_batch import ATTN_MODE_CODES, PackedBatch, SampleOrigin
 
 
 @lru_cache(maxsize=4096)

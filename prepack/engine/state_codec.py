@@ -21,7 +21,7 @@ from schemas.checkpoint import (
     encode_pixels,
 )
 from schemas.pixel_index import DecodeFacts, PictureSource
-from schemas.record import SampleOrigin
+from schemas.packed_batch import SampleOrigin
 
 
 def _source_json(source: PictureSource | None) -> dict | None:

@@ -29,7 +29,8 @@ from schemas.cost import CostModel
 from schemas.anatomy import (BATCH, FIELD_KINDS, IMAGE, IMAGE_IDS, LENGTH, OFFSETS, PIXELS, POSITIONS, VALUE,
                              batch_anatomy)
 from schemas.pixel_table import StoredImage
-from schemas.record import ARRAY_DTYPES, PackedBatch, SampleOrigin
+from schemas.packed_batch import PackedBatch, SampleOrigin
+from schemas.record import ARRAY_DTYPES
 
 # the fields a sample owns rows of, and those of the image table a picture takes along (``FIELD_KINDS``)
 _ROW_FIELDS = [(name, k.values) for name, k in FIELD_KINDS.items() if k.rows not in (BATCH, IMAGE)]

@@ -40,7 +40,8 @@ from schemas.location import PackLocation
 from schemas.manifest import StreamIndex, StreamSummary
 from schemas.compression import Compression
 from schemas.pixel_index import read_committed_pixel_index
-from schemas.record import PackedBatch, batch_to_record, record_to_batch, record_to_framed_batch
+from schemas.packed_batch import PackedBatch
+from schemas.record import batch_to_record, record_to_batch, record_to_framed_batch
 from schemas.streams import stream_of, workers_per_rank
 
 log = logging.getLogger(__name__)

@@ -38,7 +38,8 @@ from schemas.location import PackLocation
 from schemas.documents import load_checked
 from schemas.layout import REFERENCE_DIR, checkpoint_file
 from schemas.manifest import ShardEntry, StreamIndex, TrimmedShards
-from schemas.record import PackedBatch, SampleOrigin, batch_fields, batch_to_record, record_digest, record_to_batch
+from schemas.packed_batch import PackedBatch, SampleOrigin, batch_fields
+from schemas.record import batch_to_record, record_digest, record_to_batch
 
 log = logging.getLogger(__name__)
 

@@ -105,7 +105,7 @@ def record_counts(record) -> BatchCounts:
 
 
 def packed_batch_counts(batch) -> BatchCounts:
-    """Counts of one ``schemas.record.PackedBatch`` (in memory: ``prepack plan``)."""
+    """Counts of one ``schemas.packed_batch.PackedBatch`` (in memory: ``prepack plan``)."""
     return count_batch(lambda name: getattr(batch, name), batch.use_flex, batch.max_num_tokens,
                        batch.sequence_length, [o.group for o in batch.origins])
 

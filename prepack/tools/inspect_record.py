@@ -21,7 +21,8 @@ from loader.reader import Pack, read_shard
 from schemas.errors import UsageError
 from schemas.manifest import ShardEntry
 from schemas.pack_info import PackInfo
-from schemas.record import PackedBatch, SampleOrigin, record_digest, record_to_batch
+from schemas.packed_batch import PackedBatch, SampleOrigin
+from schemas.record import record_digest, record_to_batch
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,8 @@ from schemas.location import resolve_location
 from schemas.manifest import StreamIndex, StreamSummary
 from schemas.pack_info import FORMAT_VERSION
 from schemas.pixel_table import image_table
-from schemas.record import ATTN_MODE_CODES, RECORD_SCHEMA_VERSION, PackedBatch, SampleOrigin
+from schemas.packed_batch import ATTN_MODE_CODES, PackedBatch, SampleOrigin
+from schemas.record import RECORD_SCHEMA_VERSION
 
 NORMS = [
     ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),

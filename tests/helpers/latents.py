@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from schemas.record import PackedBatch
+from schemas.packed_batch import PackedBatch
 
 Z_CHANNELS = 16  # BAGEL's VAE: moments have 2 * 16 channels
 SCALE_FACTOR, SHIFT_FACTOR = 0.3611, 0.1159

@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from prepack.tools.inspect_record import TEXT, VAE, VIT, sample_facts, token_kinds
-from schemas.record import PackedBatch
+from schemas.packed_batch import PackedBatch
 
 
 def expected_values(batches: list[PackedBatch]) -> tuple[dict[str, list[int]], dict[str, dict[str, list[int]]]]:

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loader.masks import dense_mask, row_bounds
-from schemas.record import ATTN_MODE_CODES
+from schemas.packed_batch import ATTN_MODE_CODES
 
 reference = pytest.importorskip("nemo_automodel.components.datasets.multimodal.utils")
 

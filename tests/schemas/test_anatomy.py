@@ -13,7 +13,7 @@ from schemas import anatomy
 from schemas.anatomy import (FIELD_KINDS, POSITIONS, SAMPLE_ROWS, VAE, VAE_TOKEN, VIT, VIT_TOKEN, FieldKind,
                              batch_anatomy, check_field_kinds)
 from schemas.errors import PackingError
-from schemas.record import PackedBatch
+from schemas.packed_batch import PackedBatch
 from tests.helpers.fakepack import BatchSpec, make_batch
 
 

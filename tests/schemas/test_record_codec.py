@@ -10,7 +10,8 @@ import pytest
 
 from schemas.compression import Compression, decompress
 from schemas.anatomy import FIELD_KINDS, NOT_STORED
-from schemas.record import RECORD_SCHEMA, SampleOrigin, encode_record, record_digest, record_pixels, record_to_batch
+from schemas.packed_batch import SampleOrigin
+from schemas.record import RECORD_SCHEMA, encode_record, record_digest, record_pixels, record_to_batch
 from tests.helpers.fakepack import make_batch
 
 SPECS = ["none", "zstd:1", "zstd:3", "zstd:-5", "lz4"]

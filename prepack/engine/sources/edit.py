@@ -24,7 +24,7 @@ from prepack.engine.sources.parquet import RecentHandles, open_parquet
 from prepack.engine.sources.readahead import Read, Reads
 from schemas.config import ConfigError, GroupConfig, TransformArgs
 from schemas.kinds import EDIT
-from schemas.record import SampleOrigin
+from schemas.packed_batch import SampleOrigin
 
 
 def _load_parquet_info(paths: list[str], base: str, ledger) -> dict:

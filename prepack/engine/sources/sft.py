@@ -28,7 +28,7 @@ from prepack.engine.sources.frames import frame_names_in_order, sample_frames
 from prepack.engine.sources.readahead import DIRECT, Prefetched, Read, Reads
 from schemas.config import GroupConfig
 from schemas.kinds import SFT
-from schemas.record import SampleOrigin
+from schemas.packed_batch import SampleOrigin
 
 
 @dataclass(frozen=True)

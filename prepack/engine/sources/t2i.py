@@ -21,7 +21,7 @@ from prepack.engine.sources.parquet import ParquetHandle, open_parquet
 from prepack.engine.sources.readahead import Read, Reads
 from schemas.config import GroupConfig
 from schemas.kinds import T2I
-from schemas.record import SampleOrigin
+from schemas.packed_batch import SampleOrigin
 
 
 COLUMNS = ("image", "captions")

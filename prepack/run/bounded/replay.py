@@ -28,7 +28,8 @@ from schemas.config import PrepackConfig
 from schemas.errors import PackRefused
 from schemas.location import PackLocation
 from schemas.manifest import StreamIndex, TrimmedShards
-from schemas.record import PackedBatch, encode_record
+from schemas.packed_batch import PackedBatch
+from schemas.record import encode_record
 
 log = logging.getLogger(__name__)
 

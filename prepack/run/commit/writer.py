@@ -50,7 +50,8 @@ from schemas.manifest import RecordEntry, ShardEntry, StreamIndex, StreamSummary
 from schemas.pack_info import SHARD_KEYS
 from schemas.pixel_index import PictureSource, PixelEntry, pixel_index_bytes
 from schemas.pixel_table import StoredImage
-from schemas.record import RECORD_SCHEMA, EncodedRecord, PackedBatch, encode_record, stored_pixel_frames
+from schemas.packed_batch import PackedBatch
+from schemas.record import EncodedRecord, RECORD_SCHEMA, encode_record, stored_pixel_frames
 from schemas.sources import ShardSources, SourceIdentity
 
 log = logging.getLogger(__name__)

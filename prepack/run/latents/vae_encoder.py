@@ -27,7 +27,7 @@ import xxhash
 from loader.batch import SimpleCustomBatch
 from schemas.errors import UsageError
 from schemas.latents import LatentsInfo, crop_shape
-from schemas.record import PackedBatch
+from schemas.packed_batch import PackedBatch
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,8 @@ from prepack.engine.packer import StreamPacker
 from prepack.engine.sample import PlanItem, Sample, SampleImage
 from schemas.config import PackingKnobs
 from schemas.config_file import load_config
-from schemas.record import ATTN_MODES, SampleOrigin, batch_to_record, record_digest
+from schemas.packed_batch import ATTN_MODES, SampleOrigin
+from schemas.record import batch_to_record, record_digest
 
 SPECIAL = SimpleNamespace(bos_token_id=1, eos_token_id=2, start_of_image=3, end_of_image=4)
 NORM = (0.5, 0.5, 0.5, 0.5, 0.5, 0.5)

@@ -21,7 +21,8 @@ from schemas.layout import checkpoint_file
 from schemas.location import resolve_location
 from schemas.manifest import RecordEntry, ShardEntry, StreamIndex, chain_root, row_facts
 from tests.helpers.fakepack import commit_entry
-from schemas.record import batch_fields, record_digest, record_to_batch
+from schemas.packed_batch import batch_fields
+from schemas.record import record_digest, record_to_batch
 
 META = {"config_hash": "abc", "tokenizer": "qwen2"}
 

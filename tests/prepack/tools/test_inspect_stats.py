@@ -21,7 +21,8 @@ from prepack.tools.stats import compute_stats, pack_stats
 from schemas.layout import MANIFEST_NAME
 from schemas.manifest import PackSummary
 from schemas.pixel_table import image_table
-from schemas.record import ATTN_MODE_CODES, PackedBatch, SampleOrigin, record_to_batch
+from schemas.packed_batch import ATTN_MODE_CODES, PackedBatch, SampleOrigin
+from schemas.record import record_to_batch
 from tests.helpers.packs import build_pack
 from tests.helpers.tokens import check_summary, expected_values
 
