@@ -3,9 +3,10 @@
 Such a pack is two packs in one place.  ``OUT/reference/`` is the ordinary pack of the same config
 without ``balance`` (every stream the reference's, stream for stream: its checkpoints, audits,
 restores); once a worker class's balanced streams are done, its reference shards are trimmed
-(``trim_reference``: what packs them again stays), so the finished pack holds no second copy.  ``OUT``'s own streams hold the balanced batches: for each optimizer step at M = 1 (step
-t of worker class w is record j = t // K of streams r*K + w, r < W), the W reference batches' samples
-re-split among them (``prepack.engine.step_split``).  A trainer reads ``OUT`` like any pack.
+(``trim_reference``: what packs them again stays), so the finished pack holds no second copy.
+``OUT``'s own streams hold the balanced batches: for each optimizer step at M = 1 (step t of worker
+class w is record j = t // K of streams r*K + w, r < W), the W reference batches' samples re-split
+among them (``prepack.engine.step_split``).  A trainer reads ``OUT`` like any pack.
 
 Why a second layer and not a second pass in place: a balanced record depends on W streams'
 records, so it cannot be re-made from one stream's checkpoint; the reference's records and
@@ -31,6 +32,7 @@ from prepack.run.bounded.replay import packed_again
 from prepack.run.bounded.trim_policy import TrimPolicy
 from prepack.run.commit.recovery import recover_stream
 from prepack.run.commit.writer import Committing, ShardFormat, StreamWriter, write_done
+from schemas.compression import Compression
 from schemas.config import PrepackConfig
 from schemas.cost import CostModel
 from schemas.errors import PackRefused
@@ -38,9 +40,8 @@ from schemas.layout import stream_lineage_file
 from schemas.lineage import read_lineage
 from schemas.location import PackLocation
 from schemas.manifest import StreamIndex, StreamSummary
-from schemas.compression import Compression
-from schemas.pixel_index import read_committed_pixel_index
 from schemas.packed_batch import PackedBatch
+from schemas.pixel_index import read_committed_pixel_index
 from schemas.record import batch_to_record, record_to_batch, record_to_framed_batch
 from schemas.streams import stream_of, workers_per_rank
 
@@ -60,13 +61,14 @@ class _Frames:
 
     def __init__(self, reference: Pack, stream: int, frame_format: str):
         self.reference, self.stream, self.frame_format = reference, stream, frame_format
+        self._switch = reference.switch(stream)
         self._shard: int | None = None
         self._known: dict[int, dict[int, int]] = {}
 
     def batch(self, j: int, record) -> PackedBatch:
         """Record ``j`` of the stream (checked with its shard's file digest) with its frames kept."""
         index = self.reference.index(self.stream)
-        shard = index.shard_of(j - self.reference.switch(self.stream))
+        shard = index.shard_of(j - self._switch)
         if shard.shard != self._shard:
             self._shard, self._known = shard.shard, {}
             table, _ = read_committed_pixel_index(self.reference.location, self.stream, shard.shard,
@@ -75,7 +77,7 @@ class _Frames:
                                                   for c in ("record", "image", "digest", "codec"))):
                 if codec == self.frame_format:
                     self._known.setdefault(rec, {})[img] = digest
-        known = self._known.get(j - self.reference.switch(self.stream) - shard.first_record, {})
+        known = self._known.get(j - self._switch - shard.first_record, {})
         return record_to_framed_batch(record, known, self.frame_format)
 
 
@@ -123,13 +125,11 @@ def balanced_records(reference: Pack, streams: list[int], model: CostModel, star
 
     def step() -> "tuple[int, dict[int, PackedBatch]] | None":
         nonlocal j
-        while True:
-            if all(j >= lengths[s] for s in streams):
+        while not (live := [s for s in streams if firsts[s] <= j < lengths[s]]):
+            ahead = [firsts[s] for s in streams if j < firsts[s] < lengths[s]]
+            if not ahead:
                 return None
-            live = [s for s in streams if firsts[s] <= j < lengths[s]]
-            if live:
-                break
-            j += 1  # before every stream's switch: the parent's records
+            j = min(ahead)  # before a stream's switch its records are the parent's: none to write
         batches = {}
         for s in live:
             at, batches[s] = next(its[s])
