@@ -28,3 +28,15 @@ def rank_streams(rank: int, num_workers: int) -> list[int]:
     """Rank ``rank``'s own streams, in the order a K-worker DataLoader interleaves them."""
     k = workers_per_rank(num_workers)
     return list(range(rank * k, (rank + 1) * k))
+
+
+def step_classes(world_size: int, num_workers: int) -> list[list[int]]:
+    """The streams whose records j form one optimizer step at M = 1, per DataLoader worker w:
+    ``r*K + w`` for r < W (a balanced-samples pack re-splits each such step among them)."""
+    return [[stream_of(r, w, num_workers) for r in range(world_size)] for w in range(workers_per_rank(num_workers))]
+
+
+def step_class(stream: int, world_size: int, num_workers: int) -> list[int]:
+    """The streams of ``stream``'s step class (``step_classes``): every rank's stream of its worker."""
+    _, worker = rank_and_worker(stream, num_workers)
+    return [stream_of(r, worker, num_workers) for r in range(world_size)]

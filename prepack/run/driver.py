@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 
 from pyarrow.fs import FileSelector
 
 from loader.reader import Pack
 from prepack.engine.reuse.earlier_packs import open_old_packs, read_old_pack
 from prepack.engine.tokenizer import load_tokenizer, recorded_fingerprint, special_token_ids
+from prepack.run.balance_beside import BalancingBeside
 from prepack.run.bounded.ahead import JobStreams, WaitRule, share_of
 from prepack.run.commit.atomic_files import write_bytes_atomic
 from prepack.run.bounded.bound import BoundSpec
@@ -58,7 +60,9 @@ class RunOptions:
     which record (``prepack.run.chain``; its chain's pictures are reused); ``bound``: pack just ahead
     of the trainings and trim behind them (``prepack.run.bounded.ahead``).  Where it runs: ``inline`` packs
     the streams one after another in this process, without Ray (debugging, tests); else on Ray at
-    ``address`` (default $RAY_ADDRESS, else a local Ray of ``num_cpus``).  ``bar``: show a progress bar."""
+    ``address`` (default $RAY_ADDRESS, else a local Ray of ``num_cpus``).  ``bar``: show a progress bar.
+    ``guard``: called as the run goes on; what it raises stops the run (the balancing beside a
+    bounded balanced-samples pack's reference: ``prepack.run.balance_beside``)."""
 
     streams: "list[int] | None" = None
     reuse: "tuple[str, ...] | list[str]" = ()
@@ -68,6 +72,7 @@ class RunOptions:
     address: "str | None" = None
     num_cpus: "int | None" = None
     bar: bool = True
+    guard: "Callable[[], None] | None" = None
 
 
 # -- pack metadata -----------------------------------------------------------------------------
@@ -157,7 +162,7 @@ def run_pack(cfg: PrepackConfig, out: str, options: RunOptions = RunOptions(), t
         before = [_committed_totals(loc, s) for s in todo]  # shards an earlier run already committed
         run = RunProgress(todo, cfg.prepack.batches_per_stream, asdict(cfg.knobs))
         if options.inline:
-            _run_inline(job, todo, (tokenizer, special), lease, run)
+            _run_inline(job, todo, (tokenizer, special), lease, run, options.guard)
         else:
             RayRun(job, todo, lease, run).run(options)
         lease.check()  # never write the manifest over a run that took our streams over
@@ -178,9 +183,10 @@ def _run_balanced(cfg: PrepackConfig, out: str, options: RunOptions, tokenizer: 
     ``OUT/reference`` as any pack, then, once every reference stream is done, the balanced streams
     (by the one job that leases them: a job finishing beside it leaves them to it)."""
     start = time.perf_counter()
-    if options.bound:
-        raise UsageError("prepack.balance: samples is not supported with --ahead / --disk-budget / --progress yet; "
-                         "pack without it, or balance whole batches in the loader (balance=Balance(micro_batches=M))")
+    if options.bound is not None and options.bound.disk_budget is not None:
+        raise UsageError("prepack.balance: samples is not supported with --disk-budget yet; bound it with --ahead N "
+                         "(its reference is trimmed once balanced, its balanced shards behind the trainings), or "
+                         "balance whole batches in the loader (balance=Balance(micro_batches=M))")
     if "batches_per_stream" not in cfg.prepack.budget():  # streams that end unevenly leave their last steps whole
         existing = PackInfo.read(resolve_location(out))
         if existing is not None and existing.budget != cfg.prepack.budget():
@@ -199,43 +205,81 @@ def _run_balanced(cfg: PrepackConfig, out: str, options: RunOptions, tokenizer: 
         link, _ = _settle_parent(options.continue_from, cfg, loc, tokenizer_fp)
     pack = settle_identity(loc, cfg, tokenizer_fp, tokenizer[1], other_jobs=lambda: live_leases(loc), parent=link)
     ref_out = out.rstrip("/") + "/" + REFERENCE_DIR
-    ref = run_pack(reference_config(cfg), ref_out, options, tokenizer)
-    reference = Pack.open(ref_out)
-    if any(reference.done(s) is None for s in range(cfg.num_streams)):
-        log.info("balanced samples: written once every stream of %s is packed", redact_uri(ref_out))
-        return ref
+    lease = None
     try:
-        lease = acquire_streams(loc, list(range(cfg.num_streams)))
-    except PackRefused as e:  # only a balancing job leases OUT's own streams: another job finishing at once
-        log.info("balanced samples: every reference stream is packed and another job writes the balanced ones "
-                 "(%s); this job's part is done", e)
-        return ref
-    try:
+        if options.bound is not None and options.bound.active:  # balanced as the reference is packed
+            lease = _balancing_lease(loc, cfg, "this job packs its reference streams only")
+            ref = _pack_reference_beside(cfg, (out, pack.metadata), options, tokenizer, lease)
+        else:
+            ref = run_pack(reference_config(cfg), ref_out, options, tokenizer)
+        reference = Pack.open(ref_out)
+        if any(reference.done(s) is None for s in range(cfg.num_streams)):
+            log.info("balanced samples: written once every stream of %s is packed", redact_uri(ref_out))
+            return ref
+        lease = lease or _balancing_lease(loc, cfg, "this job's part is done")
+        if lease is None:
+            return ref
         entries = write_balanced(cfg, loc, pack.metadata, reference, tokenizer)
         lease.check()
         written, _ = finalize(loc, cfg)
     finally:
-        lease.release()
+        if lease is not None:
+            lease.release()
     return RunSummary(out, entries, written, time.perf_counter() - start, max_num_tokens=cfg.knobs.max_num_tokens,
                       output_bytes=output_bytes(loc), packed_now=ref.packed_now, retried=ref.retried,
                       reuse_from=ref.reuse_from)
 
 
-def _run_inline(job: StreamJob, todo: list[int], tokens: tuple, lease: StreamLease, run: RunProgress) -> None:
+def _pack_reference_beside(cfg: PrepackConfig, where: tuple, options: RunOptions, tokenizer: tuple,
+                           lease: "StreamLease | None") -> RunSummary:
+    """A bounded balanced-samples pack's reference, packed for OUT's trainings (``BoundSpec.reads``)
+    while the job holding OUT's ``lease`` balances it beside (``prepack.run.balance_beside``); ``where``:
+    OUT and its shards' metadata."""
+    out, metadata = where
+    ref_out = out.rstrip("/") + "/" + REFERENCE_DIR
+    options = replace(options, bound=replace(options.bound, reads=out))
+    if lease is None:
+        return run_pack(reference_config(cfg), ref_out, options, tokenizer)
+    beside = BalancingBeside(cfg, resolve_location(out), metadata, ref_out, tokenizer, options.bound).start()
+    try:
+        return run_pack(reference_config(cfg), ref_out, replace(options, guard=beside.check), tokenizer)
+    finally:
+        beside.close()
+
+
+def _balancing_lease(loc: PackLocation, cfg: PrepackConfig, otherwise: str) -> "StreamLease | None":
+    """The lease on OUT's balanced streams (only a balancing job takes it), or None where another job
+    holds it (it writes them; ``otherwise`` says what this job does then)."""
+    try:
+        return acquire_streams(loc, list(range(cfg.num_streams)))
+    except PackRefused as e:
+        log.info("balanced samples: another job writes the balanced streams (%s); %s", e, otherwise)
+        return None
+
+
+def _run_inline(job: StreamJob, todo: list[int], tokens: tuple, lease: StreamLease, run: RunProgress,
+                guard: "Callable[[], None] | None" = None) -> None:
     """Pack ``todo`` one after another in this process (``--no-ray``); a stream of a bounded run that
-    waits lets the others go on, and the last one trims while it waits."""
+    waits lets the others go on, and the last one trims while it waits (``guard``: ``RunOptions``)."""
     def report(progress_now: StreamProgress) -> None:
         run.update(progress_now)
         for line in run.new_kinds():
             log.warning("%s", line)
 
     streams = JobStreams(resolve_location(job.out), todo, job.bound)
+
+    def waiting() -> None:
+        if guard is not None:
+            guard()
+        streams.trim()
+
     while streams.streams:
         for s in streams.ready():
             lease.check()
             streams.started(s)
-            rule = WaitRule(0.0 if len(streams.streams) > 1 else None, streams.trim)
+            rule = WaitRule(0.0 if len(streams.streams) > 1 else None, waiting)
             streams.returned(s, paused_at(pack_one_stream(job, s, *tokens, report, rule)))
+        waiting()
         streams.idle()
     streams.trim(force=True)
 

@@ -137,6 +137,7 @@ class RayRun:
             self.watch = _Watch(ray, _pinned_progress(ray, Progress))
             self.watch.wait_ready()
             self.local = not (options.address or os.environ.get("RAY_ADDRESS"))
+            self.guard = options.guard
             self.level = logging.getLogger().getEffectiveLevel()
             self.job_ref = ray.put(self.job)  # once in the object store, not once per task
             self.streams = JobStreams(resolve_location(self.job.out), self.todo, self.job.bound)
@@ -191,6 +192,8 @@ class RayRun:
         while self.streams.streams:
             try:
                 self.lease.check()  # another run took our streams over: stop writing at once
+                if self.guard is not None:
+                    self.guard()
             except Exception:
                 for ref in pending:
                     ray.cancel(ref, force=True)

@@ -43,16 +43,10 @@ from schemas.manifest import StreamIndex, StreamSummary
 from schemas.packed_batch import PackedBatch
 from schemas.pixel_index import read_committed_pixel_index
 from schemas.record import batch_to_record, record_to_batch, record_to_framed_batch
-from schemas.streams import stream_of, workers_per_rank
+from schemas.streams import step_classes
 
 log = logging.getLogger(__name__)
-_NEVER = 1 << 62  # shard bytes: a balanced shard ends where its reference shard ends, never by size
-
-
-def step_streams(cfg: PrepackConfig) -> list[list[int]]:
-    """The streams whose records j form one step at M = 1, per DataLoader worker w: ``r*K + w`` for r < W."""
-    workers = range(workers_per_rank(cfg.num_workers))
-    return [[stream_of(r, w, cfg.num_workers) for r in range(cfg.world_size)] for w in workers]
+SHARD_NEVER_ENDS = 1 << 62  # shard bytes: a balanced shard ends where its reference shard ends, never by size
 
 
 class _Frames:
@@ -109,10 +103,12 @@ def reference_batches(reference: Pack, stream: int, start: int, tokenizer: "tupl
 
 
 def balanced_records(reference: Pack, streams: list[int], model: CostModel, start: int = 0,
-                     tokenizer: "tuple | None" = None) -> "Callable[[], tuple[int, dict[int, PackedBatch]] | None]":
+                     tokenizer: "tuple | None" = None,
+                     stop: "int | None" = None) -> "Callable[[], tuple[int, dict[int, PackedBatch]] | None]":
     """A call giving, step after step from record ``start`` (counted over a continuation's chain),
     ``(j, {stream: balanced batch j})`` (only the streams with a record j of their own: a
-    continuation's records before its switch are its parent's), then None.  A step is split only
+    continuation's records before its switch are its parent's), then None (at ``stop`` too: the
+    steps every stream has committed, while the reference is still packed).  A step is split only
     where every stream has its own record j; the others are the reference's unchanged.  The
     reference's records are read with their shard files' digests checked, and every picture its
     pixel index lists passes through as its compressed frame (no decompressing, no compressing: a
@@ -125,6 +121,8 @@ def balanced_records(reference: Pack, streams: list[int], model: CostModel, star
 
     def step() -> "tuple[int, dict[int, PackedBatch]] | None":
         nonlocal j
+        if stop is not None and j >= stop:
+            return None
         while not (live := [s for s in streams if firsts[s] <= j < lengths[s]]):
             ahead = [firsts[s] for s in streams if j < firsts[s] < lengths[s]]
             if not ahead:
@@ -162,27 +160,49 @@ class _Out:
         k = len(self.index.shards)
         return k < len(self.ends) and j + 1 == self.ends[k][0] + self.ends[k][1]
 
+    def limit(self, stop: "int | None") -> int:
+        """Where this run's writing of the stream ends: the end of its last reference shard within
+        ``stop`` (a shard is written whole or not at all), or of them all."""
+        ends = [first + n for first, n in self.ends if stop is None or first + n <= stop]
+        return max(ends, default=self.switch)
 
-def balance_class(reference: Pack, loc: PackLocation, streams: list[int], fmt: ShardFormat,
-                  model: CostModel, tokenizer: "tuple | None" = None) -> None:
+
+@dataclass(frozen=True)
+class Balancing:
+    """How balanced streams are written: their shards' ``fmt``, the cost ``model`` a step is split
+    by, and the ``tokenizer`` that packs a reference shard trimmed since again (None: none is)."""
+
+    fmt: ShardFormat
+    model: CostModel
+    tokenizer: "tuple | None" = None
+
+
+def balance_class(reference: Pack, loc: PackLocation, streams: list[int], how: Balancing,
+                  stop: "int | None" = None) -> int:
     """Write ``streams`` (one worker class of the pack) from the reference, resuming after their
-    committed shards (a reference shard trimmed since is packed again: ``tokenizer``); their
-    ``done.json`` is the caller's."""
+    committed shards (a reference shard trimmed since is packed again: ``how.tokenizer``); their
+    ``done.json`` is the caller's.  ``stop``: the records (over the chain) every stream of the class
+    has committed in a reference still being packed: only the shards ending within it are written
+    now.  The balanced records each stream has committed, the fewest of the class."""
     outs = []
     for s in streams:
         index, n = recover_stream(loc, s), reference.switch(s)
-        ends = [(n + sh.first_record, len(sh.records)) for sh in reference.index(s).shards]
+        ends = [(n + sh.first_record, len(sh.records)) for sh in reference.index(s, refresh=stop is not None).shards]
         outs.append(_Out(s, index, ends, n))
     start = min(o.start for o in outs)
-    step = balanced_records(reference, streams, model, start, tokenizer)
+    limits = {o.stream: o.limit(stop) for o in outs}
+    if all(o.start >= limits[o.stream] for o in outs):
+        return min(o.start for o in outs)
+    fmt = how.fmt
+    step = balanced_records(reference, streams, how.model, start, how.tokenizer, max(limits.values()))
     last = time.monotonic()
     while (got := step()) is not None:
         j, batches = got
         for o in outs:
-            if j < o.start or o.stream not in batches:
+            if j < o.start or j >= limits[o.stream] or o.stream not in batches:
                 continue
             if o.writer is None:  # the writer's own commit: records, pixel index, lineage, index (no states)
-                o.writer = StreamWriter(loc, o.stream, ShardFormat(_NEVER, fmt.compression, fmt.metadata),
+                o.writer = StreamWriter(loc, o.stream, ShardFormat(SHARD_NEVER_ENDS, fmt.compression, fmt.metadata),
                                         Committing(o.index, None))
             o.writer.append(batches[o.stream])
             if o.shard_end(j):
@@ -193,6 +213,7 @@ def balance_class(reference: Pack, loc: PackLocation, streams: list[int], fmt: S
     for o in outs:
         if o.writer is not None:
             o.writer.abort()
+    return min(o.start for o in outs)
 
 
 def finish_balanced(cfg: PrepackConfig, loc: PackLocation, reference: Pack, stream: int) -> StreamSummary:
@@ -232,15 +253,14 @@ def write_balanced(cfg: PrepackConfig, loc: PackLocation, metadata: dict[str, st
     """Write (or finish) every balanced stream of ``loc`` from the finished ``reference``; their
     ``done.json`` once written, and then their reference shards trimmed (``trim_reference``).  A
     stream already done at this budget is kept as it is."""
-    model = CostModel.of(cfg)
-    fmt = ShardFormat(_NEVER, cfg.prepack.compression, metadata)
+    how = Balancing(ShardFormat(SHARD_NEVER_ENDS, cfg.prepack.compression, metadata), CostModel.of(cfg), tokenizer)
     budget = cfg.prepack.budget()
     out = {}
-    for streams in step_streams(cfg):
+    for streams in step_classes(cfg.world_size, cfg.num_workers):
         todo = [s for s in streams if (d := StreamSummary.read(loc, s)) is None or d.budget != budget]
         if todo:
             log.info("balanced samples: writing streams %s from the reference", streams)
-            balance_class(reference, loc, streams, fmt, model, tokenizer)
+            balance_class(reference, loc, streams, how)
         for s in streams:
             out[s] = finish_balanced(cfg, loc, reference, s) if s in todo else StreamSummary.read(loc, s)
         trim_reference(reference, streams, tokenizer)  # also where an earlier run stopped before it

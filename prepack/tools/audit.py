@@ -29,7 +29,8 @@ from prepack.run.bounded.replay import state_at
 from prepack.run.commit.atomic_files import sha256_hex
 from prepack.run.commit.checkpoint_files import checkpoint_digests, read_checkpoint_files
 from prepack.run.identity import identity_mismatch, pack_identity
-from prepack.tools.balanced_check import audit_balanced_shard, balances_samples, open_reference
+from prepack.run.reference_pack import balances_samples, open_reference
+from prepack.tools.balanced_check import audit_balanced_shard
 from prepack.tools.report import CheckReport
 from schemas.checkpoint import decode_pixels
 from schemas.config import PrepackConfig

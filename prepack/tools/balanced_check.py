@@ -16,26 +16,17 @@ from collections import Counter
 
 from loader.reader import Pack, iter_records
 from prepack.engine.step_split import split_batch
-from prepack.run.sample_balance import balanced_records, step_streams
+from prepack.run.reference_pack import open_reference
+from prepack.run.sample_balance import balanced_records
 from prepack.tools.report import CheckReport
 from schemas.cost import CostModel
 from schemas.config import PrepackConfig
 from schemas.errors import PrepackError
 from schemas.layout import REFERENCE_DIR, stream_lineage_file
 from schemas.lineage import read_lineage
-from schemas.location import PackLocation
 from schemas.manifest import ShardEntry
+from schemas.streams import step_class, step_classes
 from schemas.record import encode_record, record_to_batch
-
-
-def balances_samples(pack: Pack) -> bool:
-    return pack.info.stored_config().prepack.balance == "samples"
-
-
-def open_reference(pack: Pack) -> Pack:
-    """The reference pack inside a balanced-samples pack."""
-    loc = pack.location
-    return Pack.open(PackLocation(loc.fs, loc.path(REFERENCE_DIR)))
 
 
 def check_balanced_steps(pack: Pack, rep: CheckReport) -> None:
@@ -46,7 +37,7 @@ def check_balanced_steps(pack: Pack, rep: CheckReport) -> None:
         rep.add("balanced steps", REFERENCE_DIR, False, f"the reference cannot be read: {e}")
         return
     cfg = pack.info.stored_config()
-    for streams in step_streams(cfg):
+    for streams in step_classes(cfg.world_size, cfg.num_workers):
         where = f"streams {streams[0]}..{streams[-1]} (every {max(1, cfg.num_workers)})"
         rep.add("balanced steps", where, *_steps_agree(pack, reference, streams))
 
@@ -116,7 +107,7 @@ def audit_balanced_shard(pack: Pack, reference: Pack, cfg: PrepackConfig, shard:
                          rep: CheckReport, tokenizer: tuple) -> None:
     """Re-split shard ``shard``'s steps from the reference (its records, or where they were trimmed
     once balanced, packed again from its checkpoints) and compare each record's digest."""
-    streams = next(c for c in step_streams(cfg) if shard.stream in c)
+    streams = step_class(shard.stream, cfg.world_size, cfg.num_workers)
     step = balanced_records(reference, streams, CostModel.of(cfg), pack.switch(shard.stream) + shard.first_record,
                             tokenizer)
     bad = []

@@ -40,7 +40,8 @@ from schemas.layout import (
     shard_sources_file,
     stream_lineage_file,
 )
-from prepack.tools.balanced_check import balances_samples, check_balanced_steps
+from prepack.run.reference_pack import balances_samples
+from prepack.tools.balanced_check import check_balanced_steps
 from schemas.lineage import LINEAGE_SCHEMA, lineage_by_shard, lineage_columns, samples_per_record
 from schemas.location import PackLocation, resolve_location
 from schemas.manifest import PackSummary, ShardEntry, StreamIndex, StreamSummary, TrimmedShards

@@ -24,6 +24,7 @@ from loader.reader import Pack
 from schemas.errors import DiskBudgetTooSmall, UsageError
 from schemas.layout import index_file, shard_latents_file, stream_dir
 from schemas.manifest import TrimmedShards
+from schemas.streams import step_class
 from prepack.run.bounded import trainings as trainings_module
 from prepack.run.bounded.bound import BoundSpec
 from prepack.run.bounded.trainings import Trainings
@@ -107,20 +108,53 @@ class DiskShare:
         return f"{used:,} bytes on disk + {reserve:,} for its next shard > its share of --disk-budget ({self.share:,})"
 
 
+class StepNeeds:
+    """What a balanced-samples pack's reference must pack beyond ``--ahead`` (``BoundSpec.reads``).
+
+    A balanced shard of stream s ends where reference shard s ends and is made from the records of
+    every stream of s's step class, so the trainings' next balanced shard of s needs the class's
+    other streams packed at least that far.  Held to ``--ahead`` alone, a stream of short shards
+    would stop before the end of its neighbour's long one, and the trainings would wait for good.
+    So a stream also packs up to the furthest end of its class's shards that hold a record its
+    trainings want (their position plus ``--ahead``); the shards it packs for that want nothing more,
+    so the class stops."""
+
+    def __init__(self, pack: Pack, trainings: Trainings, ahead: int):
+        cfg = pack.info.stored_config()
+        self.pack, self.trainings, self.ahead = pack, trainings, ahead
+        self.world_size, self.num_workers = cfg.world_size, cfg.num_workers
+        self._read_at: dict[int, float] = {}  # each stream's index read again at most every POLL_S
+
+    def need(self, stream: int) -> int:
+        """The chain records ``stream`` must have for the balanced shards its class's trainings want."""
+        out = 0
+        for s in step_class(stream, self.world_size, self.num_workers):
+            want = self.trainings.reached(s) + self.ahead  # records s packs for its own trainings
+            n = self.pack.switch(s)
+            fresh = time.monotonic() - self._read_at.get(s, -1e9) >= trainings_module.POLL_S
+            if fresh:
+                self._read_at[s] = time.monotonic()
+            for sh in self.pack.index(s, refresh=fresh).shards:
+                if n + sh.first_record < want:  # the shard holds a wanted record
+                    out = max(out, n + sh.first_record + len(sh.records))
+        return out
+
+
 class AheadGate:
-    """``spec.ahead`` and ``spec.disk_budget`` read against the trainings of ``pack`` (neither: every
-    shard may start)."""
+    """``spec.ahead`` and ``spec.disk_budget`` read against the trainings of ``pack`` (or of
+    ``spec.reads``; neither: every shard may start)."""
 
     def __init__(self, spec: BoundSpec, pack: Pack):
         self.spec = spec
-        self.trainings = Trainings(spec.progress, pack)
+        self.trainings = Trainings(spec.progress, Pack.open(spec.reads) if spec.reads else pack)
+        self.steps = StepNeeds(pack, self.trainings, spec.ahead) if spec.reads and spec.ahead is not None else None
         self.disk = DiskShare(spec.disk_budget, pack) if spec.disk_budget is not None else None
 
     def holding(self, stream: int, records: int) -> "str | None":
         """Why ``stream`` may not start another shard now, having ``records`` in its chain; None: it may."""
         if self.spec.ahead is not None:
             reached = self.trainings.reached(stream)
-            if records >= reached + self.spec.ahead:
+            if records >= reached + self.spec.ahead and (self.steps is None or records >= self.steps.need(stream)):
                 return f"{records} records packed, training at {reached} (--ahead {self.spec.ahead})"
         return self.disk.holding(stream) if self.disk is not None else None
 
@@ -170,7 +204,8 @@ class JobStreams:
         self._trimmed_at = -1e9
         if bound is not None and bound.active:
             self.gate = AheadGate(bound, Pack.open(loc))  # a budget no stream's shard fits in: refused here
-            self.policy = TrimPolicy.behind_checkpoints(self.gate.trainings, bound.keep)
+            if bound.reads is None:  # a reference packed for another pack's trainings is trimmed as it is balanced
+                self.policy = TrimPolicy.behind_checkpoints(self.gate.trainings, bound.keep)
         self.running: set[int] = set()
 
     def ready(self) -> list[int]:

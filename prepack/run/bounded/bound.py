@@ -22,12 +22,15 @@ DEFAULT_KEEP_CHECKPOINTS = 2
 class BoundSpec:
     """``ahead``: batches a stream may pack past the furthest training (None: no limit); ``progress``:
     the trainings' progress folders; ``keep``: checkpoints of each training nothing is trimmed before;
-    ``disk_budget``: bytes the whole pack may hold (None: no limit; ``parse_disk_budget``)."""
+    ``disk_budget``: bytes the whole pack may hold (None: no limit; ``parse_disk_budget``); ``reads``:
+    the pack the trainings read when it is not the one packed (a balanced-samples pack's reference is
+    packed for the trainings of OUT, whose steps need every stream of a step class: ``StepNeeds``)."""
 
     ahead: int | None
     progress: tuple[str, ...]
     keep: int = DEFAULT_KEEP_CHECKPOINTS
     disk_budget: int | None = None
+    reads: str | None = None
 
     def __post_init__(self):
         if self.ahead is not None and self.ahead < 1:

@@ -17,11 +17,13 @@ import logging
 from loader.reader import Pack
 from prepack.engine.sources.ledger import SourceCheck
 from prepack.run.bounded.checkpoint_ladder import nearest_kept
+from prepack.run.reference_pack import balances_samples, open_reference
 from prepack.engine.tokenizer import load_tokenizer, special_token_ids, tokenizer_fingerprint
 from schemas.errors import DamagedFile
 from schemas.layout import shard_file, shard_sources_file
 from schemas.manifest import TrimmedShards
 from schemas.sources import ShardSources
+from schemas.streams import step_class
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +37,17 @@ class RestoreCheck:
         self.pack = pack
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.sources = sources if sources is not None else SourceCheck()
+        # a balanced-samples pack's shards are re-split from its reference's: their restorability is theirs
+        self.reference = RestoreCheck(open_reference(pack), tokenizer_fingerprint, self.sources) \
+            if balances_samples(pack) else None
 
     def why_not(self, stream: int, shard: int) -> "str | None":
         """What keeps shard ``shard`` of ``stream`` from being packed again byte for byte, in a few words
         naming the file (``source /data/a.jpg deleted since it was packed``), or None.  Where a trim
-        dropped its checkpoint, the shards a restore packs again first count too."""
+        dropped its checkpoint, the shards a restore packs again first count too; a balanced-samples
+        pack's shard counts the trimmed reference shards its steps are re-split from."""
+        if self.reference is not None:
+            return self._why_not_balanced(stream, shard)
         dropped = set(TrimmedShards.read(self.pack.location, stream).checkpoints)
         start = nearest_kept(shard, dropped)
         for k in range(start, shard + 1):
@@ -47,6 +55,22 @@ class RestoreCheck:
             if why is not None:
                 return why if k == shard else (f"{why}, in {shard_file(stream, k)}, which a restore packs again first "
                                                f"(from checkpoint {start}: the ones between were dropped)")
+        return None
+
+    def _why_not_balanced(self, stream: int, shard: int) -> "str | None":
+        pack, reference = self.pack, self.reference.pack
+        cfg = pack.info.stored_config()
+        sh = next(x for x in pack.index(stream).shards if x.shard == shard)
+        first = pack.switch(stream) + sh.first_record
+        end = first + len(sh.records)
+        for t in step_class(stream, cfg.world_size, cfg.num_workers):
+            n = reference.switch(t)
+            trimmed = set(TrimmedShards.read(reference.location, t).shards)
+            for rsh in reference.index(t, refresh=True).shards:
+                if rsh.shard in trimmed and n + rsh.first_record < end and n + rsh.first_record + len(rsh.records) > first:
+                    why = self.reference.why_not(t, rsh.shard)
+                    if why is not None:
+                        return f"{why}, in the reference's {shard_file(t, rsh.shard)}, which its steps are re-split from"
         return None
 
     def _why_not_alone(self, stream: int, shard: int) -> "str | None":

@@ -27,13 +27,17 @@ from prepack.run.bounded.replay import state_at
 from prepack.run.commit.atomic_files import sha256_hex
 from prepack.run.commit.checkpoint_files import checkpoint_digests, state_files, write_checkpoint
 from prepack.run.latents.stage import LatentsRestore
+from prepack.run.reference_pack import balances_samples, open_reference
+from prepack.run.sample_balance import balanced_records
 from prepack.run.bounded.restorable import RestoreCheck
 from prepack.run.bounded.trim import positions_of, write_trimmed
 from prepack.run.commit.writer import ShardFormat, StreamWriter
 from schemas.compression import Compression
+from schemas.cost import CostModel
 from schemas.errors import DamagedFile, PackRefused, UsageError
 from schemas.layout import checkpoint_file, shard_file
 from schemas.manifest import ShardEntry, StreamIndex, TrimmedShards
+from schemas.streams import step_class
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +66,41 @@ def _restore_shard(pack: Pack, index: StreamIndex, shard: ShardEntry, cfg, token
             end = detached(packer.state())
     finally:
         pixels.close()
-    if entry is None or (entry.nbytes, entry.xxh3) != (shard.nbytes, shard.xxh3) or made != len(shard.records):
+    _check_restored(loc, stream, shard, entry if made == len(shard.records) else None)
+    return end
+
+
+def _restore_balanced_shard(pack: Pack, index: StreamIndex, shard: ShardEntry, cfg, tokenizer: tuple) -> None:
+    """Re-split ``shard`` of a balanced-samples pack from its reference's steps (its trimmed reference
+    shards packed again from their checkpoints: ``sample_balance.reference_batches``) into its file.
+    DamagedFile (and no file) unless it is byte for byte the one the index recorded."""
+    loc, stream = pack.location, index.stream
+    first = pack.switch(stream) + shard.first_record
+    streams = step_class(stream, cfg.world_size, cfg.num_workers)
+    step = balanced_records(open_reference(pack), streams, CostModel.of(cfg), first, tokenizer,
+                            first + len(shard.records))
+    entry = None
+    with StreamWriter(loc, stream, ShardFormat(2**62, cfg.prepack.compression, pack.info.shard_metadata()),
+                      start=(shard.shard, shard.first_record)) as writer:
+        made = 0
+        while (got := step()) is not None:
+            writer.append(got[1][stream])
+            made += 1
+        if made == len(shard.records):
+            entry = writer.finish()
+    _check_restored(loc, stream, shard, entry, "re-split from its reference's steps")
+
+
+def _check_restored(loc, stream: int, shard: ShardEntry, entry: "ShardEntry | None",
+                    how: str = "packed again from its checkpoint") -> None:
+    """Delete the file made again and raise DamagedFile unless it is the one the index recorded."""
+    if entry is None or (entry.nbytes, entry.xxh3) != (shard.nbytes, shard.xxh3):
         try:
             loc.fs.delete_file(loc.path(shard_file(stream, shard.shard)))
         except FileNotFoundError:
             pass
-        raise DamagedFile(f"{loc.path(shard_file(stream, shard.shard))}: packed again from its checkpoint, it is not "
+        raise DamagedFile(f"{loc.path(shard_file(stream, shard.shard))}: {how}, it is not "
                           "the file the index recorded (the data or the packing code changed); not restored")
-    return end
 
 
 def _put_back(pack: Pack, index: StreamIndex, shard: int, state: StreamState) -> bool:
@@ -112,6 +143,7 @@ def restore(out, spans: dict[int, tuple[int, int | None]], tokenizer=None,
                 raise PackRefused(f"{pack.location.path(shard_file(stream, sh.shard))}: cannot be restored: {why}; "
                                   "nothing was restored")
     done: dict[int, list[int]] = {}
+    balanced = balances_samples(pack)
     for stream, shards in wanted.items():
         index = pack.index(stream)
         doc = TrimmedShards.read(pack.location, stream)
@@ -119,6 +151,13 @@ def restore(out, spans: dict[int, tuple[int, int | None]], tokenizer=None,
         after: tuple[int, StreamState] | None = None  # the state after the shard restored last
         for sh in shards:
             log.info("restoring %s", shard_file(stream, sh.shard))
+            if balanced:  # no states of its own: re-split from the reference
+                _restore_balanced_shard(pack, index, sh, cfg, tokenizer)
+                latents.encode(pack, stream, sh)
+                listed.discard(sh.shard)
+                write_trimmed(pack.location, stream, listed, set(doc.checkpoints))
+                done.setdefault(stream, []).append(sh.shard)
+                continue
             start = after[1] if after is not None and after[0] == sh.first_record else \
                 state_at(pack.location, index, cfg, sh.first_record, tokenizer).state
             after = (sh.first_record + len(sh.records), _restore_shard(pack, index, sh, cfg, tokenizer, start))

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 
 from loader import PackedShardDataset, open_stream
-from loader.balance import Balance
 from loader.reader import Pack
 from prepack.cli import main
 from prepack.run.bounded import trainings as trainings_module
@@ -36,6 +35,7 @@ from schemas.location import resolve_location
 from schemas.manifest import PackSummary, TrimmedShards
 from schemas.progress import ProgressFolder
 from tests.helpers import datagen as dg
+from tests.helpers.trainings import Trainer, run_beside_trainings, wait_for_pack_json
 from tests.helpers.packs import KNOBS, make_dataset, pack_in_process, small_config, small_dataset
 
 pytestmark = pytest.mark.slow
@@ -75,72 +75,6 @@ def records_per_shard(out: str) -> int:
 
 def ids(batches) -> list:
     return [(b.sequence_length, repr(b.batch_data_indexes)) for b in batches]
-
-
-class Trainer(threading.Thread):
-    """One rank of a training: reads its stream as it is packed, publishes to ``progress``, saves a
-    checkpoint (its loader state) every ``every`` batches, and checks the packer never ran further
-    ahead of it than the bound allows."""
-
-    def __init__(self, out, rank, world_size, progress, *, every, pause_s, ahead, per_shard, micro_batches=0):
-        super().__init__(daemon=True)
-        self.args = (out, rank, world_size, progress)
-        self.every, self.pause_s, self.ahead, self.per_shard = every, pause_s, ahead, per_shard
-        self.m = micro_batches  # > 0: balanced steps of M micro-batches (the packer may run M further)
-        self.states, self.seen, self.error = [], [], None
-
-    def run(self):
-        try:
-            out, rank, world_size, progress = self.args
-            ds = PackedShardDataset(out, rank=rank, world_size=world_size, follow=True, progress=progress,
-                                    live_every_s=0, balance=Balance(micro_batches=self.m) if self.m else None)
-            for i, batch in enumerate(ds):
-                self.seen.append(batch)
-                pack = Pack.open(out)
-                committed = sum(pack.num_records(s) for s in ds.streams)
-                # the packer starts a shard of a stream only while it is less than `ahead` past a
-                # position the trainer reported (never more than this one), and finishes the shard
-                # it started: over this rank's streams, at most that much past the batches read
-                slack = len(ds.streams) * (self.ahead + self.per_shard + self.m)
-                assert committed <= i + 1 + slack, (ds.streams, i, committed)
-                if (i + 1) % self.every == 0:
-                    self.states.append(json.loads(json.dumps(ds.state_dict())))
-                time.sleep(self.pause_s)
-        except BaseException as e:  # noqa: BLE001 (re-raised by the test)
-            self.error = e
-
-
-def wait_for_pack_json(out: str, thread: threading.Thread) -> None:
-    for _ in range(600):
-        if os.path.exists(os.path.join(out, "pack.json")) or not thread.is_alive():
-            return
-        time.sleep(0.05)
-
-
-def run_beside_trainings(pack, out: str, trainers_of, timeout: float) -> list:
-    """``pack()`` in a thread, then the trainings ``trainers_of()`` makes once pack.json exists; both
-    must end (neither waits on the other for ever) and without an error.  The trainings."""
-    result = {}
-
-    def packing():
-        try:
-            pack()
-        except BaseException as e:  # noqa: BLE001 (re-raised below)
-            result["error"] = e
-
-    packer = threading.Thread(target=packing, daemon=True)
-    packer.start()
-    wait_for_pack_json(out, packer)
-    trainers = trainers_of()
-    for t in trainers:
-        t.start()
-    for t in trainers + [packer]:
-        t.join(timeout=timeout)
-        assert not t.is_alive(), "a bounded pack and its trainings must never wait on each other for ever"
-    assert "error" not in result, result.get("error")
-    for t in trainers:
-        assert t.error is None, t.error
-    return trainers
 
 
 def test_ahead_packs_each_stream_just_ahead_of_its_own_rank(unbounded, tmp_path, tokenizer_and_special):

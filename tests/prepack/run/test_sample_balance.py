@@ -197,9 +197,10 @@ def test_refused_where_it_does_not_apply(packs, tmp_path, tokenizer_and_special)
         load_config(ds.config(knobs=KNOBS, num_workers=K, prepack={"batches_per_stream": 2, "balance": "samples"}))
     with pytest.raises(ConfigError, match="balance must be one of"):
         load_config(_config(ds, balance="steps"))
-    with pytest.raises(UsageError, match="not supported with --ahead / --disk-budget / --progress yet"):
+    with pytest.raises(UsageError, match="not supported with --disk-budget yet; bound it with --ahead N"):
         run_pack(load_config(packs["config"]), str(tmp_path / "bounded"),
-                 RunOptions(inline=True, bar=False, bound=BoundSpec(ahead=2, progress=(str(tmp_path / "p"),))),
+                 RunOptions(inline=True, bar=False, bound=BoundSpec(ahead=2, progress=(str(tmp_path / "p"),),
+                                                                    disk_budget=1 << 40)),
                  tokenizer=tokenizer_and_special)
 
 
@@ -456,3 +457,60 @@ def test_a_follower_reads_the_balanced_streams_once_they_are_written(packs, tmp_
                                                                   timeout_s=300)]
     job.join(timeout=300)
     assert got == [repr(b.batch_data_indexes) for b in PackedShardDataset(packs["out"], rank=0, world_size=W)]
+
+
+def test_packed_ahead_of_two_trainings_it_is_the_unbounded_pack_trimmed_and_restored(packs, tmp_path, monkeypatch,
+                                                                                     tokenizer_and_special):
+    """bal-samples x bounded: two ranks follow the pack while it is packed --ahead 1.  The reference's
+    streams wait on the trainings' positions in OUT and pack what their step class needs (else a
+    training waits for a balanced shard that a neighbour's short shards never reach: a stall); each
+    balanced shard is written as soon as its class's reference records are committed.  Every batch
+    is read once, the pack is the unbounded balanced pack byte for byte, the reference was trimmed
+    as it was balanced and OUT behind the trainings' kept checkpoints, and ``restore`` re-splits the
+    trimmed balanced shards into the files they were."""
+    from prepack.run import balance_beside
+    from prepack.run.bounded import trainings as trainings_module
+    from prepack.run.bounded.restore import restore
+    from schemas.manifest import TrimmedShards
+    from tests.helpers.trainings import Trainer, run_beside_trainings
+
+    monkeypatch.setattr(trainings_module, "POLL_S", 0.05)
+    monkeypatch.setattr(balance_beside, "TRIM_EVERY_S", 0.0)
+    # shards of 1 to 3 records, ending at other records in each stream of a step class
+    config = load_config(_config(packs["ds"], "ahead.yaml", balance="samples", shard_bytes=550_000,
+                                 batches_per_stream=8))
+    whole = str(tmp_path / "whole")
+    run_pack(config, whole, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
+    ends = [{sh.first_record + len(sh.records) for sh in Pack.open(whole).index(s).shards} for s in range(W * K)]
+    assert ends[0] != ends[K] or ends[1] != ends[K + 1], "the data no longer gives uneven shard ends"
+    out, progress = str(tmp_path / "out"), str(tmp_path / "progress")
+    per_shard = max(len(sh.records) for s in range(W * K) for sh in Pack.open(whole).index(s).shards)
+    bound = BoundSpec(1, (progress,), keep=2)
+    trainers = run_beside_trainings(
+        lambda: run_pack(config, out, RunOptions(inline=True, bar=False, bound=bound), tokenizer=tokenizer_and_special),
+        out, lambda: [Trainer(out, r, W, progress, every=1, pause_s=0.02, ahead=1, per_shard=2 * per_shard,
+                              also=(os.path.join(out, REFERENCE_DIR),)) for r in range(W)], timeout=300)
+    for r, t in enumerate(trainers):  # every batch once, in the unbounded pack's order
+        assert [repr(b.batch_data_indexes) for b in t.seen] == \
+            [repr(b.batch_data_indexes) for b in PackedShardDataset(whole, rank=r, world_size=W)]
+    for s in range(W * K):
+        assert _shards(out, s) == _shards(whole, s)
+    ref = Pack.open(os.path.join(out, REFERENCE_DIR))
+    assert all(ref.trimmed(s) == {sh.shard for sh in ref.index(s).shards} for s in range(W * K))
+    pack = Pack.open(out)
+    trimmed = {s: sorted(TrimmedShards.read(pack.location, s).shards) for s in range(W * K)}
+    assert any(trimmed.values()), "no balanced shard lay behind the trainings' kept checkpoints"
+    for s, shards in trimmed.items():  # only behind the earlier of the rank's two newest checkpoints
+        states = trainers[s // K].states[-2:]
+        kept = min(st["positions"][st["streams"].index(s)] for st in states) if len(states) == 2 else 0
+        for k in shards:
+            sh = pack.index(s).shards[k]
+            assert sh.first_record + len(sh.records) <= kept and not os.path.exists(os.path.join(out, sh.file))
+    assert verify_pack(out).ok  # the trimmed shards' steps checked by their lineage
+    assert audit_pack(out, tokenizer=tokenizer_and_special).ok  # re-split from the trimmed reference
+    restore(out, {s: (0, None) for s in range(W * K)}, tokenizer=tokenizer_and_special)
+    for s in range(W * K):
+        for sh in StreamIndex.read(resolve_location(out), s).shards:
+            with open(os.path.join(out, sh.file), "rb") as a, open(os.path.join(whole, sh.file), "rb") as b:
+                assert a.read() == b.read()
+    assert verify_pack(out).ok
