@@ -4,6 +4,8 @@ Such a pack is two packs in one place.  ``OUT/reference/`` is the ordinary pack 
 without ``balance`` (every stream the reference's, stream for stream: its checkpoints, audits,
 restores); once a worker class's balanced streams are done, its reference shards are trimmed
 (``trim_reference``: what packs them again stays), so the finished pack holds no second copy.
+Beside trainings (``--ahead``) each balanced shard is written, and its reference trimmed, as soon
+as the reference records it is made from are committed (``prepack.run.balance_beside``).
 ``OUT``'s own streams hold the balanced batches: for each optimizer step at M = 1 (step t of worker
 class w is record j = t // K of streams r*K + w, r < W), the W reference batches' samples re-split
 among them (``prepack.engine.step_split``).  A trainer reads ``OUT`` like any pack.
