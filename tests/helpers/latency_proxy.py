@@ -185,6 +185,8 @@ class LatencyProxy:
     def close(self) -> None:
         self._closed = True
         with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread (close alone does not)
+        with contextlib.suppress(OSError):
             self._listener.close()
         with self._lock:
             conns, self._conns = self._conns, []
