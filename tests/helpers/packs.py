@@ -8,6 +8,8 @@ import numpy as np
 
 from prepack.run.driver import RunOptions, run_pack
 from schemas.config_file import load_config
+from schemas.layout import PACK_INFO_NAME
+from schemas.location import resolve_location
 from tests.helpers import datagen as dg
 
 KNOBS = dict(expected_num_tokens=700, max_num_tokens=900, max_num_tokens_per_sample=700, prefer_buffer_before=500,
@@ -86,8 +88,9 @@ def pack_in_background(config: str, out: str, tokenizer_and_special) -> "threadi
     job = threading.Thread(target=run_pack, args=(load_config(config), out, RunOptions(inline=True, bar=False)),
                            kwargs={"tokenizer": tokenizer_and_special}, daemon=True)
     job.start()
+    loc = resolve_location(out)  # a folder or an s3:// prefix
     for _ in range(600):
-        if os.path.exists(os.path.join(out, "pack.json")) or not job.is_alive():
+        if loc.fs.get_file_info(loc.path(PACK_INFO_NAME)).type.name == "File" or not job.is_alive():
             break
         time.sleep(0.05)
     return job

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import polars as pl
 import pytest
@@ -151,6 +152,19 @@ def test_a_group_appended_at_the_end_starts_fresh_as_in_the_reference(base, toke
     assert_chain_is_the_reference(new, [base["cfg_a"], cfg_b], [3], tokenizer_and_special)
     groups = {o for s in (0, 1) for b in open_stream(new, s) for o in map(repr, b.batch_data_indexes)}
     assert any("unified_edit" in g for g in groups)
+    # continue x an explicit --reuse OTHER (a pack holding the edit pictures OLD lacks): both lists
+    # are read, and the continuation is the same files
+    from tests.helpers.s3checks import pack_bytes
+
+    other = os.path.join(base["root"], "appended_other")
+    run_pack(load_config(cfg_b), other, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
+    again = os.path.join(base["root"], "appended_reuse")
+    summary = run_pack(load_config(cfg_b), again, RunOptions(inline=True, bar=False, reuse=[other],
+                                                             continue_from=Continue(base["old"], 3)),
+                       tokenizer=tokenizer_and_special)
+    assert summary.reuse_from == (other, base["old"])
+    assert pack_bytes(again) == pack_bytes(new)
+    assert sum(st.reuse.get("reused", 0) for st in summary.streams) > 0
 
 
 def test_a_chain_of_two_continues_as_the_reference(base, tokenizer_and_special):
@@ -414,7 +428,7 @@ def test_a_parent_still_packing_is_waited_for(base, tokenizer_and_special, tmp_p
     assert_chain_is_the_reference(new, [base["cfg_a"], cfg_b], [5], tokenizer_and_special)
 
 
-def test_every_reader_reads_the_chain(base, tokenizer_and_special):
+def test_every_reader_reads_the_chain(base, tokenizer_and_special, monkeypatch):
     """build_dataloader (2 DataLoader workers) and a following reader give what PackedShardDataset gives."""
     from loader import build_dataloader
 
@@ -425,6 +439,25 @@ def test_every_reader_reads_the_chain(base, tokenizer_and_special):
     assert len(plain) == 2 * (3 + 2)
     assert ids(build_dataloader(new, rank=0, world_size=1, num_workers=2, pin_memory=False)) == plain
     assert ids(PackedShardDataset(new, rank=0, world_size=1, follow=True, timeout_s=30)) == plain
+    # continue x follow: the same continuation followed while it is packed, from its first record (OLD's)
+    import threading
+
+    from prepack.run.commit.writer import StreamWriter
+
+    append = StreamWriter.append
+    monkeypatch.setattr(StreamWriter, "append", lambda self, batch: (time.sleep(0.3), append(self, batch))[1])
+    cfg_b, live = write_config(base["root"], "readers_live", raw_b), os.path.join(base["root"], "readers_live")
+    job = threading.Thread(target=run_pack, args=(load_config(cfg_b), live, RunOptions(
+        inline=True, bar=False, continue_from=Continue(base["old"], 3))), kwargs={"tokenizer": tokenizer_and_special})
+    job.start()
+    while not os.path.exists(os.path.join(live, "pack.json")) and job.is_alive():
+        time.sleep(0.02)
+    followed, packing = [], []
+    for b in PackedShardDataset(live, rank=0, world_size=1, follow=True, poll_s=0.05, timeout_s=120):
+        followed += ids([b])
+        packing.append(job.is_alive())
+    job.join(timeout=120)
+    assert followed == plain and packing[0], "the follower read the continuation only once it was packed"
 
 
 def _index_rows(out: str) -> dict:

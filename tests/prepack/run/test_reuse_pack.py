@@ -94,6 +94,26 @@ def test_reused_pack_is_the_fresh_pack(old, change, tmp_path, tokenizer_and_spec
     # the same compression as OLD's: every reused frame is written as OLD stored it, none decompressed
     assert sum(s.reuse["frames_passed"] for s in reused.streams) == hits
     assert not any("compressed again" in x for x in reused.lines())
+    if change == "world":  # reuse x balanced batches x a world-size change: read as the fresh pack is
+        assert _balanced_then_merged(str(tmp_path / "reused")) == _balanced_then_merged(str(tmp_path / "fresh"))
+
+
+def _balanced_then_merged(out: str) -> list[str]:
+    """Each of W=2 ranks reads one balanced step (M=2), then their states merged onto one rank read
+    the rest: every batch, in the order read."""
+    from loader import Balance, PackedShardDataset
+
+    read, states = [], []
+    for r in (0, 1):
+        ds = PackedShardDataset(out, rank=r, world_size=2, balance=Balance(micro_batches=2))
+        it = iter(ds)
+        read += [repr(next(it).batch_data_indexes) for _ in range(2)]
+        states.append(ds.state_dict())
+    rest = PackedShardDataset(out, rank=0, world_size=1)
+    rest.load_state_dict(PackedShardDataset.merge_states(states))
+    read += [repr(b.batch_data_indexes) for b in rest]
+    assert len(read) == 12 and len(set(read)) == len(read)  # 2 streams x 6 batches, each once
+    return read
 
 
 @pytest.mark.parametrize("compression", [pytest.param("zstd:3", marks=pytest.mark.slow),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -35,8 +36,27 @@ def packs(s3_server, tokenizer_and_special, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         for k, v in s3_server.env.items():
             mp.setenv(k, v)
-        pack_in_process(config, uri, tokenizer_and_special)
-    return {"config": config, "local": local, "uri": uri}
+        followed = _followed_while_packed(config, uri, tokenizer_and_special)
+    return {"config": config, "local": local, "uri": uri, "followed": followed}
+
+
+def _followed_while_packed(config: str, uri: str, tokenizer_and_special) -> dict:
+    """Pack ``config`` to ``uri`` in a thread while a follower reads rank 0 of it (``follow=True``):
+    what it read, and whether the pack was still being written at its first batch."""
+    from loader import PackedShardDataset
+    from prepack.run.commit.writer import StreamWriter
+    from tests.helpers.packs import pack_in_background
+
+    append = StreamWriter.append
+    with pytest.MonkeyPatch.context() as mp:  # a moment per batch: the follower starts well before the end
+        mp.setattr(StreamWriter, "append", lambda self, batch: (time.sleep(0.1), append(self, batch))[1])
+        job = pack_in_background(config, uri, tokenizer_and_special)
+        read, packing = [], []
+        for b in PackedShardDataset(uri, rank=0, world_size=1, follow=True, poll_s=0.05, timeout_s=300):
+            read.append(batch_fingerprint(b))
+            packing.append(job.is_alive())
+        job.join(timeout=300)
+    return {"batches": read, "packing_at_first": bool(packing and packing[0])}
 
 
 def test_objects_are_the_local_files(s3, packs):
@@ -58,6 +78,13 @@ def _dataset_prints(path: str, world_size: int, **loader_kw) -> list[list[str]]:
         it = torch.utils.data.DataLoader(ds, batch_size=None, **loader_kw) if loader_kw else ds
         ranks.append([batch_fingerprint(b) for b in it])
     return ranks
+
+
+def test_a_follower_reads_the_pack_while_it_is_written(s3, packs):
+    """follow x S3: a reader started with the job waits for each batch on the store and reads what the
+    local pack holds."""
+    assert packs["followed"]["packing_at_first"], "the pack was done before the follower read (inconclusive)"
+    assert packs["followed"]["batches"] == _dataset_prints(packs["local"], 1)[0]
 
 
 def test_dataset_and_training_dataloader(s3, packs):

@@ -413,6 +413,29 @@ def test_a_second_job_finishing_beside_the_balancing_one_leaves_it_the_balanced_
         assert _shards(out, s) == _shards(packs["out"], s)
     assert verify_pack(out).ok
 
+    # two real jobs at once, each packing half the reference streams: whichever finds every reference
+    # stream done first balances; the pack is the one a single job makes
+    import threading
+
+    raced, errors = str(tmp_path / "raced"), []
+
+    def job(streams: list[int]) -> None:
+        try:
+            run_pack(load_config(packs["config"]), raced, RunOptions(inline=True, bar=False, streams=streams),
+                     tokenizer=tokenizer_and_special)
+        except BaseException as e:  # noqa: BLE001 (asserted below)
+            errors.append(e)
+
+    jobs = [threading.Thread(target=job, args=(half,)) for half in ([0, 1], [2, 3])]
+    for t in jobs:
+        t.start()
+    for t in jobs:
+        t.join(timeout=300)
+    assert not errors and not any(t.is_alive() for t in jobs), errors
+    assert os.path.exists(os.path.join(raced, MANIFEST_NAME))
+    for s in range(W * K):
+        assert _shards(raced, s) == _shards(packs["out"], s)
+
 
 def test_extending_a_trimmed_balanced_pack_equals_packing_it_at_once(packs, tmp_path, tokenizer_and_special):
     """extend x bal-samples under batches_per_stream: the reference streams go on from their newest
