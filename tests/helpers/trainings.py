@@ -20,10 +20,11 @@ class Trainer(threading.Thread):
     ahead of it than the bound allows."""
 
     def __init__(self, out, rank, world_size, progress, *, every, pause_s, ahead, per_shard, micro_batches=0,
-                 also=()):
+                 also=(), stop_after=None, state=None):
         super().__init__(daemon=True)
         self.args = (out, rank, world_size, progress)
         self.also = tuple(also)  # other packs held to the same bound (a balanced-samples pack's reference)
+        self.stop_after, self.state = stop_after, state  # a training that stops, and one resumed from a state
         self.every, self.pause_s, self.ahead, self.per_shard = every, pause_s, ahead, per_shard
         self.m = micro_batches  # > 0: balanced steps of M micro-batches (the packer may run M further)
         self.states, self.seen, self.error = [], [], None
@@ -33,7 +34,12 @@ class Trainer(threading.Thread):
             out, rank, world_size, progress = self.args
             ds = PackedShardDataset(out, rank=rank, world_size=world_size, follow=True, progress=progress,
                                     live_every_s=0, balance=Balance(micro_batches=self.m) if self.m else None)
-            for i, batch in enumerate(ds):
+            if self.state is not None:
+                ds.load_state_dict(self.state)
+            before = sum(self.state["positions"].values()) if self.state is not None else 0  # a merged state's
+            for i, batch in enumerate(ds, start=before):
+                if self.stop_after is not None and len(self.seen) == self.stop_after:
+                    break
                 self.seen.append(batch)
                 # the packer starts a shard of a stream only while it is less than `ahead` past a
                 # position the trainer reported (never more than this one), and finishes the shard

@@ -517,3 +517,43 @@ def test_two_jobs_pack_disjoint_streams_ahead_and_each_trims_its_own(unbounded, 
     assert PackSummary.written(resolve_location(out))  # the job finishing last wrote the manifest
     assert all(trimmed_by.get(s) for s in (0, 1)), trimmed_by  # each job trimmed its stream behind its training
     assert verify_pack(out).ok
+
+
+def test_a_training_that_changes_its_world_size_is_followed_to_the_end(unbounded, tmp_path, tokenizer_and_special):
+    """bounded x world-size change: two ranks read a pack packed --ahead 2, stop, and their states
+    merged onto one rank resume it (the progress folder then holds both world sizes' files): the
+    packer follows the resumed rank to the end, every batch is read once, the records are the
+    unbounded pack's, and nothing a kept checkpoint of the resumed rank reads was trimmed."""
+    cfg = load_config(unbounded["config"])
+    out, progress = str(tmp_path / "out"), str(tmp_path / "progress")
+    bound = BoundSpec(2, (progress,), keep=2)
+    trainers: list = []
+
+    def trainings() -> list:
+        first = [Trainer(out, r, 2, progress, every=1, pause_s=0.02, ahead=2, per_shard=1, stop_after=3)
+                 for r in (0, 1)]
+        for t in first:
+            t.start()
+        for t in first:
+            t.join(timeout=120)
+        assert not any(t.is_alive() or t.error for t in first), [t.error for t in first]
+        merged = PackedShardDataset.merge_states([t.states[-1] for t in first])
+        trainers.extend(first)
+        return [Trainer(out, 0, 1, progress, every=2, pause_s=0.02, ahead=2, per_shard=1, state=merged)]
+
+    resumed = run_beside_trainings(
+        lambda: run_pack(cfg, out, RunOptions(inline=True, bar=False, bound=bound), tokenizer=tokenizer_and_special),
+        out, trainings, timeout=300)
+    assert digests(out) == digests(unbounded["out"])
+    read = ids([b for t in trainers + resumed for b in t.seen])
+    assert sorted(read) == sorted(ids(b for s in (0, 1) for b in open_stream(unbounded["out"], s)))
+    p = Pack.open(out)
+    last = resumed[0].states[-2] if len(resumed[0].states) >= 2 else {"streams": [], "positions": []}
+    kept = dict(zip(last["streams"], last["positions"]))
+    for s in (0, 1):
+        for sh in p.index(s).shards:
+            if sh.shard in p.trimmed(s):
+                assert sh.first_record + len(sh.records) <= kept.get(s, 0), (s, sh.shard, kept)
+    # trimmed behind the resumed rank's checkpoints, past where the two ranks stopped (3 batches each)
+    assert any(sh.first_record + len(sh.records) > 3 for s in (0, 1) for sh in p.index(s).shards
+               if sh.shard in p.trimmed(s))

@@ -579,3 +579,48 @@ def test_a_balanced_scheduled_pack_encoded_by_two_runs_at_once(weights, tmp_path
     latents = [b.to_dict().get("padded_latent") for r in range(2)
                for b in PackedShardDataset(out, rank=r, world_size=2, vae_latents=True)]
     assert len(latents) == 6 and sum(x is not None for x in latents) >= 4
+
+
+def test_follow_beside_two_packing_jobs_encodes_what_a_run_after_them_does(real, weights, tmp_path, monkeypatch,
+                                                                          tokenizer_and_special):
+    """latents x many jobs: ``prepack latents --follow`` started with two jobs packing one stream each
+    encodes every shard as its job commits it, and ends once both are done: the latents one run
+    makes of the finished pack, byte for byte."""
+    from dataclasses import replace
+
+    from prepack.run.driver import RunOptions, run_pack
+
+    cfg = replace(real["cfg"], prepack=replace(real["cfg"].prepack, world_size=2))
+    plain = str(tmp_path / "plain")
+    run_pack(cfg, plain, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
+    run_latents(plain, options(weights))
+    out, errors, written = str(tmp_path / "out"), [], {}
+    from prepack.run.commit.writer import StreamWriter
+
+    append = StreamWriter.append  # a moment per batch: the follower starts well before the jobs end
+    monkeypatch.setattr(StreamWriter, "append", lambda self, batch: (time.sleep(0.3), append(self, batch))[1])
+
+    def guarded(call):
+        def run():
+            try:
+                call()
+            except BaseException as e:  # noqa: BLE001 (asserted below)
+                errors.append(e)
+        return threading.Thread(target=run, daemon=True)
+
+    jobs = [guarded(lambda s=s: run_pack(cfg, out, RunOptions(inline=True, bar=False, streams=[s]),
+                                         tokenizer=tokenizer_and_special)) for s in (0, 1)]
+    for t in jobs:
+        t.start()
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.path.join(out, "pack.json")):
+        assert not errors and time.monotonic() < deadline, errors
+        time.sleep(0.02)
+    follower = guarded(lambda: written.update(run_latents(out, options(weights, follow=True, poll_s=0.05))))
+    follower.start()
+    assert any(t.is_alive() for t in jobs), "both jobs ended before the follower started (inconclusive)"
+    for t in jobs + [follower]:
+        t.join(timeout=300)
+    assert not errors and not any(t.is_alive() for t in jobs + [follower]), errors
+    assert written and sum(written.values()) == sum(len(Pack.open(out).index(s).shards) for s in (0, 1))
+    assert_same_bytes(latents_bytes(out), latents_bytes(plain))
