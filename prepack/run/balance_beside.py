@@ -54,6 +54,7 @@ class BalancingBeside:
         self._stop = threading.Event()
         self._trimmed_at = -1e9
         self._reference: "Pack | None" = None
+        self._stops: dict[int, int] = {}  # class -> the reference records it was last balanced up to
         self._policies: "tuple[TrimPolicy, TrimPolicy] | None" = None  # (the reference's, OUT's)
         self._thread = threading.Thread(target=self._run, name="prepack-balancing", daemon=True)
 
@@ -98,10 +99,13 @@ class BalancingBeside:
         reference = self._opened()
         if reference is None:
             return
-        for streams in self.classes:
+        for k, streams in enumerate(self.classes):
             stop = min(reference.switch(t) + reference.index(t, refresh=True).num_records for t in streams)
+            if self._stops.get(k) == stop:  # nothing newly committed by every stream of the class
+                continue
             done = balance_class(reference, self.loc, streams, self.how, stop)
             self.balanced.update({s: done for s in streams})
+            self._stops[k] = stop
         if time.monotonic() - self._trimmed_at >= TRIM_EVERY_S:
             self._trimmed_at = time.monotonic()
             self.trim()
