@@ -58,6 +58,7 @@ trainer waited W ms/step; batches equal`` (``batches DIFFER`` and a non-zero exi
     python scripts/bench_bounded.py --ahead 3 --keep-checkpoints 1   # 32 and 160 batches/stream: ~6 min on 2 cores
     python scripts/bench_bounded.py --batches 48                     # one run: ~50 s
     python scripts/bench_bounded.py --batches 48 --no-kill           # the same without the crashes
+    python scripts/bench_bounded.py --balance-samples --batches 32   # W=2 x K=2, balanced samples
 """
 
 from __future__ import annotations
@@ -298,6 +299,8 @@ def make_config(tmp: str, args) -> str:
         doc = yaml.safe_load(f)
     doc["prepack"].update(world_size=1, batches_per_stream=args.batches, shard_bytes=args.shard_bytes)
     doc["dataloader"]["num_workers"] = args.streams
+    if args.balance_samples:  # W = --ranks, K = --streams each: every step re-split among the ranks
+        doc["prepack"].update(world_size=args.ranks, balance="samples")
     out = os.path.join(os.path.dirname(path), "bounded.yaml")
     with open(out, "w") as f:
         yaml.safe_dump(doc, f, sort_keys=False)
@@ -384,6 +387,7 @@ def restore_and_audit(out: str) -> bool:
     from prepack.run.bounded.checkpoint_ladder import nearest_kept
     from prepack.run.bounded.restore import restore
     from prepack.tools.audit import audit_pack
+    from schemas.layout import REFERENCE_DIR
     from schemas.manifest import TrimmedShards
 
     p = Pack.open(out)
@@ -403,8 +407,11 @@ def restore_and_audit(out: str) -> bool:
     restore(out, {s: (first, first)}, tokenizer=tokenizer)
     restore_s = time.monotonic() - t0
     ok = bool(audit_pack(out, stream=s, shard=k, tokenizer=tokenizer).ok)
-    print(f"restore: stream {s} shard {k} packed again from checkpoint {j} ({todo} batch(es) before it packed again "
-          f"first), {restore_s:.1f} s, byte for byte its index row; audit {'ok' if ok else 'FAILED'}")
+    how = (f"re-split from {REFERENCE_DIR}/'s steps (its trimmed shards packed again from their checkpoints)"
+           if p.info.stored_config().prepack.balance == "samples" else
+           f"packed again from checkpoint {j} ({todo} batch(es) before it packed again first)")
+    print(f"restore: stream {s} shard {k} {how}, {restore_s:.1f} s, byte for byte its index row; "
+          f"audit {'ok' if ok else 'FAILED'}")
     return ok
 
 
@@ -428,7 +435,9 @@ def run(args, tmp: str, batches: int) -> Result:
     whole_rows = shard_rows(whole)
     n_batches = sum(len(v) for v in ref.values())
     n_shards = sum(len(v) for v in whole_rows.values())
-    print(f"config: demo data, W=1 x K={args.streams} streams read by {args.ranks} rank(s), {args.batches} batches "
+    shape = (f"W={args.ranks} x K={args.streams} streams, balanced samples (OUT/reference packed for the trainings, "
+             "balanced as it commits)," if args.balance_samples else f"W=1 x K={args.streams} streams")
+    print(f"config: demo data, {shape} read by {args.ranks} rank(s), {args.batches} batches "
           f"per stream, shard_bytes {args.shard_bytes} ({n_batches / n_shards:.1f} batches/shard); --ahead "
           f"{args.ahead}, --keep-checkpoints {args.keep_checkpoints}; trainers: a step every {args.step_ms:g} ms, a "
           f"checkpoint every {args.checkpoint_every} steps, live_every_s {args.live_every_s:g}, poll_s {args.poll_s:g}")
@@ -595,11 +604,16 @@ def main() -> int:
     p.add_argument("--poll-s", type=float, default=0.25, help="the trainers' follow poll_s (default 0.25)")
     p.add_argument("--sample-ms", type=float, default=50.0, help="disk and packer CPU sampling (default 50)")
     p.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds (default 600)")
+    p.add_argument("--balance-samples", action="store_true",
+                   help="prepack.balance: samples at W = --ranks, K = --streams each (the reference's disk counts: "
+                   "it lies under OUT)")
     p.add_argument("--keep-tmp", action="store_true", help="keep the temporary folder (its work/ has the logs)")
     p.add_argument("--tmp", help="where the temporary folder goes (default: the system's; local disk)")
     args = p.parse_args()
-    if args.ranks > args.streams:
+    if args.ranks > args.streams and not args.balance_samples:
         p.error("--ranks must not exceed --streams")
+    if args.balance_samples and args.ranks < 2:
+        p.error("--balance-samples re-splits each step among --ranks >= 2 ranks")
     try:
         args.batches = [int(x) for x in args.batches.split(",")]
     except ValueError:

@@ -95,7 +95,8 @@ class BalancingBeside:
         return self._reference
 
     def round(self) -> None:
-        """Write every balanced shard whose reference records are committed; trim every few seconds."""
+        """Write every balanced shard whose reference records are committed, and trim the reference
+        shards that balanced at once (they are a second copy); OUT behind its trainings every few seconds."""
         reference = self._opened()
         if reference is None:
             return
@@ -104,16 +105,24 @@ class BalancingBeside:
             if self._stops.get(k) == stop:  # nothing newly committed by every stream of the class
                 continue
             done = balance_class(reference, self.loc, streams, self.how, stop)
-            self.balanced.update({s: done for s in streams})
             self._stops[k] = stop
+            if done > self.balanced.get(streams[0], 0):
+                self.balanced.update({s: done for s in streams})
+                self._trim(0, streams, "reference")
         if time.monotonic() - self._trimmed_at >= TRIM_EVERY_S:
             self._trimmed_at = time.monotonic()
-            self.trim()
+            self._trim(1, sorted(s for s, n in self.balanced.items() if n > 0), "balanced")
+
+    def _trim(self, which: int, streams: list[int], what: str) -> None:
+        """``which``: the reference's policy (behind what every stream of a class has balanced) or OUT's
+        (behind its trainings' kept checkpoints)."""
+        result = self._policies[which].apply(streams)
+        if result.shards:
+            log.info("trimmed %d %s shard(s), %.1f MiB (balanced samples)",
+                     sum(len(v) for v in result.shards.values()), what, result.freed_bytes / 2**20)
 
     def trim(self) -> None:
-        """The reference behind what every stream of its class has balanced; OUT behind its trainings."""
-        for policy, what in zip(self._policies, ("reference", "balanced")):
-            result = policy.apply(sorted(s for s, n in self.balanced.items() if n > 0))
-            if result.shards:
-                log.info("trimmed %d %s shard(s), %.1f MiB (balanced samples)",
-                         sum(len(v) for v in result.shards.values()), what, result.freed_bytes / 2**20)
+        """Both, once (the run's end)."""
+        ready = sorted(s for s, n in self.balanced.items() if n > 0)
+        self._trim(0, ready, "reference")
+        self._trim(1, ready, "balanced")

@@ -104,14 +104,16 @@ class TrimPolicy:
         index from memory after it (a pass over a whole pack)."""
         result = TrimResult()
         check = RestoreCheck(self.pack, self.tokenizer_fingerprint, self.sources)
+        ladder = check.reference is None  # a balanced-samples pack's streams have no checkpoints of their own
         for stream in sorted(range(self.pack.num_streams) if streams is None else streams):
             shards = self.may_go(stream, check, result)
             if shards:
                 result.shards[stream] = [sh.shard for sh in shards]
                 result.freed_bytes += trim_shards(self.pack, stream, shards)
-            dropped, freed = drop_checkpoints(self.pack, stream)  # the ladder thins as the head moves on, too
-            result.checkpoints += dropped
-            result.freed_bytes += freed
+            if ladder:
+                dropped, freed = drop_checkpoints(self.pack, stream)  # the ladder thins as the head moves on, too
+                result.checkpoints += dropped
+                result.freed_bytes += freed
             if forget:
                 self.pack.forget(stream)
         return result
