@@ -51,6 +51,10 @@ STREAMS = 4  # world_size 2 x dataloader.num_workers 2
 BATCHES = 8
 SHARD_BYTES = 3_000_000  # records are ~1-4 MB: about two records a shard, four shards a stream
 RUN_TIMEOUT = 300.0
+# the GCS declares a killed node dead after 3 missed health checks a second apart (Ray's default:
+# 5 checks 3 s apart), so Ray retries its tasks and a fresh node joins sooner; a live node that is
+# merely slow under load answers within the 5 s each check waits
+HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3, "health_check_timeout_ms": 5000}
 
 
 # -- fixtures ---------------------------------------------------------------------------------------
@@ -84,7 +88,7 @@ def reference(reference_job):
 
 @pytest.fixture(scope="module")
 def cluster(reference_job):
-    with LoopbackCluster(workers=2, cpus=2, head_cpus=0) as c:
+    with LoopbackCluster(workers=2, cpus=2, head_cpus=0, system_config=HEALTH_CHECKS) as c:
         yield c
     # LoopbackCluster.close asserted that no process naming its temp dir is left
 
