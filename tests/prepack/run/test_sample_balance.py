@@ -537,3 +537,22 @@ def test_packed_ahead_of_two_trainings_it_is_the_unbounded_pack_trimmed_and_rest
             with open(os.path.join(out, sh.file), "rb") as a, open(os.path.join(whole, sh.file), "rb") as b:
                 assert a.read() == b.read()
     assert verify_pack(out).ok
+
+
+def test_a_balancing_that_fails_beside_a_bounded_run_stops_it(packs, tmp_path, monkeypatch, tokenizer_and_special):
+    """The reference's streams wait on trainings that wait on the balancing: when the balancing
+    fails, the run stops with its cause (``RunOptions.guard``) instead of waiting for good."""
+    from prepack.run import balance_beside
+    from prepack.run.bounded import trainings as trainings_module
+    from schemas.errors import StreamFailed
+
+    monkeypatch.setattr(trainings_module, "POLL_S", 0.05)
+
+    def broken(*args, **kwargs):
+        raise OSError("the disk went away")
+
+    monkeypatch.setattr(balance_beside, "balance_class", broken)
+    bound = BoundSpec(1, (str(tmp_path / "progress"),), keep=2)  # no training: the streams would wait for good
+    with pytest.raises(StreamFailed, match="balancing OUT beside its reference failed: OSError: the disk went away"):
+        run_pack(load_config(packs["config"]), str(tmp_path / "out"), RunOptions(inline=True, bar=False, bound=bound),
+                 tokenizer=tokenizer_and_special)
