@@ -209,7 +209,7 @@ def _run_balanced(cfg: PrepackConfig, out: str, options: RunOptions, tokenizer: 
     try:
         if options.bound is not None and options.bound.active:  # balanced as the reference is packed
             lease = _balancing_lease(loc, cfg, "this job packs its reference streams only")
-            ref = _pack_reference_beside(cfg, (out, pack.metadata), options, tokenizer, lease)
+            ref = _pack_reference_beside(cfg, (out, ref_out, pack.metadata), options, tokenizer, lease)
         else:
             ref = run_pack(reference_config(cfg), ref_out, options, tokenizer)
         reference = Pack.open(ref_out)
@@ -234,9 +234,8 @@ def _pack_reference_beside(cfg: PrepackConfig, where: tuple, options: RunOptions
                            lease: "StreamLease | None") -> RunSummary:
     """A bounded balanced-samples pack's reference, packed for OUT's trainings (``BoundSpec.reads``)
     while the job holding OUT's ``lease`` balances it beside (``prepack.run.balance_beside``); ``where``:
-    OUT and its shards' metadata."""
-    out, metadata = where
-    ref_out = out.rstrip("/") + "/" + REFERENCE_DIR
+    OUT, its reference and OUT's shard metadata."""
+    out, ref_out, metadata = where
     options = replace(options, bound=replace(options.bound, reads=out))
     if lease is None:
         return run_pack(reference_config(cfg), ref_out, options, tokenizer)
@@ -279,7 +278,8 @@ def _run_inline(job: StreamJob, todo: list[int], tokens: tuple, lease: StreamLea
             streams.started(s)
             rule = WaitRule(0.0 if len(streams.streams) > 1 else None, waiting)
             streams.returned(s, paused_at(pack_one_stream(job, s, *tokens, report, rule)))
-        waiting()
+        if guard is not None:
+            guard()
         streams.idle()
     streams.trim(force=True)
 

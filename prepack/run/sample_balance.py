@@ -171,7 +171,8 @@ class _Out:
 
 @dataclass(frozen=True)
 class Balancing:
-    """How balanced streams are written: their shards' ``fmt``, the cost ``model`` a step is split
+    """How balanced streams are written: their shards' ``fmt`` (``SHARD_NEVER_ENDS``: a balanced shard
+    ends where its reference shard ends), the cost ``model`` a step is split
     by, and the ``tokenizer`` that packs a reference shard trimmed since again (None: none is)."""
 
     fmt: ShardFormat
@@ -184,18 +185,17 @@ def balance_class(reference: Pack, loc: PackLocation, streams: list[int], how: B
     """Write ``streams`` (one worker class of the pack) from the reference, resuming after their
     committed shards (a reference shard trimmed since is packed again: ``how.tokenizer``); their
     ``done.json`` is the caller's.  ``stop``: the records (over the chain) every stream of the class
-    has committed in a reference still being packed: only the shards ending within it are written
-    now.  The balanced records each stream has committed, the fewest of the class."""
+    has committed in a reference still being packed, by the reference's indexes as last read: only
+    the shards ending within it are written now.  The balanced records each stream has committed, the fewest of the class."""
     outs = []
     for s in streams:
         index, n = recover_stream(loc, s), reference.switch(s)
-        ends = [(n + sh.first_record, len(sh.records)) for sh in reference.index(s, refresh=stop is not None).shards]
+        ends = [(n + sh.first_record, len(sh.records)) for sh in reference.index(s).shards]
         outs.append(_Out(s, index, ends, n))
     start = min(o.start for o in outs)
     limits = {o.stream: o.limit(stop) for o in outs}
     if all(o.start >= limits[o.stream] for o in outs):
         return min(o.start for o in outs)
-    fmt = how.fmt
     step = balanced_records(reference, streams, how.model, start, how.tokenizer, max(limits.values()))
     last = time.monotonic()
     while (got := step()) is not None:
@@ -204,8 +204,7 @@ def balance_class(reference: Pack, loc: PackLocation, streams: list[int], how: B
             if j < o.start or j >= limits[o.stream] or o.stream not in batches:
                 continue
             if o.writer is None:  # the writer's own commit: records, pixel index, lineage, index (no states)
-                o.writer = StreamWriter(loc, o.stream, ShardFormat(SHARD_NEVER_ENDS, fmt.compression, fmt.metadata),
-                                        Committing(o.index, None))
+                o.writer = StreamWriter(loc, o.stream, how.fmt, Committing(o.index, None))
             o.writer.append(batches[o.stream])
             if o.shard_end(j):
                 o.writer.finish()

@@ -134,9 +134,10 @@ class StepNeeds:
             fresh = time.monotonic() - self._read_at.get(s, -1e9) >= trainings_module.POLL_S
             if fresh:
                 self._read_at[s] = time.monotonic()
-            for sh in self.pack.index(s, refresh=fresh).shards:
-                if n + sh.first_record < want:  # the shard holds a wanted record
+            for sh in reversed(self.pack.index(s, refresh=fresh).shards):
+                if n + sh.first_record < want:  # the last shard holding a wanted record
                     out = max(out, n + sh.first_record + len(sh.records))
+                    break
         return out
 
 

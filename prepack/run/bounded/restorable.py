@@ -40,6 +40,7 @@ class RestoreCheck:
         # a balanced-samples pack's shards are re-split from its reference's: their restorability is theirs
         self.reference = RestoreCheck(open_reference(pack), tokenizer_fingerprint, self.sources) \
             if balances_samples(pack) else None
+        self._read: dict[int, set[int]] = {}  # reference stream -> its trimmed shards (a balanced pack's)
 
     def why_not(self, stream: int, shard: int) -> "str | None":
         """What keeps shard ``shard`` of ``stream`` from being packed again byte for byte, in a few words
@@ -65,8 +66,11 @@ class RestoreCheck:
         end = first + len(sh.records)
         for t in step_class(stream, cfg.world_size, cfg.num_workers):
             n = reference.switch(t)
-            trimmed = set(TrimmedShards.read(reference.location, t).shards)
-            for rsh in reference.index(t, refresh=True).shards:
+            if t not in self._read:  # each reference stream's index and trims read once per check
+                self._read[t] = set(TrimmedShards.read(reference.location, t).shards)
+                reference.index(t, refresh=True)
+            trimmed = self._read[t]
+            for rsh in reference.index(t).shards:
                 if rsh.shard in trimmed and n + rsh.first_record < end and n + rsh.first_record + len(rsh.records) > first:
                     why = self.reference.why_not(t, rsh.shard)
                     if why is not None:
