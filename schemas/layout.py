@@ -4,6 +4,7 @@ Layout of a pack (every name deterministic, no uuids or timestamps)::
 
     OUT/pack.json                                 identity: format, config, fingerprints, W, K, budget (first)
     OUT/.prepack/leases/<holder>.json             one lease per live job (prepack.run.lease)
+    OUT/reference/.prepack/grants/stream-00003.json  a reference shard granted room (balanced samples, --disk-budget)
     OUT/stream-00003/ckpt-00000.json (+ .arrow)   stream state at the start of shard 0
     OUT/stream-00003/shard-00000.arrow            Arrow IPC file, one record batch per packed batch
     OUT/stream-00003/shard-00000.pixels.arrow     where each picture of the shard lies, by content (schemas.pixel_index)
@@ -39,6 +40,7 @@ PACK_INFO_NAME = "pack.json"
 MANIFEST_NAME = "manifest.json"
 LINEAGE_DIR = "lineage"
 LEASE_DIR = ".prepack/leases"
+GRANT_DIR = ".prepack/grants"
 INDEX_NAME = "index.arrow"
 DONE_NAME = "done.json"
 TRIMMED_NAME = "trimmed.json"
@@ -56,6 +58,7 @@ _STREAM_DIR = "stream-{stream:05d}"
 PACK_INFO = "pack_info"
 MANIFEST = "manifest"
 LEASE = "lease"
+GRANT = "grant"
 SHARD = "shard"
 PIXELS = "pixels"
 SOURCES = "sources"
@@ -74,6 +77,7 @@ LAYOUT: dict[str, str] = {
     PACK_INFO: PACK_INFO_NAME,
     MANIFEST: MANIFEST_NAME,
     LEASE: LEASE_DIR + "/{holder}.json",
+    GRANT: GRANT_DIR + "/" + _STREAM_DIR + ".json",
     SHARD: _STREAM_DIR + "/shard-{shard:05d}.arrow",
     PIXELS: _STREAM_DIR + "/shard-{shard:05d}.pixels.arrow",
     SHARD_LINEAGE: _STREAM_DIR + "/shard-{shard:05d}.lineage.parquet",
@@ -142,6 +146,10 @@ def trimmed_file(stream: int) -> str:
 
 def lease_file(holder: str) -> str:
     return LAYOUT[LEASE].format(holder=holder)
+
+
+def grant_file(stream: int) -> str:
+    return LAYOUT[GRANT].format(stream=stream)
 
 
 def temporary(relpath: str, writer: str = "") -> str:

@@ -106,7 +106,8 @@ def add_command(subparsers) -> None:
     r.add_argument("--disk-budget", metavar="SIZE",
                    help="a bounded pack by disk: the pack stays under SIZE (2TiB, 500GB) or a share of the disk's "
                    "free space at the start (20%%); each stream waits for the trims behind its trainings when its "
-                   "share is full (with --progress; with --ahead too, both hold)")
+                   "share is full (with --progress; with --ahead too, both hold); a balanced-samples pack and its "
+                   "reference share one budget, kept by the job balancing it")
     add_bound_arguments(r, "with --progress")
     r.add_argument("--bar", action="store_true", help="show the progress bar (default: when stderr is a terminal)")
     r.add_argument("--no-bar", "--no-progress", dest="no_bar", action="store_true",

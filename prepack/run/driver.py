@@ -184,9 +184,7 @@ def _run_balanced(cfg: PrepackConfig, out: str, options: RunOptions, tokenizer: 
     (by the one job that leases them: a job finishing beside it leaves them to it)."""
     start = time.perf_counter()
     if options.bound is not None and options.bound.disk_budget is not None:
-        raise UsageError("prepack.balance: samples is not supported with --disk-budget yet; bound it with --ahead N "
-                         "(its reference is trimmed once balanced, its balanced shards behind the trainings), or "
-                         "balance whole batches in the loader (balance=Balance(micro_batches=M))")
+        share_of(cfg, options.bound.disk_budget, shards=3)  # refused before any work: see balanced_budget
     if "batches_per_stream" not in cfg.prepack.budget():  # streams that end unevenly leave their last steps whole
         existing = PackInfo.read(resolve_location(out))
         if existing is not None and existing.budget != cfg.prepack.budget():
@@ -234,14 +232,19 @@ def _pack_reference_beside(cfg: PrepackConfig, where: tuple, options: RunOptions
                            lease: "StreamLease | None") -> RunSummary:
     """A bounded balanced-samples pack's reference, packed for OUT's trainings (``BoundSpec.reads``)
     while the job holding OUT's ``lease`` balances it beside (``prepack.run.balance_beside``); ``where``:
-    OUT, its reference and OUT's shard metadata."""
+    OUT, its reference and OUT's shard metadata.  Under ``--disk-budget`` that job keeps the budget
+    and grants the reference's streams their shards (``BoundSpec.granted``), to the end."""
     out, ref_out, metadata = where
-    options = replace(options, bound=replace(options.bound, reads=out))
+    bound = replace(options.bound, reads=out)
+    ref_options = replace(options, bound=replace(bound, disk_budget=None, granted=bound.disk_budget is not None))
     if lease is None:
-        return run_pack(reference_config(cfg), ref_out, options, tokenizer)
-    beside = BalancingBeside(cfg, resolve_location(out), metadata, ref_out, tokenizer, options.bound).start()
+        return run_pack(reference_config(cfg), ref_out, ref_options, tokenizer)
+    beside = BalancingBeside(cfg, resolve_location(out), metadata, ref_out, tokenizer, bound).start()
     try:
-        return run_pack(reference_config(cfg), ref_out, replace(options, guard=beside.check), tokenizer)
+        summary = run_pack(reference_config(cfg), ref_out, replace(ref_options, guard=beside.check), tokenizer)
+        if bound.disk_budget is not None:
+            beside.finish()
+        return summary
     finally:
         beside.close()
 

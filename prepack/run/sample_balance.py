@@ -27,6 +27,8 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
+import pyarrow as pa
+
 from loader.reader import Pack, iter_records
 from prepack.engine.step_split import split_step
 from prepack.engine.tokenizer import recorded_fingerprint
@@ -180,13 +182,41 @@ class Balancing:
     tokenizer: "tuple | None" = None
 
 
+@dataclass
+class Room:
+    """What a balancing under ``--disk-budget`` may add to the disk (``prepack.run.bounded.balanced_budget``):
+    ``free`` bytes, taken step by step by a sound bound of what the step writes (``step_bytes``);
+    ``index`` the size of each balanced stream's index now (rewritten beside the old at each commit).
+    Where a step does not fit, the class stops there (its open shards dropped: readers see whole
+    shards) and ``wanted`` says what it needs free to go on: that step and the dropped shards again."""
+
+    free: int
+    index: dict[int, int]
+    wanted: int = 0
+
+
+RECORD_SLACK = 16 << 10  # a record's IPC message and footer entry, and direct I/O padding
+SAMPLE_ROW_BYTES = 2048  # a sample's lineage row, at most
+PICTURE_ROW_BYTES = 512  # a picture's pixel index row, at most
+SHARD_OPEN_BYTES = 1 << 20  # a shard file's schema and footer, its small files' headers
+INDEX_ROW_BYTES = (4 << 10, 256)  # an index row: per shard, per record
+
+
+def step_bytes(record_size: int, batch: PackedBatch) -> int:
+    """The most one balanced record adds: its IPC record (``record_size``, buffers stored as they
+    are: ``schemas.compression``) and its rows in the shard's lineage and pixel index."""
+    return record_size + RECORD_SLACK + SAMPLE_ROW_BYTES * batch.num_samples \
+        + PICTURE_ROW_BYTES * len(batch.image_widths)
+
+
 def balance_class(reference: Pack, loc: PackLocation, streams: list[int], how: Balancing,
-                  stop: "int | None" = None) -> int:
+                  stop: "int | None" = None, room: "Room | None" = None) -> int:
     """Write ``streams`` (one worker class of the pack) from the reference, resuming after their
     committed shards (a reference shard trimmed since is packed again: ``how.tokenizer``); their
     ``done.json`` is the caller's.  ``stop``: the records (over the chain) every stream of the class
     has committed in a reference still being packed, by the reference's indexes as last read: only
-    the shards ending within it are written now.  The balanced records each stream has committed, the fewest of the class."""
+    the shards ending within it are written now.  ``room``: the disk it may take (``Room``; None:
+    any).  The balanced records each stream has committed, the fewest of the class."""
     outs = []
     for s in streams:
         index, n = recover_stream(loc, s), reference.switch(s)
@@ -197,17 +227,25 @@ def balance_class(reference: Pack, loc: PackLocation, streams: list[int], how: B
     if all(o.start >= limits[o.stream] for o in outs):
         return min(o.start for o in outs)
     step = balanced_records(reference, streams, how.model, start, how.tokenizer, max(limits.values()))
+    taken = {o.stream: 0 for o in outs}  # what each stream's open shard took of ``room`` (0: none open)
     last = time.monotonic()
     while (got := step()) is not None:
         j, batches = got
+        writes = []
         for o in outs:
             if j < o.start or j >= limits[o.stream] or o.stream not in batches:
                 continue
             if o.writer is None:  # the writer's own commit: records, pixel index, lineage, index (no states)
                 o.writer = StreamWriter(loc, o.stream, how.fmt, Committing(o.index, None))
-            o.writer.append(batches[o.stream])
+            batch = batches[o.stream]
+            writes.append((o, batch, o.writer.encode(batch)))
+        if room is not None and not _take(room, j, writes, taken):
+            break
+        for o, batch, encoded in writes:
+            o.writer.append(batch, encoded)
             if o.shard_end(j):
                 o.writer.finish()
+                taken[o.stream] = 0
         if time.monotonic() - last > 30:
             log.info("balanced samples: streams %d..%d at record %d", streams[0], streams[-1], j + 1)
             last = time.monotonic()
@@ -215,6 +253,28 @@ def balance_class(reference: Pack, loc: PackLocation, streams: list[int], how: B
         if o.writer is not None:
             o.writer.abort()
     return min(o.start for o in outs)
+
+
+def _take(room: Room, j: int, writes: list, taken: dict[int, int]) -> bool:
+    """Take from ``room`` the most step ``j``'s ``writes`` add (a shard opened, a shard committed with
+    its index rewritten); False, with ``room.wanted`` set, where it does not fit."""
+    costs = []
+    for o, batch, encoded in writes:
+        cost = step_bytes(pa.ipc.get_record_batch_size(encoded.record), batch)
+        cost += SHARD_OPEN_BYTES if taken[o.stream] == 0 else 0
+        if o.shard_end(j):
+            k = len(o.index.shards)
+            grown = room.index.get(o.stream, 0) + INDEX_ROW_BYTES[0] + INDEX_ROW_BYTES[1] * o.ends[k][1]
+            cost += 2 * grown  # the new index beside the old until it is renamed over it
+            room.index[o.stream] = grown
+        costs.append(cost)
+    if sum(costs) > room.free:
+        room.wanted = sum(costs) + sum(taken.values())
+        return False
+    room.free -= sum(costs)
+    for (o, _, _), cost in zip(writes, costs):
+        taken[o.stream] += cost
+    return True
 
 
 def finish_balanced(cfg: PrepackConfig, loc: PackLocation, reference: Pack, stream: int) -> StreamSummary:

@@ -137,6 +137,12 @@ def add_sft(ds: Dataset, lines: list[str | bytes], files: dict[str, bytes] | Non
     ds.info["vlm_sft"] = {name: {"data_dir": d, "jsonl_path": jsonl}}
 
 
+def captioned_rows(rs: np.random.RandomState, n: int, side: int, words: int) -> list[dict]:
+    """t2i rows of one ``side``-pixel picture and a caption of ``words`` to ``words + 20`` words."""
+    return [{"image": jpeg(photo(i, rs, side, side + 1)),
+             "captions": json.dumps({"c": sentence(rs, words, words + 20)})} for i in range(n)]
+
+
 def good_t2i_rows(rs: np.random.RandomState, n: int, start: int = 0) -> list[dict]:
     rows = []
     for i in range(n):

@@ -20,11 +20,12 @@ class Trainer(threading.Thread):
     ahead of it than the bound allows."""
 
     def __init__(self, out, rank, world_size, progress, *, every, pause_s, ahead, per_shard, micro_batches=0,
-                 also=(), stop_after=None, state=None):
+                 also=(), stop_after=None, state=None, hold=None):
         super().__init__(daemon=True)
         self.args = (out, rank, world_size, progress)
         self.also = tuple(also)  # other packs held to the same bound (a balanced-samples pack's reference)
         self.stop_after, self.state = stop_after, state  # a training that stops, and one resumed from a state
+        self.hold = hold  # (n, event): after n batches, wait for the event (the packer runs as far as it may)
         self.every, self.pause_s, self.ahead, self.per_shard = every, pause_s, ahead, per_shard
         self.m = micro_batches  # > 0: balanced steps of M micro-batches (the packer may run M further)
         self.states, self.seen, self.error = [], [], None
@@ -40,6 +41,8 @@ class Trainer(threading.Thread):
             for i, batch in enumerate(ds, start=before):
                 if self.stop_after is not None and len(self.seen) == self.stop_after:
                     break
+                if self.hold is not None and len(self.seen) == self.hold[0]:
+                    assert self.hold[1].wait(300), "the event held for never came"
                 self.seen.append(batch)
                 # the packer starts a shard of a stream only while it is less than `ahead` past a
                 # position the trainer reported (never more than this one), and finishes the shard

@@ -31,6 +31,8 @@ def test_names_are_the_ones_on_disk():
     assert L.stream_lineage_file(3) == "lineage/stream-00003.parquet"
     assert L.lease_file("ab12") == ".prepack/leases/ab12.json"
     assert L.parse(L.lease_file("ab12")) == L.PackFile(L.LEASE, holder="ab12")
+    assert L.grant_file(3) == ".prepack/grants/stream-00003.json"
+    assert L.parse(L.grant_file(3)) == L.PackFile(L.GRANT, stream=3)
     assert L.parse("pack.json") == L.PackFile(L.PACK_INFO) and L.parse("manifest.json") == L.PackFile(L.MANIFEST)
 
 

@@ -27,6 +27,7 @@ from schemas.manifest import TrimmedShards
 from schemas.streams import step_class
 from prepack.run.bounded import trainings as trainings_module
 from prepack.run.bounded.bound import BoundSpec
+from prepack.run.bounded.grants import GrantReader
 from prepack.run.bounded.trainings import Trainings
 from prepack.run.bounded.trim_policy import TrimPolicy
 from schemas.location import PackLocation
@@ -52,30 +53,69 @@ def shard_most(cfg) -> int:
     return records + k.max_buffer_size * k.max_num_tokens_per_sample * CKPT_BYTES_PER_TOKEN + CKPT_BASE_BYTES
 
 
-def share_of(cfg, budget: int) -> int:
+def share_of(cfg, budget: int, shards: int = 2) -> int:
     """A stream's share of ``--disk-budget``; UsageError, before any work, when it cannot hold one
-    shard the trainings read and the next one's most, naming the smallest budget that works."""
+    shard the trainings read and the next one's most (``shards``: that many shards' most; a balanced
+    samples pack needs three: the one read, its reference being packed and its balanced twin),
+    naming the smallest budget that works."""
     streams = cfg.num_streams
     share = max(0, budget - PACK_FILES_RESERVE) // max(1, streams)
-    need = 2 * (shard_most(cfg) + SHARD_FILES_SLACK)  # less can never pack two shards
+    need = shards * (shard_most(cfg) + SHARD_FILES_SLACK)  # less can never pack the next shard
     if share < need:
+        what = ("one shard the trainings read and the next one's most" if shards == 2 else
+                f"{shards} shards' most (one the trainings read, a reference shard and its balanced twin)")
         raise UsageError(f"--disk-budget {budget:,} bytes: each of the {streams} streams would get {share:,}, less than "
-                         f"one shard the trainings read and the next one's most ({need:,}: shard_bytes, a record of "
-                         "max_num_tokens and a checkpoint of max_buffer_size samples, stored raw); the smallest budget "
+                         f"{what} ({need:,}: shard_bytes, a record of max_num_tokens and a checkpoint of "
+                         "max_buffer_size samples, stored raw); the smallest budget "
                          f"that works is {need * streams + PACK_FILES_RESERVE:,} bytes (and the trainings' window on "
                          "top: prepack plan --ahead N prints it); raise it, or lower prepack.shard_bytes")
     return share
+
+
+@dataclass(frozen=True)
+class StreamUse:
+    """What a stream's folder holds now: ``used`` bytes in all, of which ``shards`` (records files not
+    trimmed, and their latents: what a trim frees) and ``index`` (rewritten whole at each commit);
+    ``committed`` shards in its index."""
+
+    used: int
+    shards: int
+    index: int
+    committed: int
+
+    @classmethod
+    def of(cls, pack: Pack, stream: int) -> "StreamUse":
+        """Read the index first, then list: a shard committed in between is counted in ``used``
+        (its reserve is released by the index read before), never missed."""
+        shards = pack.index(stream, refresh=True).shards
+        trimmed = set(TrimmedShards.read(pack.location, stream).shards)
+        listing = [i for i in pack.location.list(stream_dir(stream)) if i.size is not None]
+        present = sum(sh.nbytes for sh in shards if sh.shard not in trimmed)
+        names = {posixpath.basename(shard_latents_file(stream, sh.shard)) for sh in shards}
+        latents = sum(i.size for i in listing if posixpath.basename(i.path) in names)  # trimmed with their shard
+        index = next((i.size for i in listing if posixpath.basename(i.path) == posixpath.basename(index_file(stream))), 0)
+        return cls(sum(i.size for i in listing), present + latents, index, len(shards))
+
+    @property
+    def kept(self) -> int:
+        """What no trim frees: checkpoints, indexes, sources, lineage."""
+        return self.used - self.shards
+
+    def reserve(self, most: int) -> int:
+        """The most the stream's next shard adds: ``most`` (``shard_most``), its small files (twice the
+        stream's mean so far, at least ``SHARD_FILES_SLACK``) and the index rewritten beside the old."""
+        return most + max(SHARD_FILES_SLACK, 2 * (max(0, self.kept) // max(1, self.committed))) + self.index
 
 
 class DiskShare:
     """A stream's share of ``--disk-budget``: the budget, less the pack's own files, over the pack's
     streams.  A stream may start a shard while its folder plus that shard's most (``reserve``) fits
     in its share.  The reserve is sound (``shard_most``: a record far larger than any before fits)
-    plus the shard's small files (twice the stream's mean so far, at least ``SHARD_FILES_SLACK``) and
-    the stream index's size (rewritten whole at the commit).  A share that cannot hold that and the
-    shard the trainings read is refused at the start; a stream whose files no trim can free
-    (checkpoints of the ladder, indexes, sources, lineage) leave no room for the reserve stops with
-    the smallest budget that works then (``DiskBudgetTooSmall``), instead of waiting for good."""
+    plus the shard's small files and the stream index's size (``StreamUse.reserve``).  A share that
+    cannot hold that and the shard the trainings read is refused at the start; a stream whose files
+    no trim can free (checkpoints of the ladder, indexes, sources, lineage) leave no room for the
+    reserve stops with the smallest budget that works then (``DiskBudgetTooSmall``), instead of
+    waiting for good."""
 
     def __init__(self, budget: int, pack: Pack):
         cfg = pack.info.stored_config()
@@ -86,26 +126,17 @@ class DiskShare:
     def holding(self, stream: int) -> "str | None":
         """Why ``stream`` may not start a shard within its share now (None: it may).
         DiskBudgetTooSmall when no trim could ever make that room."""
-        listing = [i for i in self.pack.location.list(stream_dir(stream)) if i.size is not None]
-        used = sum(i.size for i in listing)
-        shards = self.pack.index(stream, refresh=True).shards
-        trimmed = set(TrimmedShards.read(self.pack.location, stream).shards)
-        present = sum(sh.nbytes for sh in shards if sh.shard not in trimmed)
-        names = {posixpath.basename(shard_latents_file(stream, sh.shard)) for sh in shards}
-        latents = sum(i.size for i in listing if posixpath.basename(i.path) in names)  # trimmed with their shard
-        index = next((i.size for i in listing if posixpath.basename(i.path) == posixpath.basename(index_file(stream))), 0)
-        small = max(SHARD_FILES_SLACK, 2 * (max(0, used - present - latents) // max(1, len(shards))))
-        reserve = self.most + small + index
-        if used + reserve <= self.share:
+        use = StreamUse.of(self.pack, stream)
+        reserve = use.reserve(self.most)
+        if use.used + reserve <= self.share:
             return None
-        kept = used - present - latents  # what no trim frees
-        if kept + reserve > self.share:
-            smallest = (kept + reserve + self.most) * self.pack.num_streams + PACK_FILES_RESERVE
+        if use.kept + reserve > self.share:
+            smallest = (use.kept + reserve + self.most) * self.pack.num_streams + PACK_FILES_RESERVE
             raise DiskBudgetTooSmall(
                 f"stream {stream}: its share of --disk-budget ({self.share:,} bytes) cannot hold what no trim frees "
-                f"({kept:,} bytes: checkpoints on the ladder, indexes, sources, lineage) and its next shard's most "
+                f"({use.kept:,} bytes: checkpoints on the ladder, indexes, sources, lineage) and its next shard's most "
                 f"({reserve:,}); no trim can make that room. The smallest budget that works now is {smallest:,} bytes")
-        return f"{used:,} bytes on disk + {reserve:,} for its next shard > its share of --disk-budget ({self.share:,})"
+        return f"{use.used:,} bytes on disk + {reserve:,} for its next shard > its share of --disk-budget ({self.share:,})"
 
 
 class StepNeeds:
@@ -150,6 +181,7 @@ class AheadGate:
         self.trainings = Trainings(spec.progress, Pack.open(spec.reads) if spec.reads else pack)
         self.steps = StepNeeds(pack, self.trainings, spec.ahead) if spec.reads and spec.ahead is not None else None
         self.disk = DiskShare(spec.disk_budget, pack) if spec.disk_budget is not None else None
+        self.grants = GrantReader(pack.location) if spec.granted else None
 
     def holding(self, stream: int, records: int) -> "str | None":
         """Why ``stream`` may not start another shard now, having ``records`` in its chain; None: it may."""
@@ -157,6 +189,8 @@ class AheadGate:
             reached = self.trainings.reached(stream)
             if records >= reached + self.spec.ahead and (self.steps is None or records >= self.steps.need(stream)):
                 return f"{records} records packed, training at {reached} (--ahead {self.spec.ahead})"
+        if self.grants is not None and (why := self.grants.holding(stream, records)) is not None:
+            return why
         return self.disk.holding(stream) if self.disk is not None else None
 
     def may_pack(self, stream: int, records: int) -> bool:

@@ -24,13 +24,16 @@ class BoundSpec:
     the trainings' progress folders; ``keep``: checkpoints of each training nothing is trimmed before;
     ``disk_budget``: bytes the whole pack may hold (None: no limit; ``parse_disk_budget``); ``reads``:
     the pack the trainings read when it is not the one packed (a balanced-samples pack's reference is
-    packed for the trainings of OUT, whose steps need every stream of a step class: ``StepNeeds``)."""
+    packed for the trainings of OUT, whose steps need every stream of a step class: ``StepNeeds``);
+    ``granted``: each shard waits for room granted by the job balancing OUT (its reference under
+    ``--disk-budget``: ``prepack.run.bounded.grants``)."""
 
     ahead: int | None
     progress: tuple[str, ...]
     keep: int = DEFAULT_KEEP_CHECKPOINTS
     disk_budget: int | None = None
     reads: str | None = None
+    granted: bool = False
 
     def __post_init__(self):
         if self.ahead is not None and self.ahead < 1:
@@ -49,7 +52,7 @@ class BoundSpec:
     @property
     def holds_back(self) -> bool:
         """Whether a stream may have to wait for its trainings before a shard."""
-        return self.ahead is not None or self.disk_budget is not None
+        return self.ahead is not None or self.disk_budget is not None or self.granted
 
     def warnings(self) -> list[str]:
         """What the user may not have meant: a checkpoint is published when the loader's state is

@@ -194,11 +194,17 @@ class StreamWriter:
         self._records = []
         self._pixels = []
 
-    def append(self, batch: PackedBatch) -> ShardEntry | None:
-        """Write one packed batch; return the shard's entry if this record completed a shard."""
+    def encode(self, batch: PackedBatch) -> EncodedRecord:
+        """The record ``append`` writes for ``batch`` (the pixel table compressed here): its size is
+        known before it is written (``pa.ipc.get_record_batch_size``, buffers stored as they are)."""
+        return encode_record(batch, self.compression)
+
+    def append(self, batch: PackedBatch, encoded: "EncodedRecord | None" = None) -> ShardEntry | None:
+        """Write one packed batch (``encoded``: as ``encode`` made it); return the shard's entry if
+        this record completed a shard."""
         if self.index is not None:
             self._lineage.append((batch.origins, batch.sample_lens.tolist()))
-        encoded = encode_record(batch, self.compression)  # the pixel table is compressed here
+        encoded = encoded if encoded is not None else self.encode(batch)
         record = encoded.record
         if self._ipc is None:
             self._open()

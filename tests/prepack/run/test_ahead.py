@@ -384,11 +384,8 @@ def _late_big_dataset(root: str, batches: int) -> str:
     ds = dg.Dataset(os.path.join(root, "data"))
     os.makedirs(ds.root)
 
-    def rows(n: int, side: int, words: int) -> list[dict]:
-        return [{"image": dg.jpeg(dg.photo(i, rs, side, side + 1)),
-                 "captions": json.dumps({"c": dg.sentence(rs, words, words + 20)})} for i in range(n)]
-
-    dg.add_t2i(ds, [rows(480, 64, 250) + rows(8, 300, 4) for _ in range(2)], row_group_size=8)
+    dg.add_t2i(ds, [dg.captioned_rows(rs, 480, 64, 250) + dg.captioned_rows(rs, 8, 300, 4) for _ in range(2)],
+               row_group_size=8)
     return ds.config(knobs=dict(KNOBS, max_buffer_size=1), num_workers=2,
                      prepack={"batches_per_stream": batches, "shard_bytes": 150_000})
 

@@ -8,6 +8,7 @@ the one used; a two-rank gloo training on it equals one on the reference within 
 from __future__ import annotations
 
 import ast
+import json
 import os
 import shutil
 from collections import Counter
@@ -61,6 +62,21 @@ def _config(ds: dg.Dataset, name: str = "config.yaml", **prepack) -> str:
     mine = os.path.join(os.path.dirname(path), name)
     os.replace(path, mine)
     return mine
+
+
+def _picture_heavy_config(root: str, batches: int) -> str:
+    """t2i rows of 256-pixel pictures and long captions (they stay: VAE) with text-only SFT rows (they
+    move): a balanced pack of a few hundred kB a batch at small-budget knobs."""
+    rs = np.random.RandomState(5)
+    ds = dg.Dataset(os.path.join(root, "data"))
+    os.makedirs(ds.root)
+    dg.add_t2i(ds, [dg.captioned_rows(rs, 120, 256, 150) for _ in range(W * K)], row_group_size=8)
+    dg.add_sft(ds, [json.dumps({"conversations": [{"from": "human", "value": dg.sentence(rs, 20, 60)},
+                                                  {"from": "gpt", "value": dg.sentence(rs, 20, 60)}]})
+                    for _ in range(400)])
+    return ds.config(knobs=dict(KNOBS, max_buffer_size=1), num_workers=K,
+                     prepack={"batches_per_stream": batches, "shard_bytes": 150_000, "world_size": W,
+                              "balance": "samples"})
 
 
 @pytest.fixture(scope="module")
@@ -197,11 +213,18 @@ def test_refused_where_it_does_not_apply(packs, tmp_path, tokenizer_and_special)
         load_config(ds.config(knobs=KNOBS, num_workers=K, prepack={"batches_per_stream": 2, "balance": "samples"}))
     with pytest.raises(ConfigError, match="balance must be one of"):
         load_config(_config(ds, balance="steps"))
-    with pytest.raises(UsageError, match="not supported with --disk-budget yet; bound it with --ahead N"):
-        run_pack(load_config(packs["config"]), str(tmp_path / "bounded"),
+    # --disk-budget: each stream's share must hold three shards' most (the one read, a reference shard
+    # and its balanced twin), one less than an ordinary pack's two would not do; refused before any work
+    from prepack.run.bounded.ahead import PACK_FILES_RESERVE, SHARD_FILES_SLACK, shard_most
+
+    cfg = load_config(packs["config"])
+    smallest = W * K * 3 * (shard_most(cfg) + SHARD_FILES_SLACK) + PACK_FILES_RESERVE
+    with pytest.raises(UsageError, match=f"3 shards' most .* the smallest budget that works is {smallest:,} bytes"):
+        run_pack(cfg, str(tmp_path / "bounded"),
                  RunOptions(inline=True, bar=False, bound=BoundSpec(ahead=2, progress=(str(tmp_path / "p"),),
-                                                                    disk_budget=1 << 40)),
+                                                                    disk_budget=smallest - 1)),
                  tokenizer=tokenizer_and_special)
+    assert not os.path.exists(tmp_path / "bounded" / "pack.json")
 
 
 def test_a_continuation_is_balanced_from_its_switch_on(packs, tmp_path, tokenizer_and_special):
@@ -537,6 +560,140 @@ def test_packed_ahead_of_two_trainings_it_is_the_unbounded_pack_trimmed_and_rest
             with open(os.path.join(out, sh.file), "rb") as a, open(os.path.join(whole, sh.file), "rb") as b:
                 assert a.read() == b.read()
     assert verify_pack(out).ok
+
+
+def test_a_disk_budget_holds_a_balanced_pack_and_its_reference_beside_two_trainings(tmp_path, monkeypatch,
+                                                                                      tokenizer_and_special):
+    """bal-samples x --disk-budget: the job balancing OUT keeps one budget for OUT and its reference,
+    grants each reference shard its room and takes each balanced step's most before writing it.
+    The trainings hold after a few batches until the budget has held the pack back (it binds);
+    every file of the pack, counted after each shard commit, stays under the budget, every batch
+    is read once in the unbounded pack's order, and every shard is the unbounded pack's."""
+    import threading
+
+    from prepack.run.bounded import balanced_budget
+    from prepack.run.bounded import trainings as trainings_module
+    from prepack.run.bounded.ahead import PACK_FILES_RESERVE, SHARD_FILES_SLACK, shard_most
+    from prepack.run.commit.writer import StreamWriter
+    from tests.helpers.trainings import Trainer, run_beside_trainings
+
+    monkeypatch.setattr(trainings_module, "POLL_S", 0.05)
+    cfg = load_config(_picture_heavy_config(str(tmp_path), batches=64))
+    whole = str(tmp_path / "whole")
+    run_pack(cfg, whole, RunOptions(inline=True, bar=False), tokenizer=tokenizer_and_special)
+    budget = PACK_FILES_RESERVE + cfg.num_streams * 3 * (shard_most(cfg) + SHARD_FILES_SLACK)  # the least accepted
+    out, progress = str(tmp_path / "out"), str(tmp_path / "progress")
+
+    def on_disk() -> int:
+        return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(out) for n in names
+                   if os.path.exists(os.path.join(d, n)))
+
+    assert sum(sh.nbytes for s in range(W * K) for sh in Pack.open(whole).index(s).shards) > budget, \
+        "the budget must bind"
+    peak, held = [0], threading.Event()
+    real_commit, real_check = StreamWriter._commit, balanced_budget.BalancedBudget.check
+
+    def measured_commit(self):  # the reference's shards and the balanced ones alike
+        entry = real_commit(self)
+        peak[0] = max(peak[0], on_disk())
+        if peak[0] > budget:
+            held.set()  # over: the test fails below, without waiting
+        return entry
+
+    def check(self, reference, balanced, ledger):
+        if ledger.blocked:
+            held.set()  # the budget held something back: the trainings go on
+        return real_check(self, reference, balanced, ledger)
+
+    monkeypatch.setattr(StreamWriter, "_commit", measured_commit)
+    monkeypatch.setattr(balanced_budget.BalancedBudget, "check", check)
+    bound = BoundSpec(None, (progress,), keep=2, disk_budget=budget)
+    trainers = run_beside_trainings(
+        lambda: run_pack(cfg, out, RunOptions(inline=True, bar=False, bound=bound), tokenizer=tokenizer_and_special),
+        out, lambda: [Trainer(out, r, W, progress, every=3, pause_s=0.02, ahead=10**6, per_shard=0,
+                              hold=(6, held)) for r in range(W)], timeout=300)
+    assert held.is_set()
+    assert 0 < peak[0] <= budget and on_disk() <= budget, (peak[0], budget)
+    for r, t in enumerate(trainers):  # every batch once, in the unbounded pack's order
+        assert [repr(b.batch_data_indexes) for b in t.seen] == \
+            [repr(b.batch_data_indexes) for b in PackedShardDataset(whole, rank=r, world_size=W)]
+    pack = Pack.open(out)
+    for s in range(W * K):
+        assert [sh.xxh3 for sh in pack.index(s).shards] == [sh.xxh3 for sh in Pack.open(whole).index(s).shards]
+    assert any(pack.trimmed(s) for s in range(W * K)), "nothing was trimmed behind the trainings"
+    grants = os.path.join(out, REFERENCE_DIR, ".prepack", "grants")
+    assert not os.path.exists(grants) or not os.listdir(grants)  # withdrawn at the end
+    assert verify_pack(out).ok
+
+
+def test_a_balanced_budget_no_trim_can_make_room_in_stops_the_run_and_no_other(packs, tmp_path):
+    """``BalancedBudget.check``: with nothing in flight, the run stops (DiskBudgetTooSmall, naming a
+    budget that holds the point) only where in every step class what no trim can free and the least
+    it holds back pass its share, for ``STUCK_ROUNDS`` rounds in a row.  What a trim could free: every
+    balanced shard while the trainings can read on; only those behind where they stand once one
+    waits at the end of a stream still being written (its checkpoints cannot pass that point)."""
+    from prepack.run.bounded.ahead import PACK_FILES_RESERVE, SHARD_FILES_SLACK, shard_most
+    from prepack.run.bounded.balanced_budget import STUCK_ROUNDS, BalancedBudget, stream_of
+    from schemas.errors import DiskBudgetTooSmall
+
+    # each file is counted to its stream, in either pack, whole or being written; the packs' own to none
+    assert [stream_of(p) for p in ("stream-00003/shard-00001.arrow", "reference/stream-00002/ckpt-00004.arrow",
+                                   "stream-00001/index.arrow.a1b2.tmp", "reference/lineage/stream-00002.parquet",
+                                   "pack.json", "reference/manifest.json", ".prepack/leases/a1b2.json")] == \
+        [3, 2, 1, 2, None, None, None]
+    out = str(tmp_path / "out")
+    shutil.copytree(packs["out"], out)
+    cfg = load_config(packs["config"])
+    reference, balanced = Pack.open(os.path.join(out, REFERENCE_DIR)), Pack.open(out)
+
+    class Standing:  # trainings standing where the test says
+        def __init__(self, at: dict[int, int]):
+            self.at = at
+
+        def refresh(self, force: bool = False) -> None:
+            pass
+
+        def reached(self, stream: int) -> int:
+            return self.at.get(stream, 0)
+
+    least = W * K * 3 * (shard_most(cfg) + SHARD_FILES_SLACK) + PACK_FILES_RESERVE  # the least accepted
+    classes = [[w + r * K for r in range(W)] for w in range(K)]
+    shards = {s: sum(sh.nbytes for sh in balanced.index(s).shards) for s in range(W * K)}
+    budget = BalancedBudget(least, cfg, resolve_location(out), Standing({}))
+    ledger = budget.measure(reference, balanced)
+    assert sum(ledger.used.values()) > sum(shards.values())  # every stream's files, both packs', counted
+    # per class: the room once every balanced shard of its streams is trimmed
+    fits = {k: budget.share[k] - budget.margin[k] - (ledger.used[k] - sum(shards[s] for s in c))
+            for k, c in enumerate(classes)}
+
+    def rounds(n: int, need: dict[int, int]) -> None:
+        for _ in range(n):
+            ledger.blocked = dict(need)
+            budget.check(reference, balanced, ledger)
+
+    for s in (0, 1):  # streams 0 and 1 (one of each class) are still packed: no class is done
+        ledger.records[s] += 1
+    reference.done = lambda s, real=reference.done: None if s in (0, 1) else real(s)
+    over = {k: f + 1 for k, f in fits.items()}
+    rounds(STUCK_ROUNDS + 1, fits)  # the trainings read on: the trims to come make that room
+    rounds(STUCK_ROUNDS + 1, {0: over[0]})  # class 1 is not held back: it goes on
+    rounds(STUCK_ROUNDS + 1, {0: over[0], 1: fits[1]})  # class 1 fits once trimmed: the trainings go on
+    rounds(STUCK_ROUNDS - 1, over)
+    ledger.in_flight[1] = 1  # a granted shard still to commit: something may yet change
+    rounds(1, over)
+    ledger.in_flight[1] = 0
+    rounds(STUCK_ROUNDS - 1, over)  # the count started again
+    with pytest.raises(DiskBudgetTooSmall, match=f"A budget of at least {least + K:,} bytes holds this point"):
+        rounds(1, over)
+    # a training waits at the end of stream 0: every other stream's shards lie ahead of where it
+    # stands (0), and cannot be trimmed any more, so class 1 is held back for good by much less
+    budget = BalancedBudget(least, cfg, resolve_location(out), Standing({0: ledger.balanced[0]}))
+    short = fits[1] - sum(shards[s] for s in classes[1])
+    waiting = {0: fits[0] - shards[2], 1: short}  # class 0 keeps stream 2's shards now
+    rounds(STUCK_ROUNDS + 1, waiting)
+    rounds(STUCK_ROUNDS + 1, {0: waiting[0], 1: short + 1})  # class 0 goes on: the training may yet read on
+    with pytest.raises(DiskBudgetTooSmall, match=r"streams \[1, 3\] \(a step class\) cannot hold"):
+        rounds(STUCK_ROUNDS, {0: waiting[0] + 1, 1: short + (1 << 20)})  # named: the class furthest over
 
 
 def test_a_balancing_that_fails_beside_a_bounded_run_stops_it(packs, tmp_path, monkeypatch, tokenizer_and_special):
