@@ -307,6 +307,21 @@ def make_config(tmp: str, args) -> str:
     return out
 
 
+def disk_budget(text: "str | None", config: str) -> int:
+    """``--disk-budget``'s bytes (0: none): a size, or ``least``, the least ``prepack run`` accepts."""
+    from prepack.run.bounded.ahead import PACK_FILES_RESERVE, SHARD_FILES_SLACK, shard_most
+    from prepack.run.bounded.bound import parse_disk_budget
+    from schemas.config_file import load_config
+
+    if text is None:
+        return 0
+    if text != "least":
+        return parse_disk_budget(text, ".")
+    cfg = load_config(config)
+    shards = 3 if cfg.prepack.balance == "samples" else 2  # a balanced twin besides (balanced_budget)
+    return PACK_FILES_RESERVE + cfg.num_streams * shards * (shard_most(cfg) + SHARD_FILES_SLACK)
+
+
 def pack_cmd(config: str, out: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "prepack.cli", "-v", "run", config, "--out", out, "--no-ray", "--no-progress",
             *extra]
@@ -446,8 +461,9 @@ def run(args, tmp: str, batches: int) -> Result:
 
     out, progress = os.path.join(tmp, "out"), os.path.join(tmp, "progress")
     packer_log = os.path.join(work, "packer.stderr")
+    budget = disk_budget(args.disk_budget, config)
     bounded = pack_cmd(config, out, "--ahead", str(args.ahead), "--progress", progress, "--keep-checkpoints",
-                       str(args.keep_checkpoints))
+                       str(args.keep_checkpoints), *(("--disk-budget", str(budget)) if budget else ()))
     sampler = Sampler(out, args.sample_ms / 1000.0)
     sampler.start()
     started = time.monotonic()
@@ -533,6 +549,9 @@ def run(args, tmp: str, batches: int) -> Result:
     print(f"disk: OUT peaked at {sampler.peak / MIB:.1f} MiB of the whole pack's {whole_bytes / MIB:.1f} MiB "
           f"({ratio:.2f}), sampled every {args.sample_ms:g} ms; {end_bytes / MIB:.1f} MiB at the end: {trimmed} of "
           f"{n_shards} shards trimmed, {allowed} behind the trainings' kept checkpoints")
+    if budget:
+        print(f"disk budget: {budget / MIB:.1f} MiB (--disk-budget {args.disk_budget}); the peak sampled "
+              f"{'within it' if sampler.peak <= budget else 'OVER IT'} ({sampler.peak / budget:.2f})")
     pack_wall = sum(c.wall_s for c in packers)
     pack_cpu = sum(c.cpu_s for c in packers)
     pauses = sum(1 for line in open(packer_log, errors="replace") if "waiting (--ahead" in line)
@@ -607,6 +626,8 @@ def main() -> int:
     p.add_argument("--balance-samples", action="store_true",
                    help="prepack.balance: samples at W = --ranks, K = --streams each (the reference's disk counts: "
                    "it lies under OUT)")
+    p.add_argument("--disk-budget", metavar="SIZE",
+                   help="prepack run --disk-budget as well: a size, or 'least' for the least the run accepts")
     p.add_argument("--keep-tmp", action="store_true", help="keep the temporary folder (its work/ has the logs)")
     p.add_argument("--tmp", help="where the temporary folder goes (default: the system's; local disk)")
     args = p.parse_args()

@@ -42,6 +42,7 @@ from schemas.streams import step_classes
 log = logging.getLogger(__name__)
 
 TRIM_EVERY_S = 5.0
+AGAIN_S = 0.05  # the pause after a round that wrote or granted something
 
 
 class BalancingBeside:
@@ -103,8 +104,8 @@ class BalancingBeside:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self.round()
-                self._stop.wait(trainings_module.POLL_S)
+                moved = self.round()  # a round that wrote or granted: the next may find more at once
+                self._stop.wait(AGAIN_S if moved else trainings_module.POLL_S)
         except BaseException as e:  # noqa: BLE001 (raised in the driver by check() and close())
             log.exception("balancing beside the reference failed")
             self.error = e
@@ -124,14 +125,15 @@ class BalancingBeside:
                 self._gate = AheadGate(replace(self.bound, disk_budget=None), self._reference)
         return self._reference
 
-    def round(self) -> None:
+    def round(self) -> bool:
         """Write every balanced shard whose reference records are committed (within the budget's
         room), and trim the reference shards that balanced at once (they are a second copy); OUT
         behind its trainings every few seconds (each round while the budget holds something back); grant the reference
-        the shards the next balanced ones need."""
+        the shards the next balanced ones need.  Whether it wrote or granted anything."""
         reference = self._opened()
         if reference is None:
-            return
+            return False
+        moved = False
         budget = self._budget
         ledger = budget.measure(reference, self._out) if budget is not None else None
         for k, streams in enumerate(self.classes):
@@ -149,19 +151,21 @@ class BalancingBeside:
                     self._out.index(s, refresh=True)
                     ledger.balanced[s] = self._out.num_records(s)
             if done > self.balanced.get(streams[0], 0):
+                moved = True
                 self.balanced.update({s: done for s in streams})
                 self._trim(0, streams, "reference")
         if self._short or time.monotonic() - self._trimmed_at >= TRIM_EVERY_S:
             self._trimmed_at = time.monotonic()
             self._trim(1, sorted(s for s, n in self.balanced.items() if n > 0), "balanced")
         if budget is None:
-            return
+            return moved
         for k in range(len(self.classes)):
-            budget.grant(reference, ledger, k, self._gate)
+            moved = budget.grant(reference, ledger, k, self._gate) or moved
         budget.check(reference, self._out, ledger)
         self._short = bool(ledger.blocked)  # the budget held something back: trim OUT each round till it does not
         if all(reference.done(s) is not None and ledger.balanced[s] >= ledger.records[s] for s in ledger.records):
             self._complete.set()
+        return moved
 
     def _trim(self, which: int, streams: list[int], what: str) -> None:
         """``which``: the reference's policy (behind what every stream of a class has balanced) or OUT's

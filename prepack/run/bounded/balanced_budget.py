@@ -130,30 +130,34 @@ class BalancedBudget:
         if room.wanted:
             ledger.blocked[k] = room.wanted
 
-    def grant(self, reference: Pack, ledger: Ledger, k: int, gate: AheadGate) -> None:
+    def grant(self, reference: Pack, ledger: Ledger, k: int, gate: AheadGate) -> int:
         """Grant the reference streams of class ``k`` room for up to ``GRANT_SHARDS`` shards each (as many
         as fit, shared among them), where their trainings let them pack (``gate``: ``--ahead``): first
         those its next balanced shards need; then, while the class has room to spare beyond the
         balanced twins of what its reference holds unbalanced (about as large: the same samples),
         the others, so the reference runs ahead instead of a shard at a time.  A grant of n records
         past what a stream holds lets it start at most n shards (each holds a record at least), so n
-        reserves cover it."""
+        reserves cover it.  The grants given."""
         streams = [s for s in self.classes[k] if reference.done(s) is None and self.granted.get(s, 0) <= ledger.records[s]
                    and gate.holding(s, ledger.records[s]) is None]
         need = needed(reference, ledger, self.classes[k])
-        wants = {s: need[s] for s in streams if s in need}
-        for i, (s, n) in enumerate(wants.items()):
-            reserve = self._reserve(reference, s)
-            if reserve > ledger.free[k]:
-                ledger.blocked[k] = min(ledger.blocked.get(k, reserve), reserve)
-                continue
-            self._give(reference, ledger, k, s, min(n, ledger.free[k] // reserve // (len(wants) - i)), reserve)
         twins = sum(_present_after(reference, s, ledger.balanced[s]) for s in self.classes[k])
-        for s in sorted((s for s in streams if s not in wants), key=ledger.records.get):
+        order = sorted(streams, key=lambda s: (s not in need, ledger.records[s]))  # the needed first
+        given = 0
+        for i, s in enumerate(order):
             reserve = self._reserve(reference, s)
             spare = ledger.free[k] - twins - reserve * len(self.classes[k])  # the needed ones' room kept
-            if spare >= reserve:
-                self._give(reference, ledger, k, s, spare // reserve, reserve)
+            shards = spare // reserve // (len(order) - i) if spare >= reserve else 0  # shared among those left
+            if s in need:
+                if reserve > ledger.free[k]:
+                    ledger.blocked[k] = min(ledger.blocked.get(k, reserve), reserve)
+                    continue
+                others = sum(1 for t in order[i:] if t in need)  # the room shared among the needed left
+                shards = max(shards, 1, min(need[s], ledger.free[k] // reserve // others))
+            if shards:
+                self._give(reference, ledger, k, s, shards, reserve)
+                given += 1
+        return given
 
     def _give(self, reference: Pack, ledger: Ledger, k: int, stream: int, shards: int, reserve: int) -> None:
         shards = max(1, min(GRANT_SHARDS, shards))
