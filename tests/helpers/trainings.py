@@ -17,7 +17,7 @@ from loader.reader import Pack
 class Trainer(threading.Thread):
     """One rank of a training: reads its stream as it is packed, publishes to ``progress``, saves a
     checkpoint (its loader state) every ``every`` batches, and checks the packer never ran further
-    ahead of it than the bound allows."""
+    ahead of it than the bound allows (``ahead``; None: a pack bounded by disk alone, not checked)."""
 
     def __init__(self, out, rank, world_size, progress, *, every, pause_s, ahead, per_shard, micro_batches=0,
                  also=(), stop_after=None, state=None, hold=None):
@@ -47,8 +47,8 @@ class Trainer(threading.Thread):
                 # the packer starts a shard of a stream only while it is less than `ahead` past a
                 # position the trainer reported (never more than this one), and finishes the shard
                 # it started: over this rank's streams, at most that much past the batches read
-                slack = len(ds.streams) * (self.ahead + self.per_shard + self.m)
-                for path in (out, *self.also):
+                slack = len(ds.streams) * ((self.ahead or 0) + self.per_shard + self.m)
+                for path in (out, *self.also) if self.ahead is not None else ():
                     pack = Pack.open(path)
                     committed = sum(pack.num_records(s) for s in ds.streams)
                     assert committed <= i + 1 + slack, (path, ds.streams, i, committed)

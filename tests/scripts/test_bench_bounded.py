@@ -23,10 +23,11 @@ _LAST = re.compile(r"bounded: disk peak (\d+\.\d) MiB of (\d+\.\d) MiB \(ratio (
 def test_bench_bounded_tiny_ends_with_the_headline_line(tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
     # 6 batches a stream, a shard each; a checkpoint every 2 steps, the newest kept: the restarted
-    # packer trims the first shards before it packs the last ones, so the peak is below the whole
+    # packer trims the first shards before it packs the last ones, so the peak is below the whole; under
+    # the least --disk-budget the run accepts as well
     proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_bounded.py"), "--batches", "6",
                            "--ahead", "1", "--checkpoint-every", "2", "--keep-checkpoints", "1", "--step-ms", "200",
-                           "--timeout", "240", "--tmp", str(tmp_path)],
+                           "--disk-budget", "least", "--timeout", "240", "--tmp", str(tmp_path)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
@@ -34,6 +35,7 @@ def test_bench_bounded_tiny_ends_with_the_headline_line(tmp_path):
     assert any(ln.startswith("packer killed (SIGKILL)") for ln in lines), proc.stdout
     assert any(ln.startswith("rank 1 killed (SIGKILL)") for ln in lines), proc.stdout
     assert sum(ln.endswith("the same batches in order as the whole pack") for ln in lines) == 2, proc.stdout
+    assert any(ln.startswith("disk budget: ") and "the peak sampled within it" in ln for ln in lines), proc.stdout
     m = _LAST.fullmatch(lines[-1])
     assert m, lines[-1]
     peak, whole, ratio, waited = float(m[1]), float(m[2]), float(m[3]), float(m[4])

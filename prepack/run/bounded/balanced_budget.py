@@ -1,21 +1,22 @@
-"""``--disk-budget`` for a balanced-samples pack: one ledger for the whole folder, kept by the job
-that balances it.
+"""``--disk-budget`` for a balanced-samples pack: one ledger for OUT and its reference, kept by the
+job that balances OUT.
 
 A balanced shard takes samples from every stream of its step class over the records its
 reference shard spans, so its size is known only once the class's reference records are
 committed; no stream can reserve room for it alone (``prepack.run.bounded.ahead.DiskShare`` is per
-stream).  So the balancing thread (``prepack.run.balance_beside``) keeps the budget for the pack
-and its reference together, each round:
+stream).  So the balancing thread (``prepack.run.balance_beside``) keeps the budget.  Each step
+class gets its streams' share of it (as ``DiskShare`` gives each stream its own: no class takes the
+room another's trainings wait on), counting both packs' files of its streams.  Each round:
 
-- it measures the folder: the reference shards it granted and that are not committed yet, each at
-  its most (``shard_most``, as ``DiskShare`` reserves), then every file under OUT, each counted
-  to its stream's class (in that order: a shard committed in between is counted twice, never missed);
+- it measures: the reference shards it granted that are not committed yet, each at its most
+  (``shard_most``, as ``DiskShare`` reserves), then every file under OUT, counted to its stream's
+  class (in that order: a shard committed in between is counted twice, never missed);
 - it balances each class within what is left (``sample_balance.Room``: every step's most, from its
   records' real sizes, is taken before it is written; a step that does not fit stops the class,
   which goes on once that room is free);
-- it grants a reference stream one shard at a time (``prepack.run.bounded.grants``), and only a
-  stream the class's next balanced shards need, so the reference holds the least it can: the
-  budget goes to balanced shards packed ahead of the trainings.
+- it grants the reference's streams their shards (``prepack.run.bounded.grants``): first what the
+  class's next balanced shards need, then, while the class has room to spare beyond the twins of
+  what its reference holds unbalanced, more, so the reference runs ahead of the balancing.
 
 Never over: what it adds is bounded before it is written, and what others add is granted first.
 Never waiting for good: when nothing is in flight and in every class not done even every trim

@@ -427,7 +427,7 @@ def test_a_disk_budget_is_never_exceeded_beside_two_trainings(tmp_path, tokenize
     bound = BoundSpec(None, (progress,), keep=2, disk_budget=budget)
     run_beside_trainings(
         lambda: run_pack(cfg, out, RunOptions(inline=True, bar=False, bound=bound), tokenizer=tokenizer_and_special),
-        out, lambda: [Trainer(out, r, 2, progress, every=3, pause_s=0.05, ahead=10**6, per_shard=0) for r in (0, 1)],
+        out, lambda: [Trainer(out, r, 2, progress, every=3, pause_s=0.05, ahead=None, per_shard=0) for r in (0, 1)],
         timeout=600)
     assert digests(out) == digests(whole)
     assert 0 < peak[0] <= budget and _pack_bytes(out) <= budget, (peak[0], budget)
