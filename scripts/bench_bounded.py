@@ -309,17 +309,13 @@ def make_config(tmp: str, args) -> str:
 
 def disk_budget(text: "str | None", config: str) -> int:
     """``--disk-budget``'s bytes (0: none): a size, or ``least``, the least ``prepack run`` accepts."""
-    from prepack.run.bounded.ahead import PACK_FILES_RESERVE, SHARD_FILES_SLACK, shard_most
+    from prepack.run.bounded.ahead import least_budget
     from prepack.run.bounded.bound import parse_disk_budget
     from schemas.config_file import load_config
 
     if text is None:
         return 0
-    if text != "least":
-        return parse_disk_budget(text, ".")
-    cfg = load_config(config)
-    shards = 3 if cfg.prepack.balance == "samples" else 2  # a balanced twin besides (balanced_budget)
-    return PACK_FILES_RESERVE + cfg.num_streams * shards * (shard_most(cfg) + SHARD_FILES_SLACK)
+    return least_budget(load_config(config)) if text == "least" else parse_disk_budget(text, ".")
 
 
 def pack_cmd(config: str, out: str, *extra: str) -> list[str]:

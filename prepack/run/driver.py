@@ -184,7 +184,7 @@ def _run_balanced(cfg: PrepackConfig, out: str, options: RunOptions, tokenizer: 
     (by the one job that leases them: a job finishing beside it leaves them to it)."""
     start = time.perf_counter()
     if options.bound is not None and options.bound.disk_budget is not None:
-        share_of(cfg, options.bound.disk_budget, shards=3)  # refused before any work: see balanced_budget
+        share_of(cfg, options.bound.disk_budget)  # a budget too small for three shards: refused before any work
     if "batches_per_stream" not in cfg.prepack.budget():  # streams that end unevenly leave their last steps whole
         existing = PackInfo.read(resolve_location(out))
         if existing is not None and existing.budget != cfg.prepack.budget():

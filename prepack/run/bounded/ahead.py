@@ -53,12 +53,21 @@ def shard_most(cfg) -> int:
     return records + k.max_buffer_size * k.max_num_tokens_per_sample * CKPT_BYTES_PER_TOKEN + CKPT_BASE_BYTES
 
 
-def share_of(cfg, budget: int, shards: int = 2) -> int:
-    """A stream's share of ``--disk-budget``; UsageError, before any work, when it cannot hold one
-    shard the trainings read and the next one's most (``shards``: that many shards' most; a balanced
-    samples pack needs three: the one read, its reference being packed and its balanced twin),
-    naming the smallest budget that works."""
-    streams = cfg.num_streams
+def shards_held(cfg) -> int:
+    """The shards' most a stream's share must hold at once: the one the trainings read and the next
+    one; a balanced-samples pack a third, the balanced twin of the reference shard being packed."""
+    return 3 if cfg.prepack.balance == "samples" else 2
+
+
+def least_budget(cfg) -> int:
+    """The least ``--disk-budget`` a run of ``cfg`` accepts (``share_of``)."""
+    return shards_held(cfg) * (shard_most(cfg) + SHARD_FILES_SLACK) * cfg.num_streams + PACK_FILES_RESERVE
+
+
+def share_of(cfg, budget: int) -> int:
+    """A stream's share of ``--disk-budget``; UsageError, before any work, when it cannot hold
+    ``shards_held`` shards' most, naming the smallest budget that works."""
+    streams, shards = cfg.num_streams, shards_held(cfg)
     share = max(0, budget - PACK_FILES_RESERVE) // max(1, streams)
     need = shards * (shard_most(cfg) + SHARD_FILES_SLACK)  # less can never pack the next shard
     if share < need:
@@ -67,7 +76,7 @@ def share_of(cfg, budget: int, shards: int = 2) -> int:
         raise UsageError(f"--disk-budget {budget:,} bytes: each of the {streams} streams would get {share:,}, less than "
                          f"{what} ({need:,}: shard_bytes, a record of max_num_tokens and a checkpoint of "
                          "max_buffer_size samples, stored raw); the smallest budget "
-                         f"that works is {need * streams + PACK_FILES_RESERVE:,} bytes (and the trainings' window on "
+                         f"that works is {least_budget(cfg):,} bytes (and the trainings' window on "
                          "top: prepack plan --ahead N prints it); raise it, or lower prepack.shard_bytes")
     return share
 
@@ -84,10 +93,10 @@ class StreamUse:
     committed: int
 
     @classmethod
-    def of(cls, pack: Pack, stream: int) -> "StreamUse":
-        """Read the index first, then list: a shard committed in between is counted in ``used``
-        (its reserve is released by the index read before), never missed."""
-        shards = pack.index(stream, refresh=True).shards
+    def of(cls, pack: Pack, stream: int, refresh: bool = True) -> "StreamUse":
+        """Read the index first (``refresh``: again; else as last read), then list: a shard committed
+        in between is counted in ``used`` (its reserve is released by the index read before), never missed."""
+        shards = pack.index(stream, refresh=refresh).shards
         trimmed = set(TrimmedShards.read(pack.location, stream).shards)
         listing = [i for i in pack.location.list(stream_dir(stream)) if i.size is not None]
         present = sum(sh.nbytes for sh in shards if sh.shard not in trimmed)

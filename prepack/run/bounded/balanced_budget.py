@@ -61,6 +61,7 @@ class Ledger:
     balanced: dict[int, int]  # balanced stream -> chain records committed
     index: dict[int, int]  # balanced stream -> its index file's size
     blocked: dict[int, int] = field(default_factory=dict)  # class -> the least it needs free to go on
+    reserves: dict[int, int] = field(default_factory=dict)  # reference stream -> its next shard's most
 
 
 def stream_of(relpath: str) -> "int | None":
@@ -82,7 +83,7 @@ class BalancedBudget:
     class its streams' share."""
 
     def __init__(self, budget: int, cfg, out: PackLocation, trainings: Trainings):
-        share = share_of(cfg, budget, shards=3)  # refused before any work where a stream cannot hold three shards
+        share = share_of(cfg, budget)  # refused before any work where a stream cannot hold three shards
         self.budget, self.out, self.trainings = budget, out, trainings
         self.classes = step_classes(cfg.world_size, cfg.num_workers)
         self.share = {k: share * len(c) for k, c in enumerate(self.classes)}
@@ -96,10 +97,11 @@ class BalancedBudget:
     def measure(self, reference: Pack, balanced: Pack) -> Ledger:
         records = {s: reference.switch(s) + reference.index(s, refresh=True).num_records
                    for s in range(reference.num_streams)}
-        in_flight = dict.fromkeys(self.share, 0)
+        in_flight, reserves = dict.fromkeys(self.share, 0), {}
         for s, g in self.granted.items():
             if g > records[s] and reference.done(s) is None:  # each record granted: a shard at most
-                in_flight[self.class_of[s]] += (g - records[s]) * self._reserve(reference, s)
+                reserves[s] = StreamUse.of(reference, s, refresh=False).reserve(self.most)
+                in_flight[self.class_of[s]] += (g - records[s]) * reserves[s]
         done = {s: balanced.switch(s) + balanced.index(s, refresh=True).num_records
                 for s in range(balanced.num_streams)}
         used = dict.fromkeys(self.share, 0)
@@ -112,10 +114,13 @@ class BalancedBudget:
                     used[self.class_of[s]] += info.size
         index = {s: sizes.get(self.out.path(index_file(s)), 0) for s in done}
         free = {k: self.share[k] - self.margin[k] - used[k] - in_flight[k] for k in self.share}
-        return Ledger(free, used, in_flight, records, done, index)
+        return Ledger(free, used, in_flight, records, done, index, reserves=reserves)
 
-    def _reserve(self, reference: Pack, stream: int) -> int:
-        return StreamUse.of(reference, stream).reserve(self.most)
+    def _reserve(self, reference: Pack, ledger: Ledger, stream: int) -> int:
+        """``stream``'s next shard's most, once a round (its index as this round read it)."""
+        if stream not in ledger.reserves:
+            ledger.reserves[stream] = StreamUse.of(reference, stream, refresh=False).reserve(self.most)
+        return ledger.reserves[stream]
 
     def room(self, ledger: Ledger, k: int) -> "Room | None":
         """The room class ``k`` may take now (None: it waits for more than is free)."""
@@ -146,7 +151,7 @@ class BalancedBudget:
         order = sorted(streams, key=lambda s: (s not in need, ledger.records[s]))  # the needed first
         given = 0
         for i, s in enumerate(order):
-            reserve = self._reserve(reference, s)
+            reserve = self._reserve(reference, ledger, s)
             spare = ledger.free[k] - twins - reserve * len(self.classes[k])  # the needed ones' room kept
             shards = spare // reserve // (len(order) - i) if spare >= reserve else 0  # shared among those left
             if s in need:
@@ -236,9 +241,10 @@ def needed(reference: Pack, ledger: Ledger, streams: list[int]) -> dict[int, int
     reference shard s ends and takes the class's records up to there)."""
     ends = {}
     for s in streams:
-        n, at = reference.switch(s), ledger.balanced[s]
-        ends[s] = next((n + sh.first_record + len(sh.records) for sh in reference.index(s).shards
-                        if n + sh.first_record + len(sh.records) > at), None)
+        n, index = reference.switch(s), reference.index(s)
+        at = max(0, ledger.balanced[s] - n)  # stream-local
+        sh = index.shard_of(at) if at < index.num_records else None
+        ends[s] = None if sh is None else n + sh.first_record + len(sh.records)
     furthest = max((e for e in ends.values() if e is not None), default=0)
     return {s: max(1, furthest - ledger.records[s]) for s in streams
             if reference.done(s) is None and (ends[s] is None or ledger.records[s] < furthest)}

@@ -3,8 +3,8 @@
 A reference shard's balanced twin takes samples from every stream of its step class, so its size is
 known only once the class's records are committed, and no stream alone can reserve room for it.
 So one job holds the budget: the one balancing OUT (``prepack.run.bounded.balanced_budget``), which
-sees every stream.  It grants each reference stream one shard at a time, by writing the chain
-records the stream may start a shard below (``grant_file``: a JSON ``{"records": n}``); a reference
+sees every stream.  It grants each reference stream a few shards at a time (each reserved at its
+most), by writing the chain records the stream may start a shard below (``grant_file``: a JSON ``{"records": n}``); a reference
 stream's gate (``BoundSpec.granted``) holds it at or past that.  Files, not messages, so a second
 job packing reference streams (``--streams``) waits on the same grants.
 """
